@@ -1,0 +1,500 @@
+"""The agent: runs the job, spools its output, delivers it home.
+
+    child stdout/stderr --pipe--> read_pipe --> OutStream.mem --commit_loop--> spool
+                                                     |                           |
+                                                     +---- sender (session) <----+
+                                                               | DATA      ^ ACK
+                                                               v           |
+                                                             shadow -------+
+
+Tasks, all in one nursery: one `read_pipe` per output stream, `commit_loop`
+(the only writer of the spool, group commit in a worker thread),
+`deliver_loop` (connect, run a session, back off, repeat), `write_stdin`,
+and `forward_signals`. They share state through `OutStream`s and wake each
+other with one `Signal`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import exitcodes
+from .events import STDERR, STDIN, STDOUT, Exit, StreamSpec
+from .outbox import OutStream
+from .retry import Backoff, ShadowRefused, describe
+from .sender import Session, SessionEnd, StdinFeeder
+from .spool import JobRecord, Spool, SpoolError
+from .sync import Signal
+
+log = logging.getLogger("gcwrap")
+
+READ_SIZE = 64 << 10
+COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
+KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
+
+
+@dataclass
+class AgentOptions:
+    shadow: tuple[str, int] | None
+    stdout: str | None = None
+    stderr: str | None = None
+    stdin: str | None = None
+    merge_stderr: bool = False  # stderr goes into the stdout stream (2>&1)
+    retry_limit: int = 20
+    retry_timeout: float = 60.0
+    heartbeat: float = 5.0
+    connect_timeout: float = 10.0
+    mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
+    cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
+
+
+@dataclass
+class Outcome:
+    """How a run or a resume ended, for the CLI to report."""
+
+    status: int
+    job_status: int | None = None
+    message: str = ""
+    spool: Path | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
+    specs = []
+    for sid, kind, name in ((STDOUT, "stdout", opts.stdout), (STDERR, "stderr", opts.stderr), (STDIN, "stdin", opts.stdin)):
+        if name is not None:
+            specs.append(StreamSpec(sid, kind, name))
+    return specs
+
+
+def lock_spool(path: Path) -> int:
+    """An exclusive flock on the spool file: one gcwrap per spool at a time."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Agent:
+    def __init__(self, opts: AgentOptions, spool: Spool, job: JobRecord, specs: list[StreamSpec]) -> None:
+        self.opts = opts
+        self.spool = spool
+        self.job = job
+        self.specs = specs
+        self.changed = Signal()
+        self.out: dict[int, OutStream] = {
+            s.id: OutStream(s.id, s.kind, s.name) for s in specs if s.kind != "stdin"
+        }
+        self.stdin = StdinFeeder(STDIN) if any(s.kind == "stdin" for s in specs) else None
+        self.spool_limiter = trio.CapacityLimiter(1)
+        self.read_limiter = trio.CapacityLimiter(1)
+        self.reader: Spool | None = None  # second connection for the sender's reads
+        self.job_updates: dict[str, Any] = {}
+        self.committed_acked: dict[int, int] = {}
+        self.committed_eof: set[int] = set()
+        self.exit_event: Exit | None = None  # set once the job has ended
+        self.delivered = trio.Event()
+        self.failures_blocked = 0  # consecutive failed attempts while output could go nowhere
+        self.blocked_since: float | None = None
+        self.disk_error = ""
+        self.net_error = ""
+        self.outage_reported = False
+        self.give_up: Outcome | None = None
+        self.refusal: ShadowRefused | None = None
+        self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "paused": 0.0, "connected_s": 0.0}
+
+    # -- shared state helpers ---------------------------------------------
+
+    def note(self, **fields: Any) -> None:
+        """Record job fields in the spool with the next commit."""
+        self.job_updates.update(fields)
+        self.changed.fire()
+
+    @property
+    def unsafe_bytes(self) -> int:
+        return sum(o.unsafe_bytes for o in self.out.values())
+
+    @property
+    def all_delivered(self) -> bool:
+        return self.exit_event is not None and all(o.delivered for o in self.out.values())
+
+    @property
+    def blocked(self) -> bool:
+        """The job's output can go nowhere: it is paused, or it ended undelivered."""
+        return self.blocked_since is not None or self.exit_event is not None
+
+    # -- the pipe readers ------------------------------------------------
+
+    async def read_pipe(self, out: OutStream, pipe: trio.abc.ReceiveStream) -> None:
+        async with pipe:
+            while True:
+                if self.unsafe_bytes > self.opts.mem_limit:
+                    await self._wait_for_room()
+                data = await pipe.receive_some(READ_SIZE)
+                if not data:
+                    break
+                out.append(data)
+                self.changed.fire()
+        out.eof = True
+        self.changed.fire()
+
+    async def _wait_for_room(self) -> None:
+        """Backpressure: stop reading so the job blocks in write()."""
+        started = time.monotonic()
+        self.blocked_since = started
+        log.warning(
+            "output can go neither to disk nor home (%s; %s): the job is paused until one recovers",
+            self.disk_error or "spool is behind",
+            self.net_error or "sending",
+        )
+        self.note(state="paused")
+        try:
+            while self.unsafe_bytes > self.opts.mem_limit:
+                await self.changed.wait()
+        finally:
+            self.blocked_since = None
+            self.stats["paused"] += time.monotonic() - started
+            self.note(state="running")
+            log.warning("the job resumes after %.1f s paused", time.monotonic() - started)
+
+    # -- the spool writer ------------------------------------------------
+
+    async def commit_loop(self) -> None:
+        backoff = Backoff(base=0.1, cap=5.0)
+        while True:
+            chunks = []
+            room = COMMIT_BATCH
+            for out in self.out.values():
+                got = out.unspooled(room)
+                chunks.extend(got)
+                room -= sum(len(c.data) for c in got)
+                if room <= 0:
+                    break
+            acked = {s: o.acked for s, o in self.out.items() if o.acked > self.committed_acked.get(s, 0)}
+            eof = [s for s, o in self.out.items() if o.eof and s not in self.committed_eof and o.safe_end >= o.read_end]
+            updates, self.job_updates = self.job_updates, {}
+            if not (chunks or acked or eof or updates):
+                await self.changed.wait()
+                continue
+            try:
+                await trio.to_thread.run_sync(
+                    self.spool.commit, chunks, acked, eof, updates, limiter=self.spool_limiter
+                )
+            except SpoolError as e:
+                updates.update(self.job_updates)
+                self.job_updates = updates
+                if not self.disk_error:
+                    log.warning("%s; output goes straight home from memory until the disk recovers", e)
+                self.disk_error = str(e)
+                await trio.sleep(backoff.next_delay())
+                continue
+            if self.disk_error:
+                log.warning("the spool is writable again")
+                self.disk_error = ""
+            backoff.reset()
+            for c in chunks:
+                self.out[c.stream].mark_spooled(c.end)
+            self.committed_acked.update(acked)
+            self.committed_eof.update(eof)
+            cached = sum(o.mem_bytes for o in self.out.values())
+            if cached > self.opts.cache_limit:
+                share = self.opts.cache_limit // max(1, len(self.out))
+                for o in self.out.values():
+                    o.evict(share)
+            self.changed.fire()
+
+    async def read_spool(self, stream: int, offset: int, limit: int) -> list[Any]:
+        """Chunks evicted from memory, read back through a second connection."""
+        if self.reader is None:
+            assert self.spool.path is not None
+            self.reader = await trio.to_thread.run_sync(Spool.open, self.spool.path, limiter=self.read_limiter)
+        return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+
+    # -- delivery --------------------------------------------------------
+
+    async def deliver_loop(self) -> None:
+        assert self.opts.shadow is not None
+        host, port = self.opts.shadow
+        where = f"{host}:{port}"
+        backoff = Backoff(cap=self.opts.retry_timeout)
+        while True:
+            self.stats["attempts"] += 1
+            session = Session(self, where)
+            try:
+                with trio.fail_after(self.opts.connect_timeout):
+                    tcp = await trio.open_tcp_stream(host, port)
+                started = time.monotonic()
+                try:
+                    await session.run(tcp)
+                finally:
+                    self.stats["connected_s"] += time.monotonic() - started
+                    with trio.CancelScope(shield=True):
+                        await trio.aclose_forcefully(tcp)
+                    self.note(connected=False)
+            except SessionEnd:
+                self.delivered.set()
+                self.changed.fire()
+                return
+            except ShadowRefused as e:
+                if e.permanent:
+                    self.refusal = e
+                    log.error("%s", describe(e, where))
+                    self.note(last_error=describe(e, where), state="refused")
+                    return
+                error: BaseException = e
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, Exception) as e:  # noqa: BLE001
+                error = e
+            if session.welcomed:
+                backoff.reset()
+                self.failures_blocked = 0
+            reason = describe(error, where)
+            self.net_error = reason
+            if self.blocked:
+                self.failures_blocked += 1
+            if not self.outage_reported:
+                log.warning("%s; output waits in the spool %s, retrying", reason, self.spool.path)
+                self.outage_reported = True
+            else:
+                log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
+            self.note(last_error=reason, retries=int(self.stats["attempts"]))
+            limit = self.opts.retry_limit
+            if limit and self.failures_blocked >= limit:
+                ended = self.exit_event is not None
+                self.give_up = Outcome(
+                    exitcodes.UNDELIVERED if ended else exitcodes.RETRY_LIMIT,
+                    message=(
+                        f"retry limit reached: {self.failures_blocked} consecutive failed attempts "
+                        + ("after the job ended" if ended else "while the job's output could go nowhere")
+                        + f" (last: {reason})"
+                    ),
+                )
+                return
+            delay = backoff.next_delay()
+            if isinstance(error, ShadowRefused) and error.retry_after:
+                delay = max(delay, min(error.retry_after, self.opts.retry_timeout))
+            await trio.sleep(delay)
+
+    def on_welcome(self) -> None:
+        self.stats["connects"] += 1
+        if self.outage_reported:
+            log.warning("connected to the shadow again; delivering the backlog")
+            self.outage_reported = False
+        self.net_error = ""
+        self.note(connected=True, last_error="")
+
+
+# -- running a job ------------------------------------------------------------
+
+
+async def _forward_signals(proc: trio.Process, agent: Agent) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("forwarding %s to the job", signal.Signals(signum).name)
+            if proc.returncode is None:
+                proc.send_signal(signum)
+
+
+async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
+    feeder = agent.stdin
+    assert feeder is not None
+    async with pipe:
+        while True:
+            data = feeder.take()
+            if data is None:
+                if feeder.eof:
+                    return
+                await agent.changed.wait()
+                continue
+            try:
+                await pipe.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                feeder.closed = True  # the job closed its stdin: stop fetching
+                return
+            agent.changed.fire()
+
+
+async def _end_job(proc: trio.Process, grace: float) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def run_job(
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
+) -> Outcome:
+    specs = stream_specs(opts)
+    try:
+        spool = await trio.to_thread.run_sync(
+            Spool.create, spool_path, job, [(s.id, s.kind, s.name) for s in specs]
+        )
+        lock_fd = lock_spool(spool_path)
+    except (SpoolError, OSError) as e:
+        return Outcome(exitcodes.INTERNAL, message=f"cannot create the spool {spool_path}: {e}")
+    agent = Agent(opts, spool, job, specs)
+    pipe = subprocess.PIPE
+    try:
+        proc = await trio.lowlevel.open_process(
+            command,
+            stdin=pipe if opts.stdin is not None else None,
+            stdout=pipe if opts.stdout is not None else None,
+            stderr=subprocess.STDOUT if opts.merge_stderr else pipe if opts.stderr is not None else None,
+        )
+    except OSError as e:
+        spool.remove()
+        os.close(lock_fd)
+        code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
+        return Outcome(code, message=f"cannot run {command[0]}: {e.strerror}")
+    agent.note(child_pid=proc.pid, state="running")
+    started = time.monotonic()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent.commit_loop)
+            nursery.start_soon(_forward_signals, proc, agent)
+            async with trio.open_nursery() as readers:
+                if proc.stdout is not None:
+                    readers.start_soon(agent.read_pipe, agent.out[STDOUT], proc.stdout)
+                if proc.stderr is not None:
+                    readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
+                if proc.stdin is not None:
+                    nursery.start_soon(_write_stdin, agent, proc.stdin)
+                delivery_done = trio.Event()
+
+                async def deliver() -> None:
+                    try:
+                        if opts.shadow is not None:
+                            await agent.deliver_loop()
+                    finally:
+                        delivery_done.set()
+                        agent.changed.fire()
+                        if agent.refusal is not None or agent.give_up is not None:
+                            # the output can never go home: end the job
+                            with trio.CancelScope(shield=True):
+                                await _end_job(proc, KILL_GRACE)
+
+                nursery.start_soon(deliver)
+                await proc.wait()
+            returncode = proc.returncode
+            assert returncode is not None
+            status = exit_status(returncode)
+            agent.exit_event = Exit(
+                code=returncode if returncode >= 0 else None,
+                signal=-returncode if returncode < 0 else None,
+                lengths=tuple((s, o.read_end) for s, o in agent.out.items()),
+            )
+            agent.note(
+                state="exited", ended=time.time(), exit_code=agent.exit_event.code,
+                exit_signal=agent.exit_event.signal,
+            )
+            if opts.shadow is None:
+                agent.delivered.set()
+            while not (agent.delivered.is_set() or delivery_done.is_set()):
+                await agent.changed.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        if agent.reader is not None:
+            agent.reader.close()
+    outcome = _finish(agent, status, spool, lock_fd)
+    outcome.stats.update(agent.stats, wall=time.monotonic() - started)
+    return outcome
+
+
+def _finish(agent: Agent, job_status: int | None, spool: Spool, lock_fd: int) -> Outcome:
+    """Delete a delivered spool; keep one that still holds output and say why."""
+    try:
+        if agent.delivered.is_set():
+            try:
+                spool.commit(job={"delivered": True, "state": "delivered"})
+            except SpoolError:
+                pass
+            spool.remove()
+            return Outcome(job_status if job_status is not None else 0, job_status)
+        path = spool.path
+        if agent.refusal is not None:
+            spool.close()
+            return Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)
+        if agent.give_up is not None:
+            try:
+                spool.commit(job={"state": "gave-up", "reason": agent.give_up.message})
+            except SpoolError:
+                pass
+            spool.close()
+            agent.give_up.job_status = job_status
+            agent.give_up.spool = path
+            return agent.give_up
+        spool.close()
+        return Outcome(exitcodes.UNDELIVERED, job_status, "output was not delivered", path)
+    finally:
+        os.close(lock_fd)
+
+
+async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
+    """Deliver what a spool left behind (a killed wrapper, an outage at job end)."""
+    try:
+        lock_fd = lock_spool(path)
+    except BlockingIOError:
+        return Outcome(exitcodes.INTERNAL, message=f"spool {path} is in use by a running gcwrap")
+    except OSError as e:
+        return Outcome(exitcodes.INTERNAL, message=f"cannot open spool {path}: {e.strerror}")
+    try:
+        spool = await trio.to_thread.run_sync(Spool.open, path)
+        job = spool.job()
+        states = spool.streams()
+    except SpoolError as e:
+        os.close(lock_fd)
+        return Outcome(exitcodes.INTERNAL, message=str(e))
+    specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
+    agent = Agent(opts, spool, job, specs)
+    for sid, out in agent.out.items():
+        st = states[sid]
+        out.read_end = out.spooled_end = st.appended
+        out.acked = st.acked
+        out.eof = True
+        agent.committed_acked[sid] = st.acked
+        agent.committed_eof.add(sid)
+    lengths = tuple((sid, o.read_end) for sid, o in agent.out.items())
+    if job.exit_code is None and job.exit_signal is None:
+        reason = "gcwrap ended before the job did; the job's exit status is unknown"
+        agent.exit_event = Exit(None, None, lengths, reason=reason)
+    else:
+        agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths, reason=job.reason)
+    started = time.monotonic()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent.commit_loop)
+            await agent.deliver_loop()
+            nursery.cancel_scope.cancel()
+    finally:
+        if agent.reader is not None:
+            agent.reader.close()
+    job_status = None
+    if job.exit_signal is not None:
+        job_status = 128 + job.exit_signal
+    elif job.exit_code is not None:
+        job_status = job.exit_code
+    outcome = _finish(agent, job_status, spool, lock_fd)
+    if outcome.status == job_status and agent.delivered.is_set():
+        outcome.status = 0
+    outcome.stats.update(agent.stats, wall=time.monotonic() - started)
+    return outcome

@@ -1,0 +1,298 @@
+"""The `gcwrap` command: run a job, show spools, resume, demo.
+
+Commands are thin: parse, call the library, render. Heavy modules (trio,
+sqlite-utils, rich) are imported inside the commands that need them, so
+`gcwrap --help` and the job's start stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from . import __version__, exitcodes
+from .names import NameError_, normalize
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+EXIT_HELP = "\n\b\nExit status:\n" + "\n".join(f"  {code:<8}{text}" for code, text in exitcodes.TABLE)
+
+
+class DefaultRunGroup(click.Group):
+    """`gcwrap [OPTIONS] -- COMMAND` means `gcwrap run [OPTIONS] -- COMMAND`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """HOST:PORT, [IPV6]:PORT."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def shadow_address(value: str | None) -> tuple[str, int] | None:
+    if value:
+        try:
+            return parse_hostport(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--shadow") from None
+    host, port = os.environ.get("BYPASS_SHADOW_HOST"), os.environ.get("BYPASS_SHADOW_PORT")
+    if host and port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise click.BadParameter(f"BYPASS_SHADOW_PORT={port!r} is not a port number")
+        return host, int(port)
+    if host or port:
+        raise click.UsageError("set both BYPASS_SHADOW_HOST and BYPASS_SHADOW_PORT, or use --shadow HOST:PORT")
+    return None
+
+
+def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | None], str | None]:
+    def callback(ctx: click.Context, p: click.Parameter, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        try:
+            return normalize(value)
+        except NameError_ as e:
+            raise click.BadParameter(str(e), param_hint=param) from None
+
+    return callback
+
+
+def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by `run` and `resume`."""
+    options = [
+        click.option("--retry-limit", type=click.IntRange(min=0), default=20, show_default=True,
+                     envvar=["GCWRAP_RETRY_LIMIT", "GRID_CONSOLE_RETRY_LIMIT"], show_envvar=True,
+                     help="Consecutive failed attempts, while the output can go nowhere, before giving up (0: never)."),
+        click.option("--retry-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+                     envvar=["GCWRAP_RETRY_TIMEOUT", "GRID_CONSOLE_RETRY_TIMEOUT"], show_envvar=True,
+                     help="Longest wait in seconds between two attempts (exponential backoff with jitter up to this)."),
+        click.option("--heartbeat", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
+                     envvar="GCWRAP_HEARTBEAT", show_envvar=True,
+                     help="Seconds between heartbeats; a connection silent for 3 heartbeats is replaced."),
+        click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@click.group(cls=DefaultRunGroup, context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="gcwrap")
+def main() -> None:
+    """Run a batch job and bring its output home, live, over an unreliable network.
+
+    \b
+    gcwrap [OPTIONS] -- COMMAND [ARGS...]     run COMMAND (same as `gcwrap run`)
+    gcwrap status                             show the spools on this machine
+    gcwrap resume                             deliver spools left behind
+
+    \b
+    Example:
+      gcwrap --shadow home.example.org:50000 --stdout out.5 --stderr err.5 -- ./app -n 5
+    """
+
+
+@main.command(context_settings={**CONTEXT, "allow_interspersed_args": False}, epilog=EXIT_HELP)
+@click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
+              help="Where gcshadow listens. Default: $BYPASS_SHADOW_HOST:$BYPASS_SHADOW_PORT.")
+@click.option("--stdout", "stdout_name", metavar="NAME", envvar=["GCWRAP_STDOUT", "GRID_CONSOLE_STDOUT"],
+              show_envvar=True, callback=check_name("--stdout"),
+              help="File (relative to the shadow's root) that receives the job's stdout. Unset: pass through.")
+@click.option("--stderr", "stderr_name", metavar="NAME", envvar=["GCWRAP_STDERR", "GRID_CONSOLE_STDERR"],
+              show_envvar=True, callback=check_name("--stderr"),
+              help="File that receives the job's stderr; the same NAME as --stdout merges them (2>&1).")
+@click.option("--stdin", "stdin_name", metavar="NAME", envvar=["GCWRAP_STDIN", "GRID_CONSOLE_STDIN"],
+              show_envvar=True, callback=check_name("--stdin"),
+              help="File at the shadow that is fed to the job's stdin. Unset: pass through.")
+@click.option("--job-id", metavar="ID", envvar="GCWRAP_JOB_ID", show_envvar=True,
+              help="Job id at the shadow. Default: the batch system's (Slurm, HTCondor, PBS), else host-pid-time.")
+@click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+              envvar="GCWRAP_SPOOL", show_envvar=True,
+              help="Directory for the spool. Default: $TMPDIR/gcwrap-UID.")
+@common_delivery_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(
+    shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
+    job_id: str | None, spool_dir: Path | None, retry_limit: int, retry_timeout: float,
+    heartbeat: float, verbose: int, command: tuple[str, ...],
+) -> None:
+    """Run COMMAND; stream its stdout/stderr to the shadow through a local spool.
+
+    The job keeps running when the network fails: its output waits in the
+    spool and goes home when the shadow is reachable again. gcwrap exits with
+    the job's status once every byte is acknowledged.
+
+    \b
+    Examples:
+      gcwrap --shadow home:50000 --stdout outfile.5 -- ./app
+      BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5 gcwrap -- ./app
+    """
+    from .render import setup_logging
+
+    setup_logging("gcwrap", verbose)
+    address = shadow_address(shadow)
+    if address is None and (stdout_name or stderr_name or stdin_name):
+        raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
+    if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
+        raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
+    sys.exit(_run(address, stdout_name, stderr_name, stdin_name, job_id, spool_dir,
+                  retry_limit, retry_timeout, heartbeat, list(command)))
+
+
+def _run(
+    address: tuple[str, int] | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
+    job_id: str | None, spool_dir: Path | None, retry_limit: int, retry_timeout: float, heartbeat: float,
+    command: list[str],
+) -> int:
+    import time
+
+    import trio
+
+    from .agent import AgentOptions, run_job
+    from .identity import default_job_id, hostname, username
+    from .render import stderr_console
+    from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
+
+    merge = stderr_name is not None and stderr_name == stdout_name
+    opts = AgentOptions(
+        shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
+        merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
+    )
+    job_id = job_id or default_job_id()
+    instance = new_instance()
+    directory = spool_dir or default_spool_dir()
+    spool_path = directory / f"{safe_filename(job_id)}-{instance}{SPOOL_SUFFIX}"
+    job = JobRecord(
+        job_id=job_id, instance=instance, command=command, host=hostname(), user=username(),
+        shadow=f"{address[0]}:{address[1]}" if address else "", started=time.time(), wrapper_pid=os.getpid(),
+    )
+    outcome = trio.run(run_job, opts, command, job, spool_path)
+    console = stderr_console()
+    if outcome.message:
+        console.print(f"gcwrap: {outcome.message}", markup=False)
+    if outcome.spool is not None and outcome.status in (exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED):
+        console.print(f"gcwrap: undelivered output is kept in {outcome.spool}", markup=False)
+        if outcome.status != exitcodes.REFUSED:
+            console.print(f"gcwrap: deliver it later with: gcwrap resume --spool {outcome.spool.parent}", markup=False)
+        if outcome.job_status is not None:
+            console.print(f"gcwrap: the job itself exited with status {outcome.job_status}", markup=False)
+    return outcome.status
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: $TMPDIR/gcwrap-UID.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
+def status(spool_dir: Path | None, as_json: bool) -> None:
+    """Show the spools on this machine: job, state, bytes written, acked, pending.
+
+    \b
+    Example:
+      gcwrap status --spool /scratch/gcwrap
+    """
+    import json
+
+    from rich.console import Console
+
+    from .render import status_table
+    from .spool import default_spool_dir
+    from .status import read_spools
+
+    spools = read_spools(spool_dir or default_spool_dir())
+    if as_json:
+        click.echo(json.dumps(spools, indent=2))
+    else:
+        status_table(Console(), spools)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: $TMPDIR/gcwrap-UID.")
+@click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
+              help="Deliver to this shadow instead of the one recorded in the spool.")
+@common_delivery_options
+@click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+def resume(
+    spool_dir: Path | None, shadow: str | None, retry_limit: int, retry_timeout: float, heartbeat: float,
+    verbose: int, spools: tuple[Path, ...],
+) -> None:
+    """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
+
+    With no SPOOLS, every spool in the spool directory not in use is resumed.
+    Exits 0 when everything is home, 122 when something is still undelivered.
+
+    \b
+    Example:
+      gcwrap resume --spool /scratch/gcwrap
+    """
+    import trio
+
+    from .agent import AgentOptions, resume_spool
+    from .render import setup_logging, stderr_console
+    from .spool import default_spool_dir, spool_files
+
+    setup_logging("gcwrap", verbose)
+    console = stderr_console()
+    paths = list(spools) or spool_files(spool_dir or default_spool_dir())
+    if not paths:
+        console.print("gcwrap: no spools to resume")
+        return
+    worst = 0
+    for path in paths:
+        from .spool import Spool, SpoolError
+
+        try:
+            recorded = Spool.open(path, readonly=True)
+            job = recorded.job()
+            recorded.close()
+        except SpoolError as e:
+            console.print(f"gcwrap: {e}", markup=False)
+            worst = max(worst, exitcodes.INTERNAL)
+            continue
+        address = shadow_address(shadow) if shadow else None
+        if address is None:
+            try:
+                address = parse_hostport(job.shadow)
+            except ValueError:
+                console.print(f"gcwrap: {path}: no shadow recorded; use --shadow HOST:PORT", markup=False)
+                worst = max(worst, exitcodes.USAGE)
+                continue
+        opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat)
+        outcome = trio.run(resume_spool, opts, path)
+        if outcome.status == 0:
+            console.print(f"gcwrap: job {job.job_id}: all output delivered to {address[0]}:{address[1]}", markup=False)
+        else:
+            console.print(f"gcwrap: job {job.job_id}: {outcome.message} (spool {path})", markup=False)
+        worst = max(worst, outcome.status)
+    sys.exit(worst)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--size", default="8MiB", show_default=True, help="Bytes the sample job writes to stdout (and 1/4 to stderr).")
+@click.option("--keep", is_flag=True, help="Keep the demo's directory instead of deleting it.")
+def demo(size: str, keep: bool) -> None:
+    """Run a shadow on loopback and a sample job through gcwrap; verify checksums.
+
+    \b
+    Example:
+      gcwrap demo --size 64MiB
+    """
+    from .demo import parse_size, run_demo
+
+    try:
+        nbytes = parse_size(size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--size") from None
+    sys.exit(run_demo(nbytes, keep))

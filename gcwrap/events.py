@@ -1,0 +1,174 @@
+"""The events of the gcwrap wire protocol: what one side can say to the other.
+
+Every event is a frozen dataclass. `protocol.Connection.send()` turns one into
+bytes; `protocol.Connection.next_event()` turns bytes back into one. Field
+values are validated by the codec, not here, so tests can build any event.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+# Stream ids the agent uses. The protocol carries any id 0..255; these are the
+# conventional ones so logs and state read the same everywhere.
+STDOUT, STDERR, STDIN = 1, 2, 0
+
+STREAM_KINDS = ("stdout", "stderr", "stdin")
+
+
+class ErrorCode(enum.IntEnum):
+    """What failed, as the peer is told it in an `Error` frame.
+
+    Codes below 100 are permanent for the job: retrying the same request
+    cannot succeed (a forbidden path stays forbidden). Codes from 100 up are
+    transient: the agent backs off and tries again.
+    """
+
+    BAD_FRAME = 1  # undecodable or malformed frame
+    VERSION_MISMATCH = 2  # no protocol version in common
+    UNEXPECTED = 3  # a legal frame in the wrong state
+    FRAME_TOO_LARGE = 4  # frame longer than the receiver accepts
+    PATH_FORBIDDEN = 10  # NAME escapes the root, is absolute, or not a regular file
+    PATH_OWNED = 11  # NAME belongs to another job that is still active
+    NOT_FOUND = 12  # stdin NAME does not exist at the shadow
+    UNKNOWN_STREAM = 13  # a stream id the handshake did not declare
+    OFFSET_GAP = 14  # DATA would leave a hole in the file
+    LENGTH_MISMATCH = 15  # EXIT's final lengths differ from what the shadow holds
+    STALE_ATTEMPT = 16  # a newer attempt of this job has replaced this one
+    AUTH_FAILED = 20  # authentication refused
+    QUOTA = 21  # the job exceeded its byte quota
+    FENCED = 100  # a newer connection of the same job took over
+    BUSY = 101  # the shadow is overloaded; back off
+    IO_ERROR = 102  # the shadow could not write or sync (disk full, unwritable root)
+    SHUTTING_DOWN = 103  # the shadow is stopping
+    TIMEOUT = 104  # the peer was silent for too long
+    INTERNAL = 105  # a bug or unexpected failure on the sender's side
+
+    @property
+    def permanent(self) -> bool:
+        return self.value < 100
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One stream of a job: its id on the wire, its kind and its NAME at home."""
+
+    id: int
+    kind: str  # one of STREAM_KINDS
+    name: str
+
+
+class Event:
+    """Base class of every protocol event."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Hello(Event):
+    """Agent → shadow, first frame: who this job is and what it streams.
+
+    `instance` identifies one run of the job (one spool). A job id seen with a
+    new instance is a new attempt: the shadow starts its files afresh.
+    """
+
+    job_id: str
+    instance: str
+    streams: tuple[StreamSpec, ...]
+    host: str = ""
+    user: str = ""
+    command: tuple[str, ...] = ()
+    versions: tuple[int, ...] = (PROTOCOL_VERSION,)
+
+
+@dataclass(frozen=True)
+class Welcome(Event):
+    """Shadow → agent: the durable length the shadow holds of every output
+    stream, so the agent resumes exactly there. `session` increases with every
+    accepted connection of the job (the fencing epoch)."""
+
+    version: int
+    session: int
+    durable: tuple[tuple[int, int], ...]  # (stream id, durable length)
+    heartbeat: float = 10.0  # seconds the shadow waits for a frame before it gives up
+
+
+@dataclass(frozen=True)
+class Data(Event):
+    """Agent → shadow: bytes of an output stream at an absolute offset."""
+
+    stream: int
+    offset: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Ack(Event):
+    """Shadow → agent: every byte of `stream` below `offset` is durable at home."""
+
+    stream: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class StdinRead(Event):
+    """Agent → shadow: send stdin bytes from `offset`, at most `max_bytes`."""
+
+    stream: int
+    offset: int
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class StdinData(Event):
+    """Shadow → agent: stdin bytes at `offset`; `eof` when the file ends there."""
+
+    stream: int
+    offset: int
+    payload: bytes
+    eof: bool
+
+
+@dataclass(frozen=True)
+class Exit(Event):
+    """Agent → shadow: the job ended. `code` is its exit status, or `signal`
+    the signal that killed it; `lengths` the final length of each output stream.
+    `reason` says why gcwrap ended it, when it did."""
+
+    code: int | None
+    signal: int | None
+    lengths: tuple[tuple[int, int], ...]
+    reason: str = ""
+    summary: tuple[tuple[str, str], ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Done(Event):
+    """Shadow → agent: the exit status and every byte are recorded; goodbye."""
+
+
+@dataclass(frozen=True)
+class Ping(Event):
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong(Event):
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    """Either side: what failed, then the connection closes."""
+
+    code: ErrorCode
+    message: str
+    retry_after: float = 0.0
+
+
+@dataclass(frozen=True)
+class ConnectionClosed(Event):
+    """The peer closed its side cleanly (EOF between frames)."""

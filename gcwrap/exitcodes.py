@@ -1,0 +1,23 @@
+"""gcwrap's exit statuses: the job's own status passes through (128+N when
+signal N killed it); gcwrap's own failures use these, like timeout(1)."""
+
+from __future__ import annotations
+
+USAGE = 2  # bad command line (before the job starts)
+UNDELIVERED = 122  # the job ended, output is still in the spool: run `gcwrap resume`
+REFUSED = 123  # the shadow refused the job for good (path forbidden, owned, auth...)
+RETRY_LIMIT = 124  # both disk and network failed past --retry-limit; job killed
+INTERNAL = 125  # gcwrap itself failed (spool unusable, internal error)
+CANNOT_EXECUTE = 126  # COMMAND found but could not be run
+NOT_FOUND = 127  # COMMAND not found
+
+TABLE = [
+    ("0-255", "the job's own exit status (128+N if signal N killed it)"),
+    (str(USAGE), "usage error: bad option or NAME; the job was not started"),
+    (str(UNDELIVERED), "the job ended but output is still spooled; `gcwrap resume` delivers it"),
+    (str(REFUSED), "the shadow refused the job (forbidden path, file owned by another job...)"),
+    (str(RETRY_LIMIT), "disk and network both failed past --retry-limit; the job was killed"),
+    (str(INTERNAL), "gcwrap failed (spool unusable, internal error)"),
+    (str(CANNOT_EXECUTE), "COMMAND could not be executed"),
+    (str(NOT_FOUND), "COMMAND was not found"),
+]

@@ -1,0 +1,38 @@
+"""What a stream NAME may be: a relative path that stays inside the shadow's root.
+
+The agent checks NAMEs before it starts the job (a clear usage error); the
+shadow checks them again, since it trusts no agent, and then opens them one
+directory at a time with O_NOFOLLOW so a symlink cannot lead out.
+"""
+
+from __future__ import annotations
+
+STATE_DIR = ".gcshadow"  # the shadow's own files under its root
+
+
+class NameError_(ValueError):
+    """A NAME the shadow will not accept, with the reason in plain words."""
+
+
+def split_name(name: str) -> tuple[str, ...]:
+    """The path components of NAME, or NameError_ saying why it is refused."""
+    if not name:
+        raise NameError_("the name is empty")
+    if "\x00" in name:
+        raise NameError_("the name contains a NUL byte")
+    if name.startswith("/"):
+        raise NameError_(f"{name!r} is an absolute path; names are relative to the shadow's root")
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if not parts:
+        raise NameError_(f"{name!r} names the root itself, not a file")
+    if ".." in parts:
+        raise NameError_(f"{name!r} contains '..'; names must stay inside the shadow's root")
+    if parts[0] == STATE_DIR:
+        raise NameError_(f"{name!r} is inside the shadow's own state directory")
+    if any(len(p.encode()) > 255 for p in parts):
+        raise NameError_(f"{name!r} has a path component longer than 255 bytes")
+    return parts
+
+
+def normalize(name: str) -> str:
+    return "/".join(split_name(name))

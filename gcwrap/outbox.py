@@ -1,0 +1,139 @@
+"""The agent's in-memory view of its output streams (no I/O, no trio).
+
+For every output stream the agent tracks four offsets, always ordered
+
+    acked <= read_end,   safe_end = max(spooled_end, acked) <= read_end
+
+- `read_end`: bytes read from the job's pipe so far;
+- `spooled_end`: every byte below it is committed to the spool (or acked);
+- `acked`: every byte below it is durable at home;
+- the sender's cursor, per connection, lives in the sender.
+
+Bytes in [safe_end, read_end) exist only in memory: they are the bytes a
+full disk and a dead network together would lose, so the reader stops
+reading the pipe when they exceed the memory limit (backpressure). Bytes
+below safe_end may also be cached in memory so the sender need not read them
+back from the spool; the cache is evicted first when memory is tight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .spool import Chunk
+
+MAX_ROW = 256 << 10  # coalesce small pipe reads into spool rows / DATA frames up to this
+
+
+@dataclass
+class OutStream:
+    id: int
+    kind: str
+    name: str
+    read_end: int = 0
+    spooled_end: int = 0
+    acked: int = 0
+    eof: bool = False
+    mem: deque[Chunk] = field(default_factory=deque)
+    mem_bytes: int = 0
+
+    @property
+    def safe_end(self) -> int:
+        return max(self.spooled_end, self.acked)
+
+    @property
+    def unsafe_bytes(self) -> int:
+        """Bytes held only in memory (not spooled, not acked)."""
+        return self.read_end - self.safe_end
+
+    @property
+    def delivered(self) -> bool:
+        return self.eof and self.acked >= self.read_end
+
+    # -- mutations -------------------------------------------------------
+
+    def append(self, data: bytes) -> Chunk:
+        chunk = Chunk(self.id, self.read_end, data)
+        self.mem.append(chunk)
+        self.mem_bytes += len(data)
+        self.read_end += len(data)
+        return chunk
+
+    def ack(self, offset: int) -> bool:
+        """Record the shadow's durable offset; True if it moved forward."""
+        if offset > self.read_end:
+            raise ValueError(
+                f"stream {self.kind}: shadow acknowledged {offset} bytes but only {self.read_end} were written"
+            )
+        if offset <= self.acked:
+            return False
+        self.acked = offset
+        while self.mem and self.mem[0].end <= offset:
+            self.mem_bytes -= len(self.mem.popleft().data)
+        return True
+
+    def unspooled(self, limit: int) -> list[Chunk]:
+        """Chunks holding bytes at or past safe_end, coalesced, about `limit` bytes."""
+        out: list[Chunk] = []
+        total = 0
+        start = self.safe_end
+        for chunk in self.mem:
+            if chunk.end <= start:
+                continue
+            out.append(chunk)
+            total += len(chunk.data)
+            if total >= limit:
+                break
+        return coalesce(out, MAX_ROW)
+
+    def mark_spooled(self, end: int) -> None:
+        self.spooled_end = max(self.spooled_end, end)
+
+    def evict(self, keep: int) -> None:
+        """Drop cached (already safe) chunks from memory down to `keep` bytes."""
+        safe = self.safe_end
+        while self.mem and self.mem_bytes > keep and self.mem[0].end <= safe:
+            self.mem_bytes -= len(self.mem.popleft().data)
+
+    def from_memory(self, offset: int, limit: int) -> Chunk | None:
+        """Bytes from `offset` on, if memory holds them, coalesced up to `limit`."""
+        if not self.mem or self.mem[0].start > offset or offset >= self.read_end:
+            return None
+        parts: list[bytes] = []
+        total = 0
+        for chunk in self.mem:
+            if chunk.end <= offset:
+                continue
+            data = chunk.data if chunk.start >= offset else chunk.data[offset - chunk.start :]
+            parts.append(data)
+            total += len(data)
+            if total >= limit:
+                break
+        if not parts:
+            return None
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        return Chunk(self.id, offset, data[:limit] if len(data) > limit else data)
+
+
+def coalesce(chunks: list[Chunk], limit: int) -> list[Chunk]:
+    """Join consecutive chunks of one stream into chunks of at most `limit`
+    bytes (a single chunk larger than `limit` stays whole)."""
+    out: list[Chunk] = []
+    parts: list[bytes] = []
+    start = size = 0
+    stream = -1
+
+    def flush() -> None:
+        if parts:
+            out.append(Chunk(stream, start, parts[0] if len(parts) == 1 else b"".join(parts)))
+
+    for c in chunks:
+        if parts and c.stream == stream and c.start == start + size and size + len(c.data) <= limit:
+            parts.append(c.data)
+            size += len(c.data)
+            continue
+        flush()
+        parts, stream, start, size = [c.data], c.stream, c.start, len(c.data)
+    flush()
+    return out

@@ -1,0 +1,543 @@
+"""The gcwrap wire protocol as a sans-I/O state machine.
+
+Theory of operation
+-------------------
+The agent opens a TCP connection, writes the 8-byte MAGIC and a HELLO frame
+naming the job, its attempt (`instance`) and its streams. The shadow answers
+WELCOME with the durable length it holds of each output stream, or ERROR. From
+then on the agent sends DATA frames (stream, absolute offset, bytes) in offset
+order per stream; the shadow trims bytes it already holds, refuses gaps, and
+once the bytes are on stable storage sends ACK(stream, durable offset). The
+agent may ask for stdin with STDIN_READ(offset); the shadow answers STDIN_DATA.
+When the job has ended and every byte is acknowledged, the agent sends EXIT;
+the shadow records it and answers DONE. Either side may send PING (answered by
+PONG) at any time, and ERROR, after which the connection is closed.
+
+Frames are `u32 length | u8 type | body`, length counting type and body.
+Control frames (HELLO, WELCOME, EXIT, DONE, ERROR) carry a JSON object;
+the hot frames (DATA, ACK, STDIN_*, PING, PONG) are fixed binary structs.
+A frame longer than `max_frame` is refused from its header alone, before the
+body is buffered, so a peer cannot make us hold more than one frame.
+
+Nothing here does I/O, reads a clock or imports trio: feed bytes in with
+`receive_data()` (b"" for EOF), pull events with `next_event()`, and turn
+events into bytes with `send()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import struct
+from typing import Any
+
+from .events import (
+    PROTOCOL_VERSION,
+    STREAM_KINDS,
+    Ack,
+    ConnectionClosed,
+    Data,
+    Done,
+    Error,
+    ErrorCode,
+    Event,
+    Exit,
+    Hello,
+    Ping,
+    Pong,
+    StdinData,
+    StdinRead,
+    StreamSpec,
+    Welcome,
+)
+
+MAGIC = b"GCWRAP\r\n"
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+
+MAX_PAYLOAD = 1 << 20  # largest DATA / STDIN_DATA payload either side sends
+MAX_CONTROL = 64 << 10  # largest JSON control frame body
+DEFAULT_MAX_FRAME = MAX_PAYLOAD + 64
+
+_U64 = (1 << 64) - 1
+_HEADER = struct.Struct("!IB")
+_DATA = struct.Struct("!BQ")
+_ACK = struct.Struct("!BQ")
+_STDIN_READ = struct.Struct("!BQI")
+_STDIN_DATA = struct.Struct("!BQB")
+_NONCE = struct.Struct("!Q")
+
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_MAX_JOB_ID = 256
+_MAX_NAME = 4096
+_MAX_STREAMS = 16
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    DATA = 3
+    ACK = 4
+    EXIT = 5
+    DONE = 6
+    STDIN_READ = 7
+    STDIN_DATA = 8
+    PING = 9
+    PONG = 10
+    ERROR = 11
+
+
+class Role(enum.Enum):
+    AGENT = "agent"
+    SHADOW = "shadow"
+
+
+class State(enum.Enum):
+    AWAIT_HELLO = "await-hello"
+    AWAIT_WELCOME = "await-welcome"
+    STREAMING = "streaming"
+    EXITING = "exiting"
+    CLOSED = "closed"
+
+
+class NeedData:
+    """Sentinel type: `next_event()` needs more bytes."""
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = NeedData()
+
+
+class ProtocolError(Exception):
+    """A violation of the protocol. `code` is what the peer is told."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_FRAME) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to send something the protocol does not allow: our bug."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow."""
+
+
+# Which role may send which event in which state, and the state it leads to.
+# PING, PONG and ERROR are legal from both roles in every open state (ERROR
+# closes); everything else must be listed here.
+_TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
+    State.AWAIT_HELLO: {
+        Role.AGENT: {Hello: State.AWAIT_WELCOME},
+        Role.SHADOW: {},
+    },
+    State.AWAIT_WELCOME: {
+        Role.AGENT: {},
+        Role.SHADOW: {Welcome: State.STREAMING},
+    },
+    State.STREAMING: {
+        Role.AGENT: {Data: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
+        Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING},
+    },
+    State.EXITING: {
+        Role.AGENT: {StdinRead: State.EXITING},
+        # An ACK or STDIN_DATA sent before the EXIT arrived may still cross it.
+        Role.SHADOW: {Ack: State.EXITING, StdinData: State.EXITING, Done: State.CLOSED},
+    },
+    State.CLOSED: {Role.AGENT: {}, Role.SHADOW: {}},
+}
+
+
+def _next_state(state: State, role: Role, event: Event) -> State | None:
+    if state is not State.CLOSED:
+        if isinstance(event, (Ping, Pong)):
+            return state
+        if isinstance(event, Error):
+            return State.CLOSED
+    return _TRANSITIONS[state][role].get(type(event))
+
+
+class Connection:
+    """One end of a gcwrap connection, agent or shadow."""
+
+    def __init__(self, role: Role, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.role = role
+        self.peer_role = Role.SHADOW if role is Role.AGENT else Role.AGENT
+        self.state = State.AWAIT_HELLO
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._eof = False
+        self._magic_seen = role is Role.AGENT  # only the shadow expects the magic
+        self._magic_sent = role is Role.SHADOW
+
+    # -- sending ---------------------------------------------------------
+
+    def send(self, event: Event) -> bytes:
+        """Bytes that put `event` on the wire; LocalProtocolError if illegal now."""
+        new_state = _next_state(self.state, self.role, event)
+        if new_state is None:
+            raise LocalProtocolError(
+                f"{self.role.value} may not send {type(event).__name__} in state {self.state.value}",
+                ErrorCode.UNEXPECTED,
+            )
+        frame = encode(event)
+        self.state = new_state
+        if not self._magic_sent:
+            self._magic_sent = True
+            return MAGIC + frame
+        return frame
+
+    # -- receiving -------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes from the peer; b"" means the peer closed (EOF)."""
+        if self._eof and data:
+            raise LocalProtocolError("data received after EOF")
+        if data:
+            self._buffer += data
+        else:
+            self._eof = True
+
+    def next_event(self) -> Event | NeedData:
+        """The next complete event, NEED_DATA, or RemoteProtocolError."""
+        if self.state is State.CLOSED and not self._buffer and not self._eof:
+            return NEED_DATA
+        if not self._magic_seen:
+            have = bytes(self._buffer[: len(MAGIC)])
+            if not MAGIC.startswith(have):
+                raise RemoteProtocolError("not a gcwrap agent (bad magic)", ErrorCode.BAD_FRAME)
+            if len(have) < len(MAGIC):
+                return self._need_data()
+            del self._buffer[: len(MAGIC)]
+            self._magic_seen = True
+        if len(self._buffer) < _HEADER.size:
+            return self._need_data()
+        length, ftype = _HEADER.unpack_from(self._buffer)
+        if length < 1:
+            raise RemoteProtocolError("frame length 0", ErrorCode.BAD_FRAME)
+        if length > self.max_frame:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        end = 4 + length
+        if len(self._buffer) < end:
+            return self._need_data()
+        body = bytes(self._buffer[5:end])
+        del self._buffer[:end]
+        event = decode(ftype, body)
+        new_state = _next_state(self.state, self.peer_role, event)
+        if new_state is None:
+            raise RemoteProtocolError(
+                f"{self.peer_role.value} sent {type(event).__name__} in state {self.state.value}",
+                ErrorCode.UNEXPECTED,
+            )
+        self.state = new_state
+        return event
+
+    def _need_data(self) -> Event | NeedData:
+        if self._eof:
+            if self._buffer:
+                raise RemoteProtocolError("connection closed in the middle of a frame")
+            return ConnectionClosed()
+        return NEED_DATA
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet turned into events."""
+        return len(self._buffer)
+
+
+# -- codec -----------------------------------------------------------------
+
+
+def _frame(ftype: FrameType, body: bytes) -> bytes:
+    return _HEADER.pack(len(body) + 1, ftype) + body
+
+
+def _json_body(obj: dict[str, Any]) -> bytes:
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_CONTROL:
+        raise LocalProtocolError(f"control frame of {len(body)} bytes is too large")
+    return body
+
+
+def _check_u64(value: int, what: str) -> None:
+    if not 0 <= value <= _U64:
+        raise LocalProtocolError(f"{what} {value} out of range")
+
+
+def encode(event: Event) -> bytes:
+    """One frame for `event` (no state checks; see Connection.send)."""
+    if isinstance(event, Data):
+        _check_u64(event.offset, "offset")
+        if len(event.payload) > MAX_PAYLOAD:
+            raise LocalProtocolError("DATA payload too large")
+        return _frame(FrameType.DATA, _DATA.pack(event.stream, event.offset) + event.payload)
+    if isinstance(event, Ack):
+        _check_u64(event.offset, "offset")
+        return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))
+    if isinstance(event, StdinRead):
+        _check_u64(event.offset, "offset")
+        return _frame(
+            FrameType.STDIN_READ, _STDIN_READ.pack(event.stream, event.offset, event.max_bytes)
+        )
+    if isinstance(event, StdinData):
+        _check_u64(event.offset, "offset")
+        if len(event.payload) > MAX_PAYLOAD:
+            raise LocalProtocolError("STDIN_DATA payload too large")
+        head = _STDIN_DATA.pack(event.stream, event.offset, int(event.eof))
+        return _frame(FrameType.STDIN_DATA, head + event.payload)
+    if isinstance(event, Ping):
+        return _frame(FrameType.PING, _NONCE.pack(event.nonce))
+    if isinstance(event, Pong):
+        return _frame(FrameType.PONG, _NONCE.pack(event.nonce))
+    if isinstance(event, Hello):
+        return _frame(
+            FrameType.HELLO,
+            _json_body(
+                {
+                    "versions": list(event.versions),
+                    "job_id": event.job_id,
+                    "instance": event.instance,
+                    "host": event.host,
+                    "user": event.user,
+                    "command": list(event.command),
+                    "streams": [[s.id, s.kind, s.name] for s in event.streams],
+                }
+            ),
+        )
+    if isinstance(event, Welcome):
+        return _frame(
+            FrameType.WELCOME,
+            _json_body(
+                {
+                    "version": event.version,
+                    "session": event.session,
+                    "durable": [list(p) for p in event.durable],
+                    "heartbeat": event.heartbeat,
+                }
+            ),
+        )
+    if isinstance(event, Exit):
+        return _frame(
+            FrameType.EXIT,
+            _json_body(
+                {
+                    "code": event.code,
+                    "signal": event.signal,
+                    "lengths": [list(p) for p in event.lengths],
+                    "reason": event.reason,
+                    "summary": [list(p) for p in event.summary],
+                }
+            ),
+        )
+    if isinstance(event, Done):
+        return _frame(FrameType.DONE, b"{}")
+    if isinstance(event, Error):
+        return _frame(
+            FrameType.ERROR,
+            _json_body(
+                {"code": int(event.code), "message": event.message, "retry_after": event.retry_after}
+            ),
+        )
+    raise LocalProtocolError(f"cannot encode {event!r}")
+
+
+def _bad(message: str) -> RemoteProtocolError:
+    return RemoteProtocolError(message, ErrorCode.BAD_FRAME)
+
+
+def _load_json(body: bytes, ftype: FrameType) -> dict[str, Any]:
+    if len(body) > MAX_CONTROL:
+        raise RemoteProtocolError(f"{ftype.name} frame too large", ErrorCode.FRAME_TOO_LARGE)
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(f"{ftype.name} frame is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _bad(f"{ftype.name} frame is not a JSON object")
+    return obj
+
+
+def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
+    value = obj.get(key)
+    # bool is an int in Python; never accept it where a number is wanted.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise _bad(f"{ftype.name}: field {key!r} missing or of the wrong type")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or len(value) > _MAX_STREAMS:
+        raise _bad(f"{ftype.name}: {key!r} must be a short list")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(_is_int(v) for v in item)
+            or not 0 <= item[0] <= 255
+            or not 0 <= item[1] <= _U64
+        ):
+            raise _bad(f"{ftype.name}: {key!r} holds a bad (stream, length) pair")
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+def _text(value: Any, limit: int, ftype: FrameType, key: str) -> str:
+    if not isinstance(value, str) or len(value) > limit or "\x00" in value:
+        raise _bad(f"{ftype.name}: {key!r} must be a string of at most {limit} characters")
+    return value
+
+
+def _decode_hello(obj: dict[str, Any]) -> Hello:
+    f = FrameType.HELLO
+    versions = _get(obj, "versions", list, f)
+    if not versions or len(versions) > 16 or not all(_is_int(v) and 0 < v < 65536 for v in versions):
+        raise _bad("HELLO: 'versions' must list protocol versions")
+    job_id = _text(obj.get("job_id"), _MAX_JOB_ID, f, "job_id")
+    if not job_id or not job_id.isprintable():
+        raise _bad("HELLO: 'job_id' must be non-empty printable text")
+    instance = _text(obj.get("instance"), 64, f, "instance")
+    if not _INSTANCE_RE.match(instance):
+        raise _bad("HELLO: 'instance' must be 1-64 characters of [A-Za-z0-9_.-]")
+    command = _get(obj, "command", list, f)
+    if len(command) > 4096 or not all(isinstance(a, str) for a in command):
+        raise _bad("HELLO: 'command' must be a list of strings")
+    raw_streams = _get(obj, "streams", list, f)
+    if len(raw_streams) > _MAX_STREAMS:
+        raise _bad(f"HELLO: at most {_MAX_STREAMS} streams")
+    streams = []
+    seen: set[int] = set()
+    for item in raw_streams:
+        if not isinstance(item, list) or len(item) != 3:
+            raise _bad("HELLO: a stream must be [id, kind, name]")
+        sid, kind, name = item
+        if not _is_int(sid) or not 0 <= sid <= 255 or sid in seen:
+            raise _bad("HELLO: stream ids must be distinct integers 0..255")
+        if kind not in STREAM_KINDS:
+            raise _bad(f"HELLO: unknown stream kind {kind!r}")
+        seen.add(sid)
+        streams.append(StreamSpec(sid, kind, _text(name, _MAX_NAME, f, "name")))
+    return Hello(
+        job_id=job_id,
+        instance=instance,
+        streams=tuple(streams),
+        host=_text(obj.get("host", ""), 255, f, "host"),
+        user=_text(obj.get("user", ""), 255, f, "user"),
+        command=tuple(command),
+        versions=tuple(versions),
+    )
+
+
+def _decode_exit(obj: dict[str, Any]) -> Exit:
+    f = FrameType.EXIT
+    code, sig = obj.get("code"), obj.get("signal")
+    if not (code is None or _is_int(code) and 0 <= code <= 255):
+        raise _bad("EXIT: 'code' must be null or 0..255")
+    if not (sig is None or _is_int(sig) and 0 < sig < 128):
+        raise _bad("EXIT: 'signal' must be null or 1..127")
+    summary_raw = obj.get("summary", [])
+    if not isinstance(summary_raw, list) or len(summary_raw) > 64:
+        raise _bad("EXIT: 'summary' must be a short list")
+    summary = []
+    for item in summary_raw:
+        if not isinstance(item, list) or len(item) != 2:
+            raise _bad("EXIT: 'summary' holds [key, value] pairs")
+        summary.append((_text(item[0], 64, f, "summary"), _text(item[1], 1024, f, "summary")))
+    return Exit(
+        code=code,
+        signal=sig,
+        lengths=_pairs(obj.get("lengths"), f, "lengths"),
+        reason=_text(obj.get("reason", ""), 4096, f, "reason"),
+        summary=tuple(summary),
+    )
+
+
+def _decode_json_frame(ftype: FrameType, body: bytes) -> Event:
+    obj = _load_json(body, ftype)
+    if ftype is FrameType.HELLO:
+        return _decode_hello(obj)
+    if ftype is FrameType.WELCOME:
+        version = _get(obj, "version", int, ftype)
+        session = _get(obj, "session", int, ftype)
+        heartbeat = obj.get("heartbeat", 10.0)
+        if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 0 < heartbeat < 86400:
+            raise _bad("WELCOME: 'heartbeat' must be a positive number of seconds")
+        if not 0 <= session <= _U64:
+            raise _bad("WELCOME: 'session' out of range")
+        return Welcome(version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat))
+    if ftype is FrameType.EXIT:
+        return _decode_exit(obj)
+    if ftype is FrameType.DONE:
+        return Done()
+    # ERROR
+    raw_code = _get(obj, "code", int, ftype)
+    try:
+        code = ErrorCode(raw_code)
+    except ValueError:
+        code = ErrorCode.INTERNAL  # a code from a newer peer: keep the message
+    retry_after = obj.get("retry_after", 0.0)
+    if not isinstance(retry_after, (int, float)) or isinstance(retry_after, bool) or not 0 <= retry_after < 86400:
+        raise _bad("ERROR: 'retry_after' must be a number of seconds")
+    return Error(code, _text(obj.get("message", ""), MAX_CONTROL, ftype, "message"), float(retry_after))
+
+
+def _fixed(st: struct.Struct, body: bytes, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
+    if len(body) < st.size or exact and len(body) != st.size:
+        raise _bad(f"{ftype.name} frame has the wrong length ({len(body)} bytes)")
+    return st.unpack_from(body)
+
+
+def _decode_binary(ftype: FrameType, body: bytes) -> Event:
+    if ftype is FrameType.DATA:
+        stream, offset = _fixed(_DATA, body, ftype, exact=False)
+        payload = body[_DATA.size :]
+        if len(payload) > MAX_PAYLOAD:
+            raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
+        if offset + len(payload) > _U64:
+            raise _bad("DATA runs past the largest offset")
+        return Data(stream, offset, payload)
+    if ftype is FrameType.ACK:
+        return Ack(*_fixed(_ACK, body, ftype, exact=True))
+    if ftype is FrameType.STDIN_READ:
+        stream, offset, max_bytes = _fixed(_STDIN_READ, body, ftype, exact=True)
+        if not 0 < max_bytes <= MAX_PAYLOAD:
+            raise _bad(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
+        return StdinRead(stream, offset, max_bytes)
+    if ftype is FrameType.STDIN_DATA:
+        stream, offset, eof = _fixed(_STDIN_DATA, body, ftype, exact=False)
+        if eof not in (0, 1):
+            raise _bad("STDIN_DATA: eof flag must be 0 or 1")
+        payload = body[_STDIN_DATA.size :]
+        if len(payload) > MAX_PAYLOAD:
+            raise RemoteProtocolError("STDIN_DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
+        return StdinData(stream, offset, payload, bool(eof))
+    (nonce,) = _fixed(_NONCE, body, ftype, exact=True)
+    return Ping(nonce) if ftype is FrameType.PING else Pong(nonce)
+
+
+_JSON_FRAMES = {FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.DONE, FrameType.ERROR}
+
+
+def decode(raw_type: int, body: bytes) -> Event:
+    """The event of one frame body, or RemoteProtocolError."""
+    try:
+        ftype = FrameType(raw_type)
+    except ValueError:
+        raise _bad(f"unknown frame type {raw_type}") from None
+    if ftype in _JSON_FRAMES:
+        return _decode_json_frame(ftype, body)
+    return _decode_binary(ftype, body)

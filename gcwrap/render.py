@@ -1,0 +1,123 @@
+"""All terminal output of gcwrap and gcshadow goes through here.
+
+Logic modules never print: they log, or return data that these functions
+render on an injected `rich.console.Console`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+
+def stderr_console() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+class _PlainFormatter(logging.Formatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__()
+        self.prog = prog
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{self.prog}: {record.getMessage()}"
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {"time": round(record.created, 3), "level": record.levelname.lower(),
+             "logger": record.name, "message": record.getMessage()}
+        )
+
+
+def setup_logging(prog: str, verbose: int, fmt: str = "text") -> None:
+    """Log to stderr: warnings by default, -v info, -vv debug."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog))
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    for name in ("gcwrap", "gcshadow"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def ago(t: float | None, now: float | None = None) -> str:
+    if not t:
+        return "-"
+    s = max(0.0, (now or time.time()) - t)
+    if s < 60:
+        return f"{s:.0f}s ago"
+    if s < 3600:
+        return f"{s / 60:.0f}m ago"
+    return f"{s / 3600:.1f}h ago"
+
+
+def exit_text(code: int | None, signal: int | None) -> str:
+    if signal:
+        return f"signal {signal}"
+    if code is not None:
+        return f"status {code}"
+    return "unknown"
+
+
+def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> None:
+    """`gcwrap status`: one row per stream of every spool."""
+    table = Table(title="gcwrap spools", expand=False)
+    for col in ("job", "state", "stream", "name", "written", "acked", "pending", "shadow", "last error"):
+        table.add_column(col, overflow="fold")
+    any_rows = False
+    for sp in spools:
+        any_rows = True
+        streams = sp["streams"] or [{"kind": "-", "name": "-", "appended": 0, "acked": 0, "pending": 0}]
+        for i, st in enumerate(streams):
+            first = i == 0
+            table.add_row(
+                sp["job_id"] if first else "",
+                sp["state"] if first else "",
+                st["kind"],
+                st["name"],
+                human_bytes(st["appended"]),
+                human_bytes(st["acked"]),
+                human_bytes(st["pending"]),
+                (sp["shadow"] + (" (connected)" if sp["connected"] else "")) if first else "",
+                (sp["last_error"] or "") if first else "",
+            )
+    if any_rows:
+        console.print(table)
+    else:
+        console.print("no spools")
+
+
+def jobs_table(console: Console, jobs: Iterable[dict[str, Any]]) -> None:
+    """`gcshadow jobs`: one row per job the shadow knows."""
+    table = Table(title="gcshadow jobs")
+    for col in ("job", "host", "state", "exit", "streams", "last seen"):
+        table.add_column(col, overflow="fold")
+    rows = 0
+    for job in jobs:
+        rows += 1
+        streams = ", ".join(
+            f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"
+        )
+        exit_ = exit_text(job["exit_code"], job["exit_signal"]) if job["state"] == "finished" else "-"
+        table.add_row(job["job_id"], job["host"] or "-", job["state"], exit_, streams, ago(job["last_seen"]))
+    if rows:
+        console.print(table)
+    else:
+        console.print("no jobs")

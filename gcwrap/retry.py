@@ -1,0 +1,76 @@
+"""Backoff between attempts, and plain words for why an attempt failed."""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+import ssl
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with a random factor, capped by `cap` seconds.
+
+    The n-th consecutive failure waits about base * 2**n, times a random
+    factor in [0.5, 1.5), never more than `cap`. `reset()` after success.
+    """
+
+    base: float = 0.25
+    cap: float = 60.0
+    rng: random.Random = field(default_factory=random.Random)
+    failures: int = 0
+
+    def next_delay(self) -> float:
+        exp = min(self.base * (2 ** min(self.failures, 30)), self.cap)
+        self.failures += 1
+        return min(self.cap, exp * self.rng.uniform(0.5, 1.5))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class HeartbeatTimeout(Exception):
+    """The peer sent nothing and took nothing for too long (a black hole)."""
+
+
+class ShadowRefused(Exception):
+    """The shadow answered with an ERROR frame."""
+
+    def __init__(self, code: object, message: str, permanent: bool, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.permanent = permanent
+        self.retry_after = retry_after
+
+
+def describe(exc: BaseException, where: str = "") -> str:
+    """What failed, in plain words, for the user and for `gcwrap status`."""
+    at = f" {where}" if where else ""
+    if isinstance(exc, ShadowRefused):
+        return f"shadow{at} refused: {exc} [{getattr(exc.code, 'name', exc.code)}]"
+    if isinstance(exc, HeartbeatTimeout):
+        return f"no answer from the shadow{at}: {exc}"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the shadow's host{at}: {exc.strerror or exc}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS failure with the shadow{at}: {exc}"
+    if isinstance(exc, TimeoutError):
+        return f"connecting to the shadow{at} timed out"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused by the shadow{at} (is gcshadow running there?)"
+    if isinstance(exc, ConnectionResetError):
+        return f"connection to the shadow{at} was reset"
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return f"out of file descriptors while connecting{at} ({exc.strerror})"
+        if exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+            return f"no route to the shadow{at} ({exc.strerror})"
+        if exc.errno == errno.ETIMEDOUT:
+            return f"connection to the shadow{at} timed out"
+        return f"network error with the shadow{at}: {exc.strerror or exc}"
+    name = type(exc).__name__
+    if name in ("BrokenResourceError", "ClosedResourceError", "ConnectionLost"):
+        return f"connection to the shadow{at} was lost"
+    return f"{name}{at}: {exc}"

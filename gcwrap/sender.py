@@ -1,0 +1,256 @@
+"""One connection of the agent to the shadow, from HELLO to DONE or failure.
+
+A session runs four tasks: `_send_loop` streams DATA from memory or spool and
+asks for stdin, `_recv_loop` dispatches ACK / STDIN_DATA / PING / DONE /
+ERROR, `_pinger` sends a PING every heartbeat, and `_watchdog` declares the
+connection dead when nothing came in *and* nothing went out for three
+heartbeats (a black hole), while a slow shadow that still takes DATA or
+answers stays alive. All sends go through one lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+from .events import (
+    Ack,
+    ConnectionClosed,
+    Data,
+    Done,
+    Error,
+    ErrorCode,
+    Event,
+    Hello,
+    Ping,
+    Pong,
+    StdinData,
+    StdinRead,
+    Welcome,
+)
+from .outbox import MAX_ROW
+from .protocol import NEED_DATA, Connection, ProtocolError, Role
+from .retry import HeartbeatTimeout, ShadowRefused
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+STDIN_PREFETCH = 1 << 20  # bytes of stdin fetched ahead of the job
+STDIN_REQUEST = 256 << 10
+
+
+class SessionEnd(Exception):
+    """The shadow said DONE: everything is home."""
+
+
+class ConnectionLost(Exception):
+    """The shadow closed the connection."""
+
+
+class StdinFeeder:
+    """Stdin bytes fetched from the shadow, waiting to be written to the job."""
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+        self.fetched = 0  # bytes received from the shadow
+        self.written = 0  # bytes handed to the job's pipe
+        self.buffer: deque[bytes] = deque()
+        self.buffered = 0
+        self.eof = False  # the shadow's file ended at `fetched`
+        self.closed = False  # the job closed its stdin
+        self.in_flight = False
+
+    def wants(self) -> bool:
+        return not (self.eof or self.closed or self.in_flight) and self.buffered < STDIN_PREFETCH
+
+    def receive(self, ev: StdinData) -> None:
+        self.in_flight = False
+        if ev.offset != self.fetched:
+            return  # an answer to a request of an older session: ask again
+        if ev.payload:
+            self.buffer.append(ev.payload)
+            self.buffered += len(ev.payload)
+            self.fetched += len(ev.payload)
+        self.eof = ev.eof
+
+    def take(self) -> bytes | None:
+        if not self.buffer:
+            return None
+        data = self.buffer.popleft()
+        self.buffered -= len(data)
+        self.written += len(data)
+        return data
+
+
+class Session:
+    def __init__(self, agent: Agent, where: str) -> None:
+        self.agent = agent
+        self.where = where
+        self.conn = Connection(Role.AGENT)
+        self.send_lock = trio.Lock()
+        self.welcomed = False
+        self.sent: dict[int, int] = {}
+        self.exit_sent = False
+        self.last_in = self.last_out = time.monotonic()
+        self.nonces = itertools.count(1)
+        self.heartbeat = agent.opts.heartbeat
+
+    async def _send(self, stream: trio.SocketStream, event: Event) -> None:
+        async with self.send_lock:
+            data = self.conn.send(event)
+            await stream.send_all(data)
+            # Only DATA counts as progress out: a PING fits in the kernel's
+            # buffer of a black-holed connection and proves nothing.
+            if isinstance(event, Data):
+                self.last_out = time.monotonic()
+
+    async def run(self, stream: trio.SocketStream) -> None:
+        agent = self.agent
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        except OSError:
+            pass
+        job = agent.job
+        hello = Hello(
+            job_id=job.job_id,
+            instance=job.instance,
+            streams=tuple(agent.specs),
+            host=job.host,
+            user=job.user,
+            command=tuple(job.command),
+        )
+        await self._send(stream, hello)
+        welcome = await self._await_welcome(stream)
+        for sid, durable in welcome.durable:
+            out = agent.out.get(sid)
+            if out is None:
+                continue
+            if durable < out.acked or durable > out.read_end:
+                raise ShadowRefused(
+                    ErrorCode.LENGTH_MISMATCH,
+                    f"the shadow holds {durable} bytes of {out.kind} ({out.name}), "
+                    f"but {out.acked} were acknowledged and {out.read_end} written",
+                    permanent=True,
+                )
+            out.ack(durable)
+        self.sent = {sid: out.acked for sid, out in agent.out.items()}
+        if agent.stdin is not None:
+            agent.stdin.in_flight = False
+        self.welcomed = True
+        agent.on_welcome()
+        agent.changed.fire()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._recv_loop, stream)
+            nursery.start_soon(self._send_loop, stream)
+            nursery.start_soon(self._pinger, stream)
+            nursery.start_soon(self._watchdog)
+
+    async def _receive_events(self, stream: trio.SocketStream) -> list[Event]:
+        data = await stream.receive_some(65536)
+        self.last_in = time.monotonic()
+        try:
+            self.conn.receive_data(data)
+            events: list[Event] = []
+            while True:
+                ev = self.conn.next_event()
+                if ev is NEED_DATA:
+                    return events
+                assert isinstance(ev, Event)
+                events.append(ev)
+                if isinstance(ev, (ConnectionClosed, Error)):
+                    return events
+        except ProtocolError as e:
+            with trio.move_on_after(1):
+                await self._send(stream, Error(e.code, str(e)))
+            raise
+
+    async def _await_welcome(self, stream: trio.SocketStream) -> Welcome:
+        with trio.fail_after(self.heartbeat * 3):
+            while True:
+                for ev in await self._receive_events(stream):
+                    if isinstance(ev, Welcome):
+                        return ev
+                    self._check_failure(ev)
+
+    def _check_failure(self, ev: Event) -> None:
+        if isinstance(ev, Error):
+            raise ShadowRefused(ev.code, ev.message, ev.code.permanent, ev.retry_after)
+        if isinstance(ev, ConnectionClosed):
+            raise ConnectionLost("the shadow closed the connection")
+
+    async def _recv_loop(self, stream: trio.SocketStream) -> None:
+        agent = self.agent
+        while True:
+            for ev in await self._receive_events(stream):
+                if isinstance(ev, Ack):
+                    out = agent.out.get(ev.stream)
+                    if out is None:
+                        raise ShadowRefused(ErrorCode.UNKNOWN_STREAM, f"ACK for unknown stream {ev.stream}", False)
+                    try:
+                        moved = out.ack(ev.offset)
+                    except ValueError as e:
+                        raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
+                    if moved:
+                        agent.changed.fire()
+                elif isinstance(ev, StdinData):
+                    if agent.stdin is not None and ev.stream == agent.stdin.stream:
+                        agent.stdin.receive(ev)
+                        agent.changed.fire()
+                elif isinstance(ev, Ping):
+                    await self._send(stream, Pong(ev.nonce))
+                elif isinstance(ev, Done):
+                    raise SessionEnd()
+                elif isinstance(ev, Pong):
+                    pass
+                else:
+                    self._check_failure(ev)
+
+    async def _send_loop(self, stream: trio.SocketStream) -> None:
+        agent = self.agent
+        while True:
+            progressed = False
+            for sid, out in agent.out.items():
+                offset = self.sent[sid]
+                if offset >= out.read_end:
+                    continue
+                chunk = out.from_memory(offset, MAX_ROW)
+                chunks = [chunk] if chunk is not None else await agent.read_spool(sid, offset, 4 * MAX_ROW)
+                for c in chunks:
+                    start = max(c.start, self.sent[sid])
+                    if c.start > self.sent[sid]:
+                        raise RuntimeError(f"spool lost bytes {self.sent[sid]}..{c.start} of {out.kind}")
+                    payload = c.data[start - c.start :]
+                    if payload:
+                        await self._send(stream, Data(sid, start, payload))
+                        self.sent[sid] = start + len(payload)
+                progressed = True
+            feeder = agent.stdin
+            if feeder is not None and feeder.wants():
+                feeder.in_flight = True
+                await self._send(stream, StdinRead(feeder.stream, feeder.fetched, STDIN_REQUEST))
+                progressed = True
+            if progressed:
+                continue
+            if agent.all_delivered and not self.exit_sent and agent.exit_event is not None:
+                self.exit_sent = True
+                await self._send(stream, agent.exit_event)
+                continue
+            await agent.changed.wait()
+
+    async def _pinger(self, stream: trio.SocketStream) -> None:
+        while True:
+            await trio.sleep(self.heartbeat)
+            await self._send(stream, Ping(next(self.nonces)))
+
+    async def _watchdog(self) -> None:
+        limit = 3 * self.heartbeat
+        while True:
+            await trio.sleep(self.heartbeat / 2)
+            now = time.monotonic()
+            if now - self.last_in > limit and now - self.last_out > limit:
+                raise HeartbeatTimeout(f"nothing received or sent for {limit:.0f} s")

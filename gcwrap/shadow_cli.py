@@ -1,0 +1,147 @@
+"""The `gcshadow` command: serve jobs' output at home; list jobs; tail them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class DefaultServeGroup(click.Group):
+    """`gcshadow --port 50000` means `gcshadow serve --port 50000`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+            args = ["serve", *args]
+        return super().parse_args(ctx, args)
+
+
+root_option = click.option(
+    "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
+    envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
+)
+
+
+@click.group(cls=DefaultServeGroup, context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="gcshadow")
+def main() -> None:
+    """Receive the output of gcwrap jobs at home and serve their stdin.
+
+    \b
+    gcshadow [serve] --port PORT [--root DIR]   serve (the default command)
+    gcshadow jobs                               list the jobs this shadow knows
+    gcshadow tail JOB                           print a job's output
+
+    \b
+    Example:
+      gcshadow --port 50000 --root ~/results
+    """
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--port", type=click.IntRange(0, 65535), default=50000, show_default=True,
+              envvar="GCSHADOW_PORT", show_envvar=True, help="TCP port to listen on (0: any free port).")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="GCSHADOW_HOST", show_envvar=True,
+              help="Address to listen on.")
+@root_option
+@click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the port to this file once listening (useful with --port 0).")
+@click.option("--handshake-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds an agent has to introduce itself.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds of silence after which a connection is dropped.")
+@click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug).")
+def serve(
+    port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
+    verbose: int,
+) -> None:
+    """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
+
+    \b
+    Example:
+      gcshadow serve --port 50000 --root ~/results
+    """
+    import trio
+
+    from .render import setup_logging
+    from .shadow import ShadowOptions, run_shadow
+    from .shadow_store import StoreError
+
+    setup_logging("gcshadow", verbose + 1)
+    opts = ShadowOptions(
+        root=root.resolve(), host=host, port=port, port_file=port_file,
+        handshake_timeout=handshake_timeout, idle_timeout=idle_timeout,
+    )
+    try:
+        trio.run(run_shadow, opts)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@main.command(context_settings=CONTEXT)
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
+def jobs(root: Path, as_json: bool) -> None:
+    """List the jobs the shadow at ROOT knows: host, state, exit status, bytes.
+
+    \b
+    Example:
+      gcshadow jobs --root ~/results
+    """
+    import json
+    import sqlite3
+
+    from rich.console import Console
+
+    from .render import jobs_table
+    from .shadow_store import list_jobs
+
+    try:
+        found = list_jobs(root)
+    except sqlite3.Error as e:
+        raise click.ClickException(f"no shadow state under {root}: {e}") from None
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+    else:
+        jobs_table(Console(), found)
+
+
+@main.command(context_settings=CONTEXT)
+@root_option
+@click.argument("job")
+@click.argument("stream", required=False, default="stdout")
+def tail(root: Path, job: str, stream: str) -> None:
+    """Print the output a job has delivered so far (STREAM: stdout or stderr).
+
+    \b
+    Example:
+      gcshadow tail --root ~/results slurm-4242 stderr
+    """
+    import sqlite3
+
+    from .shadow_store import list_jobs
+
+    try:
+        found = {j["job_id"]: j for j in list_jobs(root)}
+    except sqlite3.Error as e:
+        raise click.ClickException(f"no shadow state under {root}: {e}") from None
+    if job not in found:
+        raise click.ClickException(f"no job {job!r} at this shadow")
+    for st in found[job]["streams"]:
+        if st["kind"] == stream:
+            with open(root / st["name"], "rb") as f:
+                out = sys.stdout.buffer
+                while data := f.read(1 << 16):
+                    out.write(data)
+                out.flush()
+            return
+    raise click.ClickException(f"job {job!r} has no {stream} stream")

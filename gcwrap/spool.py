@@ -1,0 +1,400 @@
+"""The agent's spool: one SQLite file per job run, holding what home lacks.
+
+The spool records the job (id, attempt, command, pids, times, exit status),
+each stream's appended and acknowledged offsets, and the chunks not yet
+acknowledged by the shadow. Acknowledged chunks are deleted, so its size
+tracks the undelivered backlog.
+
+Storage code here is synchronous and takes a `sqlite_utils.Database`: the
+agent calls it from one worker thread, tests call it directly (in memory too).
+Schema changes are numbered migrations recorded in `_migrations`.
+
+Durability: WAL with synchronous=NORMAL. A commit survives the wrapper being
+killed (kill -9), which is what the spool is for; after a power loss the last
+commits may roll back, but the job dies with the machine then anyway, and the
+shadow's offsets make any resend exactly-once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import sqlite_utils
+
+SPOOL_SUFFIX = ".spool"
+PAGE_SIZE = 65536  # 64 KiB pages: a 64 KiB pipe read is one page and its overflow, not 16
+
+
+@dataclass(frozen=True)
+class Chunk:
+    stream: int
+    start: int
+    data: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+
+@dataclass
+class StreamState:
+    id: int
+    kind: str
+    name: str
+    appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
+    acked: int = 0  # bytes durable at home
+    eof: bool = False
+
+    @property
+    def pending(self) -> int:
+        return self.appended - self.acked
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    instance: str
+    command: list[str]
+    host: str = ""
+    user: str = ""
+    shadow: str = ""
+    started: float = 0.0
+    wrapper_pid: int | None = None
+    child_pid: int | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    state: str = "starting"
+    reason: str = ""
+    last_error: str = ""
+    retries: int = 0
+    connected: bool = False
+    delivered: bool = False
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN ... COMMIT, or ROLLBACK on any error (autocommit connections)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+# -- migrations --------------------------------------------------------------
+
+
+def _m001_initial(db: sqlite_utils.Database) -> None:
+    db.execute(
+        """CREATE TABLE job (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            job_id TEXT NOT NULL, instance TEXT NOT NULL, command TEXT NOT NULL,
+            host TEXT, user TEXT, shadow TEXT, started REAL,
+            wrapper_pid INTEGER, child_pid INTEGER, ended REAL,
+            exit_code INTEGER, exit_signal INTEGER,
+            state TEXT NOT NULL, reason TEXT, last_error TEXT,
+            retries INTEGER NOT NULL DEFAULT 0, connected INTEGER NOT NULL DEFAULT 0,
+            delivered INTEGER NOT NULL DEFAULT 0, summary TEXT)"""
+    )
+    db.execute(
+        """CREATE TABLE streams (
+            id INTEGER PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL,
+            appended INTEGER NOT NULL DEFAULT 0, acked INTEGER NOT NULL DEFAULT 0,
+            eof INTEGER NOT NULL DEFAULT 0)"""
+    )
+    # AUTOINCREMENT: a plain INTEGER PRIMARY KEY may hand out a deleted row's
+    # key again once the table empties; `seq` must only ever grow.
+    db.execute(
+        """CREATE TABLE chunks (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            stream INTEGER NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
+            data BLOB NOT NULL, UNIQUE (stream, start))"""
+    )
+
+
+MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
+    (1, "initial", _m001_initial),
+]
+
+
+def migrate(db: sqlite_utils.Database) -> None:
+    """Apply every migration not yet recorded, each in its own transaction."""
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS _migrations (id INTEGER PRIMARY KEY, name TEXT, applied REAL)"
+    )
+    done = {row[0] for row in db.execute("SELECT id FROM _migrations").fetchall()}
+    for number, name, fn in MIGRATIONS:
+        if number in done:
+            continue
+        with transaction(db.conn):
+            fn(db)
+            db.execute("INSERT INTO _migrations VALUES (?, ?, ?)", [number, name, time.time()])
+
+
+def configure(conn: sqlite3.Connection, *, new: bool) -> None:
+    if new:
+        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA busy_timeout = 10000")
+    # Bound the WAL file: checkpoints reset it, and this truncates what stays.
+    conn.execute("PRAGMA journal_size_limit = 8388608")
+
+
+# -- naming ------------------------------------------------------------------
+
+
+def safe_filename(job_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:96] or "job"
+
+
+def new_instance() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def default_spool_dir() -> Path:
+    base = os.environ.get("TMPDIR") or "/tmp"
+    return Path(base) / f"gcwrap-{os.getuid()}"
+
+
+def spool_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.name.endswith(SPOOL_SUFFIX))
+
+
+# -- the spool ---------------------------------------------------------------
+
+_JOB_FIELDS = (
+    "job_id instance command host user shadow started wrapper_pid child_pid ended exit_code "
+    "exit_signal state reason last_error retries connected delivered summary"
+).split()
+
+
+class SpoolError(Exception):
+    """The spool could not be read or written (disk full, I/O error, corrupt)."""
+
+
+class Spool:
+    """Read and write one job's spool. Not thread-safe: one owner thread."""
+
+    def __init__(self, db: sqlite_utils.Database, path: Path | None = None) -> None:
+        self.db = db
+        self.path = path
+
+    # -- opening ---------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
+    ) -> Spool:
+        """A new spool for one run of a job. `path=None` makes one in memory."""
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if path.exists():
+                raise SpoolError(f"spool {path} already exists")
+            conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        else:
+            conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        configure(conn, new=True)
+        db = sqlite_utils.Database(conn)
+        migrate(db)
+        spool = cls(db, path)
+        with transaction(db.conn):
+            row = spool._job_row(job)
+            db.execute(
+                f"INSERT INTO job (id, {', '.join(_JOB_FIELDS)}) VALUES (1, {', '.join('?' * len(_JOB_FIELDS))})",
+                [row[k] for k in _JOB_FIELDS],
+            )
+            for sid, kind, name in streams:
+                db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
+        return spool
+
+    @classmethod
+    def open(cls, path: Path, *, readonly: bool = False) -> Spool:
+        if not path.exists():
+            raise SpoolError(f"no spool at {path}")
+        uri = f"file:{path}?mode=ro" if readonly else f"file:{path}"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            if not readonly:
+                configure(conn, new=False)
+            else:
+                conn.execute("PRAGMA busy_timeout = 10000")
+            db = sqlite_utils.Database(conn)
+            if not readonly:
+                migrate(db)
+            conn.execute("SELECT 1 FROM job").fetchall()
+        except sqlite3.DatabaseError as e:
+            raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
+        return cls(db, path)
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    # -- job and streams -------------------------------------------------
+
+    @staticmethod
+    def _job_row(job: JobRecord) -> dict[str, Any]:
+        row = {k: getattr(job, k) for k in _JOB_FIELDS}
+        row["command"] = json.dumps(job.command)
+        row["summary"] = json.dumps(job.summary)
+        row["connected"] = int(job.connected)
+        row["delivered"] = int(job.delivered)
+        return row
+
+    def job(self) -> JobRecord:
+        cur = self.db.execute(f"SELECT {', '.join(_JOB_FIELDS)} FROM job WHERE id = 1")
+        row = cur.fetchone()
+        if row is None:
+            raise SpoolError(f"{self.path}: spool has no job record")
+        values = dict(zip(_JOB_FIELDS, row))
+        values["command"] = json.loads(values["command"])
+        values["summary"] = json.loads(values["summary"] or "{}")
+        values["connected"] = bool(values["connected"])
+        values["delivered"] = bool(values["delivered"])
+        values["retries"] = values["retries"] or 0
+        for key in ("host", "user", "shadow", "reason", "last_error"):
+            values[key] = values[key] or ""
+        return JobRecord(**values)
+
+    def streams(self) -> dict[int, StreamState]:
+        rows = self.db.execute("SELECT id, kind, name, appended, acked, eof FROM streams ORDER BY id")
+        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows.fetchall()}
+
+    def update_job(self, **fields: Any) -> None:
+        self.commit(job=fields)
+
+    # -- the hot path ----------------------------------------------------
+
+    def commit(
+        self,
+        chunks: Iterable[Chunk] = (),
+        acked: dict[int, int] | None = None,
+        eof: Iterable[int] = (),
+        job: dict[str, Any] | None = None,
+    ) -> None:
+        """One transaction: append `chunks`, record `acked` offsets (deleting
+        every chunk that lies wholly below them), mark streams ended, update
+        job fields. Group commit: callers batch many pipe reads into one call.
+        Raises SpoolError (with the OS reason) when the disk refuses."""
+        conn = self.db.conn
+        try:
+            with transaction(conn):
+                ends: dict[int, int] = {}
+                rows = []
+                for c in chunks:
+                    rows.append((c.stream, c.start, c.end, c.data))
+                    ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+                if rows:
+                    conn.executemany(
+                        'INSERT INTO chunks (stream, start, "end", data) VALUES (?, ?, ?, ?)', rows
+                    )
+                for sid, end in ends.items():
+                    conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
+                for sid, offset in (acked or {}).items():
+                    conn.execute(
+                        "UPDATE streams SET acked = max(acked, ?), appended = max(appended, ?) WHERE id = ?",
+                        (offset, offset, sid),
+                    )
+                    conn.execute(
+                        'DELETE FROM chunks WHERE stream = ? AND start < ? AND "end" <= ?',
+                        (sid, offset, offset),
+                    )
+                for sid in eof:
+                    conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
+                if job:
+                    values = dict(job)
+                    for key in ("command", "summary"):
+                        if key in values:
+                            values[key] = json.dumps(values[key])
+                    for key in ("connected", "delivered"):
+                        if key in values:
+                            values[key] = int(values[key])
+                    bad = set(values) - set(_JOB_FIELDS)
+                    if bad:
+                        raise ValueError(f"unknown job fields {sorted(bad)}")
+                    sets = ", ".join(f"{k} = ?" for k in values)
+                    conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(values.values()))
+        except sqlite3.Error as e:
+            raise SpoolError(describe_sqlite_error(e, self.path)) from e
+
+    def read(self, stream: int, offset: int, max_bytes: int) -> list[Chunk]:
+        """Chunks of `stream` holding bytes at or after `offset`, in order,
+        about `max_bytes` in all (at least one chunk if any)."""
+        cur = self.db.conn.execute(
+            'SELECT start, data FROM chunks WHERE stream = ? AND "end" > ? ORDER BY start',
+            (stream, offset),
+        )
+        out: list[Chunk] = []
+        total = 0
+        for start, data in cur:
+            out.append(Chunk(stream, start, bytes(data)))
+            total += len(data)
+            if total >= max_bytes:
+                break
+        cur.close()
+        return out
+
+    def iter_all(self) -> Iterator[Chunk]:
+        for stream, start, data in self.db.conn.execute(
+            "SELECT stream, start, data FROM chunks ORDER BY seq"
+        ):
+            yield Chunk(stream, start, bytes(data))
+
+    def pending_bytes(self) -> int:
+        row = self.db.execute('SELECT coalesce(sum("end" - start), 0) FROM chunks').fetchone()
+        return int(row[0])
+
+    def file_size(self) -> int:
+        if self.path is None:
+            return 0
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                total += os.stat(f"{self.path}{suffix}").st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def checkpoint(self) -> None:
+        try:
+            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as e:
+            raise SpoolError(describe_sqlite_error(e, self.path)) from e
+
+    def remove(self) -> None:
+        """Close and delete the spool files (everything was delivered)."""
+        self.close()
+        if self.path is not None:
+            for suffix in ("", "-wal", "-shm"):
+                try:
+                    os.unlink(f"{self.path}{suffix}")
+                except FileNotFoundError:
+                    pass
+
+
+def describe_sqlite_error(e: sqlite3.Error, path: Path | None) -> str:
+    text = str(e)
+    where = f"spool {path}" if path else "spool"
+    if "full" in text:
+        return f"{where}: disk full ({text})"
+    if "readonly" in text or "read-only" in text:
+        return f"{where}: not writable ({text})"
+    if "disk I/O" in text:
+        return f"{where}: I/O error ({text})"
+    return f"{where}: {text}"
