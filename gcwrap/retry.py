@@ -45,8 +45,21 @@ class ShadowRefused(Exception):
         self.retry_after = retry_after
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """trio reports a failed connect as "all attempts to connect failed" with
+    the per-address errors as its cause: the last of those is the reason."""
+    seen = 0
+    while isinstance(exc, OSError) and exc.errno is None and exc.__cause__ is not None and seen < 8:
+        cause = exc.__cause__
+        inner = getattr(cause, "exceptions", None)
+        exc = inner[-1] if inner else cause
+        seen += 1
+    return exc
+
+
 def describe(exc: BaseException, where: str = "") -> str:
     """What failed, in plain words, for the user and for `gcwrap status`."""
+    exc = root_cause(exc)
     at = f" {where}" if where else ""
     if isinstance(exc, ShadowRefused):
         return f"shadow{at} refused: {exc} [{getattr(exc.code, 'name', exc.code)}]"

@@ -1,0 +1,608 @@
+#!/usr/bin/env python3
+"""Throughput of gcwrap -> gcshadow on loopback against a naive socat pipe.
+
+Both paths move the same N bytes of incompressible data, written to stdout by
+the same job (`head -c N SOURCE`, SOURCE being a 64 MiB random block
+concatenated with itself), over loopback TCP into a file on the same
+filesystem:
+
+    gcwrap:  gcshadow serve --port 0 --root HOME --port-file PORTFILE
+             gcwrap --shadow 127.0.0.1:PORT --stdout throughput.out --spool SPOOL --job-id ID -- head -c N SOURCE
+    socat:   socat -u TCP-LISTEN:PORT,reuseaddr,bind=127.0.0.1 OPEN:FILE,creat,trunc
+             head -c N SOURCE | socat -u - TCP:127.0.0.1:PORT
+
+Runs alternate (gcwrap, socat, gcwrap, socat, ...). Every landed file is
+checked against the sha256 of the source bytes; a mismatch, a short file, a
+non-zero exit status or a timeout fails the benchmark (exit status 1).
+
+Measures, per run (see benchmarks/README.md for the method):
+  wall time       gcwrap: from spawning gcwrap until gcwrap exits (every byte acked, durable at home);
+                  socat: from spawning the job and the sending socat until the receiving socat exits.
+  CPU-s per GiB   sender side: gcwrap's own user+sys (all its threads, NOT the job), read from
+                  /proc/PID/stat while gcwrap is a zombie (waitid WNOWAIT), before it is reaped;
+                  socat: the sending socat's rusage from wait4.
+                  receiver side: gcshadow's user+sys from /proc/PID/stat (all threads), after minus
+                  before the run; socat: the receiving socat's rusage from wait4.
+  peak RSS        VmHWM from /proc/PID/status: polled every 20 ms for gcwrap and the socats (not
+                  ru_maxrss, which a child inherits from this script's address space at exec);
+                  read once for gcshadow after the run, before it is stopped.
+
+Usage:
+  python benchmarks/throughput.py --size 1GB --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+BLOCK = 64 << 20  # the random block the source is made of
+GiB = 1 << 30
+MB = 10**6
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+OUT_NAME = "throughput.out"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": MB, "mb": MB, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": GiB}
+
+
+class BenchError(Exception):
+    """A run failed: wrong bytes, a bad exit status, a timeout."""
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1GB, 300MB or 64MiB")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return n
+
+
+# -- /proc and wait helpers ------------------------------------------------
+
+
+def proc_times(pid: int) -> tuple[float, float]:
+    """(own user+sys of all threads, user+sys of waited-for children) in seconds, from /proc/PID/stat.
+
+    Readable for a zombie too: its counters are final until it is reaped.
+    """
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2:].split()  # fields[0] is field 3 (state)
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime) / CLK_TCK, (cutime + cstime) / CLK_TCK
+
+
+def vm_hwm_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class Reaped:
+    returncode: int
+    end: float  # time.monotonic() when the process was seen to exit
+    own_cpu: float | None  # own user+sys from the zombie's /proc/PID/stat (None if unreadable)
+    children_cpu: float | None  # user+sys of its waited-for descendants, same source
+    rusage_cpu: float  # wait4: own + waited-for descendants
+    peak_rss_kib: int  # VmHWM polled by a PeakRss (0 if not watched)
+    timed_out: bool
+
+
+def signal_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal a process started with start_new_session=True, and its process group, by id."""
+    for kill in (lambda: os.kill(proc.pid, sig), lambda: os.killpg(proc.pid, sig)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_measured(proc: subprocess.Popen[bytes], deadline: float, rss: PeakRss | None = None,
+                  grace: float = 5.0) -> Reaped:
+    """Wait for `proc` (never waited by anyone else) until `deadline`, then SIGTERM, then SIGKILL.
+
+    The exit is observed with waitid(WNOWAIT) in a thread, so the zombie's
+    /proc/PID/stat can be read (own CPU vs children's CPU) before wait4 reaps
+    it and returns its rusage.
+    """
+    exited: dict[str, float] = {}
+
+    def waiter() -> None:
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        exited["t"] = time.monotonic()
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    timed_out = False
+    kill_at = None
+    while thread.is_alive():
+        thread.join(0.2)
+        now = time.monotonic()
+        if thread.is_alive() and now > deadline and not timed_out:
+            timed_out = True
+            signal_tree(proc, signal.SIGTERM)
+            kill_at = now + grace
+        if thread.is_alive() and kill_at is not None and now > kill_at:
+            signal_tree(proc, signal.SIGKILL)
+            kill_at = None
+    try:
+        own, children = proc_times(proc.pid)
+    except (OSError, ValueError, IndexError):
+        own = children = None
+    peak = rss.forget(proc) if rss is not None else 0
+    _, status, ru = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Reaped(
+        returncode=proc.returncode, end=exited["t"], own_cpu=own, children_cpu=children,
+        rusage_cpu=ru.ru_utime + ru.ru_stime, peak_rss_kib=peak, timed_out=timed_out,
+    )
+
+
+class PeakRss:
+    """Polls VmHWM (peak RSS of the current address space) of some processes every `interval` seconds.
+
+    ru_maxrss from wait4 is no good for a child of this script: at exec the
+    kernel folds the high-water mark of the address space it replaces (this
+    Python process's, shared by vfork) into the child's maxrss. VmHWM belongs
+    to the exec'd program alone; it is monotonic, and polling misses at most
+    the last `interval` before the process exits.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peak: dict[int, int] = {}
+        self.live: set[int] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Popen returns once the child has exec'd, so its VmHWM is the new program's from now on."""
+        with self.lock:
+            self.live.add(proc.pid)
+        self._sample(proc.pid)
+
+    def _sample(self, pid: int) -> None:
+        hwm = vm_hwm_kib(pid)
+        with self.lock:
+            if hwm is None:
+                self.live.discard(pid)  # a zombie has no address space: its last sample stands
+            elif pid in self.live:
+                self.peak[pid] = max(self.peak.get(pid, 0), hwm)
+
+    def _poll(self) -> None:
+        while not self.stopping.wait(self.interval):
+            with self.lock:
+                pids = list(self.live)
+            for pid in pids:
+                self._sample(pid)
+
+    def forget(self, proc: subprocess.Popen[bytes]) -> int:
+        """Stop watching (call before reaping, so a recycled pid is never sampled); the peak in KiB."""
+        with self.lock:
+            self.live.discard(proc.pid)
+            return self.peak.pop(proc.pid, 0)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM by pid, then SIGKILL; always reaps."""
+    if proc.returncode is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc, signal.SIGKILL)
+        proc.wait(timeout)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    """Is something listening on 127.0.0.1:port (or any address)? Without connecting to it."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            addr, lport = parts[1].split(":")
+            if int(lport, 16) == port and parts[3] == "0A" and addr in ("0100007F", "00000000"):
+                return True
+    return False
+
+
+# -- the benchmark -----------------------------------------------------------
+
+
+@dataclass
+class Run:
+    path: str  # "gcwrap" or "socat"
+    index: int
+    wall_s: float
+    mb_s: float
+    sender_cpu_s: float  # gcwrap's own CPU, or the sending socat's
+    receiver_cpu_s: float  # gcshadow's CPU during the run, or the receiving socat's
+    sender_rss_mib: float
+    receiver_rss_mib: float
+    job_cpu_s: float  # the job's own CPU (head), for context
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.size: int = args.size
+        self.workdir = workdir
+        self.source = workdir / "source.bin"
+        found_wrap, found_shadow = shutil.which("gcwrap"), shutil.which("gcshadow")
+        self.gcwrap = [found_wrap] if found_wrap else [sys.executable, "-m", "gcwrap"]
+        self.gcshadow = [found_shadow] if found_shadow else [
+            sys.executable, "-c", "from gcwrap.shadow_cli import main; main()"]
+        self.socat = shutil.which("socat")
+        self.expected = ""
+        self.commands: dict[str, list[str]] = {}
+        self.rss = PeakRss()
+
+    @property
+    def job(self) -> list[str]:
+        return ["head", "-c", str(self.size), str(self.source)]
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.args.timeout
+
+    def prepare(self) -> None:
+        """The source file (whole copies of one random block) and the expected sha256 of N bytes of it."""
+        block = os.urandom(BLOCK)
+        copies = -(-self.size // BLOCK)
+        with open(self.source, "wb") as f:
+            for _ in range(copies):
+                f.write(block)
+        h = hashlib.sha256()
+        view = memoryview(block)
+        full, rest = divmod(self.size, BLOCK)
+        for _ in range(full):
+            h.update(view)
+        h.update(view[:rest])
+        self.expected = h.hexdigest()
+
+    def generator_ceiling(self) -> float:
+        """MB/s of the job alone into a pipe read by cat > /dev/null: the ceiling for both paths."""
+        os.sync()
+        t0 = time.monotonic()
+        job = subprocess.Popen(self.job, stdout=subprocess.PIPE, start_new_session=True)
+        sink = subprocess.Popen(["cat"], stdin=job.stdout, stdout=subprocess.DEVNULL, start_new_session=True)
+        assert job.stdout is not None
+        job.stdout.close()
+        try:
+            r = wait_measured(sink, self.deadline())
+            wait_measured(job, self.deadline())
+        finally:
+            stop(job)
+            stop(sink)
+        if r.returncode != 0:
+            raise BenchError(f"generator check failed: cat exited {r.returncode}")
+        return self.size / (r.end - t0) / MB
+
+    def verify(self, path: Path, what: str) -> None:
+        if not path.exists():
+            raise BenchError(f"{what}: {path} was not written")
+        size = path.stat().st_size
+        if size != self.size:
+            raise BenchError(f"{what}: {path} holds {size} bytes, expected {self.size}")
+        got = sha256_file(path)
+        if got != self.expected:
+            raise BenchError(f"{what}: sha256 {got} != expected {self.expected}")
+
+    def run_gcwrap(self, index: int) -> Run:
+        rundir = self.workdir / f"gcwrap-{index}"
+        home, spool = rundir / "home", rundir / "spool"
+        home.mkdir(parents=True)
+        portfile, shadow_log, wrap_log = rundir / "port", rundir / "gcshadow.log", rundir / "gcwrap.log"
+        shadow_cmd = [*self.gcshadow, "serve", "--port", "0", "--root", str(home), "--port-file", str(portfile)]
+        with open(shadow_log, "wb") as log:
+            shadow = subprocess.Popen(shadow_cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                      start_new_session=True)
+        wrapper: subprocess.Popen[bytes] | None = None
+        try:
+            ready_by = time.monotonic() + 30
+            port = ""
+            while not port.isdigit():
+                if shadow.poll() is not None:
+                    raise BenchError(f"gcshadow exited with {shadow.returncode}: {shadow_log.read_text()[-2000:]}")
+                if time.monotonic() > ready_by:
+                    raise BenchError("gcshadow did not write its port file within 30 s")
+                time.sleep(0.02)
+                port = portfile.read_text().strip() if portfile.exists() else ""
+            wrap_cmd = [*self.gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", OUT_NAME, "--spool", str(spool),
+                        "--job-id", f"bench-{os.getpid()}-{index}", "--", *self.job]
+            self.commands.setdefault("gcshadow", shadow_cmd)
+            self.commands.setdefault("gcwrap", wrap_cmd)
+            os.sync()  # start every run with no dirty pages left by the previous one
+            time.sleep(0.2)
+            shadow_cpu0, _ = proc_times(shadow.pid)
+            with open(wrap_log, "wb") as log:
+                t0 = time.monotonic()
+                wrapper = subprocess.Popen(wrap_cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                           stderr=log, start_new_session=True)
+            self.rss.watch(wrapper)
+            r = wait_measured(wrapper, self.deadline(), self.rss)
+            wall = r.end - t0
+            time.sleep(0.25)  # let the shadow finish its book-keeping for the job
+            shadow_cpu1, _ = proc_times(shadow.pid)
+            shadow_hwm = vm_hwm_kib(shadow.pid) or 0
+            log_text = wrap_log.read_text(errors="replace")
+            if r.timed_out:
+                raise BenchError(f"gcwrap run {index} timed out after {self.args.timeout:.0f} s\n{log_text[-2000:]}")
+            if r.returncode != 0:
+                raise BenchError(f"gcwrap run {index} exited {r.returncode}\n{log_text[-2000:]}")
+            if r.own_cpu is None or r.children_cpu is None:
+                raise BenchError("could not read gcwrap's /proc/PID/stat before reaping it")
+            self.verify(home / OUT_NAME, f"gcwrap run {index}")
+            leftover = sorted(p.name for p in spool.glob("*")) if spool.exists() else []
+            return Run(
+                path="gcwrap", index=index, wall_s=wall, mb_s=self.size / wall / MB,
+                sender_cpu_s=r.own_cpu, receiver_cpu_s=shadow_cpu1 - shadow_cpu0,
+                sender_rss_mib=r.peak_rss_kib / 1024, receiver_rss_mib=shadow_hwm / 1024,
+                job_cpu_s=r.children_cpu,
+                notes={"paused_warnings": log_text.count("the job is paused"), "spool_leftover": leftover,
+                       "wrapper_rusage_cpu_s": r.rusage_cpu},
+            )
+        finally:
+            if wrapper is not None and wrapper.returncode is None:
+                signal_tree(wrapper, signal.SIGKILL)
+                wrapper.wait(10)
+            stop(shadow)
+            if not self.args.keep:
+                shutil.rmtree(rundir, ignore_errors=True)
+
+    def run_socat(self, index: int) -> Run:
+        rundir = self.workdir / f"socat-{index}"
+        rundir.mkdir()
+        out = rundir / "socat.out"
+        port = free_port()
+        recv_cmd = [self.socat or "socat", "-u", f"TCP-LISTEN:{port},reuseaddr,bind=127.0.0.1",
+                    f"OPEN:{out},creat,trunc"]
+        send_cmd = [self.socat or "socat", "-u", "-", f"TCP:127.0.0.1:{port}"]
+        self.commands.setdefault("socat receiver", recv_cmd)
+        self.commands.setdefault("socat sender", [*self.job, "|", *send_cmd])
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+            procs.append(recv)
+            ready_by = time.monotonic() + 10
+            while not listening(port):
+                if recv.poll() is not None:
+                    raise BenchError(f"receiving socat exited with {recv.returncode} before listening")
+                if time.monotonic() > ready_by:
+                    raise BenchError(f"receiving socat is not listening on {port} after 10 s")
+                time.sleep(0.01)
+            os.sync()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            job = subprocess.Popen(self.job, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+            procs.append(job)
+            send = subprocess.Popen(send_cmd, stdin=job.stdout, start_new_session=True)
+            procs.append(send)
+            assert job.stdout is not None
+            job.stdout.close()
+            for p in procs:
+                self.rss.watch(p)
+            deadline = self.deadline()
+            rr = wait_measured(recv, deadline, self.rss)
+            rs = wait_measured(send, deadline, self.rss)
+            rj = wait_measured(job, deadline, self.rss)
+            wall = rr.end - t0
+            for name, r in (("receiving socat", rr), ("sending socat", rs), ("job", rj)):
+                if r.timed_out:
+                    raise BenchError(f"socat run {index}: {name} timed out after {self.args.timeout:.0f} s")
+                if r.returncode != 0:
+                    raise BenchError(f"socat run {index}: {name} exited {r.returncode}")
+            self.verify(out, f"socat run {index}")
+            return Run(
+                path="socat", index=index, wall_s=wall, mb_s=self.size / wall / MB,
+                sender_cpu_s=rs.rusage_cpu, receiver_cpu_s=rr.rusage_cpu,
+                sender_rss_mib=rs.peak_rss_kib / 1024, receiver_rss_mib=rr.peak_rss_kib / 1024,
+                job_cpu_s=rj.rusage_cpu,
+            )
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    signal_tree(p, signal.SIGKILL)
+                    p.wait(10)
+            if not self.args.keep:
+                shutil.rmtree(rundir, ignore_errors=True)
+
+
+# -- reporting ---------------------------------------------------------------
+
+FIGURES = [
+    # key, label, per GiB?
+    ("wall_s", "wall time (s)", False),
+    ("mb_s", "throughput (MB/s, 10^6 B/s)", False),
+    ("sender_cpu_s", "sender CPU-s/GiB (gcwrap | socat -)", True),
+    ("receiver_cpu_s", "receiver CPU-s/GiB (gcshadow | socat LISTEN)", True),
+    ("total_cpu_s", "sender+receiver CPU-s/GiB", True),
+    ("sender_rss_mib", "sender peak RSS (MiB)", False),
+    ("receiver_rss_mib", "receiver peak RSS (MiB)", False),
+    ("job_cpu_s", "job (head) CPU-s/GiB, context", True),
+]
+
+
+def figure(run: Run, key: str, size: int, per_gib: bool) -> float:
+    value = run.sender_cpu_s + run.receiver_cpu_s if key == "total_cpu_s" else getattr(run, key)
+    return value / (size / GiB) if per_gib else value
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def table(runs: list[Run], size: int) -> str:
+    header = ["figure", "gcwrap median", "min", "max", "socat median", "min", "max", "gcwrap/socat"]
+    rows = [header]
+    for key, label, per_gib in FIGURES:
+        row = [label]
+        medians = []
+        for path in ("gcwrap", "socat"):
+            values = [figure(r, key, size, per_gib) for r in runs if r.path == path]
+            med = statistics.median(values)
+            medians.append(med)
+            row += [fmt(med), fmt(min(values)), fmt(max(values))]
+        row.append(f"{medians[0] / medians[1]:.2f}x" if medians[1] else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe_machine(bench: Bench) -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "?"
+    try:
+        version = subprocess.run([*bench.gcwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        version = "?"
+    try:
+        socat = subprocess.run([bench.socat or "socat", "-V"], capture_output=True, text=True, timeout=30).stdout
+        socat_version = next((line.strip() for line in socat.splitlines() if line.startswith("socat version")), "?")
+    except (OSError, subprocess.TimeoutExpired):
+        socat_version = "?"
+    return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}); Linux {platform.release()}; "
+            f"Python {platform.python_version()}; {version}; {socat_version}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=parse_size, default=10**9,
+                        help="bytes the job writes (1GB = 10^9, 64MiB, ...; default 1GB)")
+    parser.add_argument("--runs", type=int, default=5, help="runs of each path, alternated (default 5)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds allowed per run (default: 60 + 1 s per 2 MB)")
+    parser.add_argument("--tmpdir", type=Path, default=None,
+                        help="where the source, spool, and landed files go (default: the system temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's figures to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (and the landed files)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.timeout is None:
+        args.timeout = 60 + args.size / 2e6
+    if not shutil.which("socat"):
+        print("throughput: socat is not installed (apt-get install socat)", file=sys.stderr)
+        return 2
+    if not shutil.which("head"):
+        print("throughput: head (coreutils) is not installed", file=sys.stderr)
+        return 2
+
+    # SIGTERM/SIGHUP unwind through the finally clauses like Ctrl-C does.
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+
+    print("command:", shlex.join([Path(sys.executable).name, *sys.argv]), flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-", dir=args.tmpdir))
+    bench = Bench(args, workdir)
+    runs: list[Run] = []
+    try:
+        print("machine:", describe_machine(bench))
+        print(f"size: {args.size:,} bytes ({args.size / GiB:.3f} GiB); runs: {args.runs} of each; "
+              f"timeout per run: {args.timeout:.0f} s; work dir: {workdir}", flush=True)
+        bench.prepare()
+        print(f"source: {bench.source} ({bench.source.stat().st_size:,} bytes, whole copies of a "
+              f"{BLOCK >> 20} MiB random block); expected sha256 {bench.expected}")
+        print(f"generator ceiling (job | cat > /dev/null): {bench.generator_ceiling():.0f} MB/s", flush=True)
+        for i in range(1, args.runs + 1):
+            for path in ("gcwrap", "socat"):
+                run = bench.run_gcwrap(i) if path == "gcwrap" else bench.run_socat(i)
+                runs.append(run)
+                extra = ""
+                if run.path == "gcwrap":
+                    extra = f"  ('job is paused' warnings: {run.notes['paused_warnings']})"
+                    if run.notes["spool_leftover"]:
+                        extra += f"  spool not emptied: {run.notes['spool_leftover']}"
+                print(f"run {i} {path:6}  {run.wall_s:8.2f} s  {run.mb_s:8.1f} MB/s  "
+                      f"sender CPU {run.sender_cpu_s:6.2f} s  receiver CPU {run.receiver_cpu_s:6.2f} s  "
+                      f"RSS {run.sender_rss_mib:6.1f} / {run.receiver_rss_mib:6.1f} MiB  sha256 OK{extra}",
+                      flush=True)
+        print()
+        print("commands (first run):")
+        for name, cmd in bench.commands.items():
+            print(f"  {name}: {shlex.join(cmd).replace(shlex.quote('|'), '|')}")
+        print()
+        print(table(runs, args.size))
+        print("\nCPU-s/GiB = CPU seconds (user+sys) per 2^30 bytes moved; ratio = gcwrap median / socat median.")
+        status = 0
+    except BenchError as e:
+        print(f"throughput: FAILED: {e}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        print("throughput: interrupted", file=sys.stderr)
+        status = 130
+    finally:
+        bench.rss.close()
+        if args.keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json is not None and runs:
+        args.json.write_text(json.dumps({"size": args.size, "runs": [asdict(r) for r in runs]}, indent=2))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from helpers import ShadowProc
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run long soaks and many-seed chaos runs")
+    parser.addoption("--seeds", type=int, default=None, help="number of seeds for randomized chaos runs")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long run: use --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    root = tmp_path / "home"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def shadow(home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    sh = ShadowProc(home, logs)
+    sh.start()
+    try:
+        yield sh
+    finally:
+        sh.stop()
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "spool"

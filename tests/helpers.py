@@ -1,0 +1,160 @@
+"""Helpers for the end-to-end tests: real gcshadow and gcwrap processes.
+
+Every process is started by the test, bounded in time, and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+HERE = Path(__file__).parent
+GENJOB = [sys.executable, str(HERE / "jobs" / "genjob.py")]
+
+
+def tool(name: str) -> list[str]:
+    """The installed console script, as a user runs it."""
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: pip install -e '.[test]'"
+    return [path]
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def expected(n: int, seed: int) -> str:
+    """sha256 of the bytes genjob.py writes for a stream of n bytes."""
+    return sha256_bytes(random.Random(seed).randbytes(n))
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class ShadowProc:
+    """A gcshadow serving `root`; restartable on the same port."""
+
+    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = ()) -> None:
+        self.root = root
+        self.logdir = logdir
+        self.extra = list(extra)
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, port: int | None = None, timeout: float = 30) -> int:
+        port_file = self.logdir / f"shadow-port-{self.starts}"
+        port_file.unlink(missing_ok=True)
+        log = open(self.logdir / f"shadow-{self.starts}.log", "wb")
+        want = self.port if port is None else port
+        self.proc = subprocess.Popen(
+            [*tool("gcshadow"), "serve", "--port", str(want), "--root", str(self.root),
+             "--port-file", str(port_file), *self.extra],
+            stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        self.starts += 1
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"gcshadow exited with {proc.returncode}: {self.log()}")
+            return port_file.exists()
+
+        wait_until(ready, timeout, "gcshadow to listen")
+        self.port = int(port_file.read_text())
+        return self.port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.logdir.glob("shadow-*.log")))
+
+
+class Wrapper:
+    """A gcwrap process running a job."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: int | None = None) -> None:
+        self.args = [*tool("gcwrap"), *args]
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, stdin=stdin or subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.out = b""
+        self.err = b""
+
+    def wait(self, timeout: float) -> int:
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.out, self.err = self.proc.communicate()
+            raise AssertionError(f"gcwrap did not finish in {timeout} s; stderr: {self.err.decode(errors='replace')}")
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.out, self.err = self.proc.communicate(timeout=10)
+
+
+def genjob(out: int, err: int = 0, seed: int = 1, **opts: object) -> list[str]:
+    args = [*GENJOB, "--out", str(out), "--err", str(err), "--seed", str(seed)]
+    for key, value in opts.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def spool_status(spool_dir: Path) -> list[dict[str, object]]:
+    res = subprocess.run(
+        [*tool("gcwrap"), "status", "--json", "--spool", str(spool_dir)], capture_output=True, timeout=60, check=True
+    )
+    data = json.loads(res.stdout)
+    assert isinstance(data, list)
+    return data
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
