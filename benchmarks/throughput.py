@@ -520,7 +520,8 @@ def describe_machine(bench: Bench) -> str:
     except (OSError, subprocess.TimeoutExpired):
         socat_version = "?"
     return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}); Linux {platform.release()}; "
-            f"Python {platform.python_version()}; {version}; {socat_version}")
+            f"Python {platform.python_version()}; {version}; {socat_version}; "
+            "load average %.2f %.2f %.2f" % os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"RSS {run.sender_rss_mib:6.1f} / {run.receiver_rss_mib:6.1f} MiB  sha256 OK{extra}",
                       flush=True)
         print()
+        print("load average at the end: %.2f %.2f %.2f" % os.getloadavg())
         print("commands (first run):")
         for name, cmd in bench.commands.items():
             print(f"  {name}: {shlex.join(cmd).replace(shlex.quote('|'), '|')}")

@@ -35,7 +35,7 @@ from .outbox import OutStream
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
 from .spool import JobRecord, Spool, SpoolError
-from .sync import Signal
+from .sync import Signal, first_error
 
 log = logging.getLogger("gcwrap")
 
@@ -119,6 +119,7 @@ class Agent:
         self.outage_reported = False
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
+        self.kill_reason = ""  # why gcwrap ended the job, when it did
         self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "paused": 0.0, "connected_s": 0.0}
 
     # -- shared state helpers ---------------------------------------------
@@ -138,8 +139,10 @@ class Agent:
 
     @property
     def blocked(self) -> bool:
-        """The job's output can go nowhere: it is paused, or it ended undelivered."""
-        return self.blocked_since is not None or self.exit_event is not None
+        """The job's output can go nowhere: paused with the disk failing, or
+        ended with output undelivered. Failed attempts count only then."""
+        paused = self.blocked_since is not None and bool(self.disk_error)
+        return paused or self.exit_event is not None
 
     # -- the pipe readers ------------------------------------------------
 
@@ -160,20 +163,25 @@ class Agent:
         """Backpressure: stop reading so the job blocks in write()."""
         started = time.monotonic()
         self.blocked_since = started
-        log.warning(
-            "output can go neither to disk nor home (%s; %s): the job is paused until one recovers",
-            self.disk_error or "spool is behind",
-            self.net_error or "sending",
-        )
+        # A slow disk pauses the job for moments: that is ordinary flow
+        # control. Say so only when the disk has failed, and when it ends.
+        announced = bool(self.disk_error)
+        if announced:
+            log.warning(
+                "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
+                self.disk_error, self.net_error or "sending slowly",
+            )
         self.note(state="paused")
         try:
             while self.unsafe_bytes > self.opts.mem_limit:
                 await self.changed.wait()
         finally:
             self.blocked_since = None
-            self.stats["paused"] += time.monotonic() - started
+            paused = time.monotonic() - started
+            self.stats["paused"] += paused
             self.note(state="running")
-            log.warning("the job resumes after %.1f s paused", time.monotonic() - started)
+            if announced:
+                log.warning("the job resumes after %.1f s paused", paused)
 
     # -- the spool writer ------------------------------------------------
 
@@ -260,7 +268,8 @@ class Agent:
                     self.note(last_error=describe(e, where), state="refused")
                     return
                 error: BaseException = e
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, Exception) as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - every failure is classified and retried
+                log.debug("session failed", exc_info=True)
                 error = e
             if session.welcomed:
                 backoff.reset()
@@ -369,49 +378,8 @@ async def run_job(
     agent.note(child_pid=proc.pid, state="running")
     started = time.monotonic()
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(agent.commit_loop)
-            nursery.start_soon(_forward_signals, proc, agent)
-            async with trio.open_nursery() as readers:
-                if proc.stdout is not None:
-                    readers.start_soon(agent.read_pipe, agent.out[STDOUT], proc.stdout)
-                if proc.stderr is not None:
-                    readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
-                if proc.stdin is not None:
-                    nursery.start_soon(_write_stdin, agent, proc.stdin)
-                delivery_done = trio.Event()
-
-                async def deliver() -> None:
-                    try:
-                        if opts.shadow is not None:
-                            await agent.deliver_loop()
-                    finally:
-                        delivery_done.set()
-                        agent.changed.fire()
-                        if agent.refusal is not None or agent.give_up is not None:
-                            # the output can never go home: end the job
-                            with trio.CancelScope(shield=True):
-                                await _end_job(proc, KILL_GRACE)
-
-                nursery.start_soon(deliver)
-                await proc.wait()
-            returncode = proc.returncode
-            assert returncode is not None
-            status = exit_status(returncode)
-            agent.exit_event = Exit(
-                code=returncode if returncode >= 0 else None,
-                signal=-returncode if returncode < 0 else None,
-                lengths=tuple((s, o.read_end) for s, o in agent.out.items()),
-            )
-            agent.note(
-                state="exited", ended=time.time(), exit_code=agent.exit_event.code,
-                exit_signal=agent.exit_event.signal,
-            )
-            if opts.shadow is None:
-                agent.delivered.set()
-            while not (agent.delivered.is_set() or delivery_done.is_set()):
-                await agent.changed.wait()
-            nursery.cancel_scope.cancel()
+        with first_error():
+            status = await _supervise(agent, proc)
     finally:
         if agent.reader is not None:
             agent.reader.close()
@@ -420,14 +388,60 @@ async def run_job(
     return outcome
 
 
+async def _supervise(agent: Agent, proc: trio.Process) -> int:
+    """Run the job's tasks until the job has ended and its output is home
+    (or can never get there); return the job's exit status."""
+    delivery_done = trio.Event()
+
+    async def deliver() -> None:
+        try:
+            if agent.opts.shadow is not None:
+                await agent.deliver_loop()
+        finally:
+            delivery_done.set()
+            agent.changed.fire()
+            if agent.refusal is not None or agent.give_up is not None:
+                # The output can never go home: end the job, and say why.
+                agent.kill_reason = describe(agent.refusal) if agent.refusal else agent.give_up.message  # type: ignore[union-attr]
+                with trio.CancelScope(shield=True):
+                    await _end_job(proc, KILL_GRACE)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(agent.commit_loop)
+        nursery.start_soon(_forward_signals, proc, agent)
+        if proc.stdin is not None:
+            nursery.start_soon(_write_stdin, agent, proc.stdin)
+        nursery.start_soon(deliver)
+        async with trio.open_nursery() as readers:
+            if proc.stdout is not None:
+                readers.start_soon(agent.read_pipe, agent.out[STDOUT], proc.stdout)
+            if proc.stderr is not None:
+                readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
+            await proc.wait()
+        returncode = proc.returncode
+        assert returncode is not None
+        agent.exit_event = Exit(
+            code=returncode if returncode >= 0 else None,
+            signal=-returncode if returncode < 0 else None,
+            lengths=tuple((s, o.read_end) for s, o in agent.out.items()),
+            reason=agent.kill_reason,
+        )
+        agent.note(
+            state="exited", ended=time.time(), exit_code=agent.exit_event.code,
+            exit_signal=agent.exit_event.signal, reason=agent.kill_reason,
+        )
+        if agent.opts.shadow is None:
+            agent.delivered.set()
+        while not (agent.delivered.is_set() or delivery_done.is_set()):
+            await agent.changed.wait()
+        nursery.cancel_scope.cancel()
+    return exit_status(returncode)
+
+
 def _finish(agent: Agent, job_status: int | None, spool: Spool, lock_fd: int) -> Outcome:
     """Delete a delivered spool; keep one that still holds output and say why."""
     try:
         if agent.delivered.is_set():
-            try:
-                spool.commit(job={"delivered": True, "state": "delivered"})
-            except SpoolError:
-                pass
             spool.remove()
             return Outcome(job_status if job_status is not None else 0, job_status)
         path = spool.path
@@ -481,10 +495,11 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
         agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths, reason=job.reason)
     started = time.monotonic()
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(agent.commit_loop)
-            await agent.deliver_loop()
-            nursery.cancel_scope.cancel()
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(agent.commit_loop)
+                await agent.deliver_loop()
+                nursery.cancel_scope.cancel()
     finally:
         if agent.reader is not None:
             agent.reader.close()

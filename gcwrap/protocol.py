@@ -259,7 +259,12 @@ def _frame(ftype: FrameType, body: bytes) -> bytes:
 
 
 def _json_body(obj: dict[str, Any]) -> bytes:
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        # A lone surrogate (say an undecodable argv byte under surrogateescape)
+        # is not Unicode text: the peer would refuse it, so we never send it.
+        raise LocalProtocolError(f"control frame holds text that is not valid Unicode: {e}") from None
     if len(body) > MAX_CONTROL:
         raise LocalProtocolError(f"control frame of {len(body)} bytes is too large")
     return body
@@ -272,8 +277,16 @@ def _check_u64(value: int, what: str) -> None:
 
 def encode(event: Event) -> bytes:
     """One frame for `event` (no state checks; see Connection.send)."""
+    try:
+        return _encode(event)
+    except struct.error as e:  # a stream id, nonce or count out of its field's range
+        raise LocalProtocolError(f"cannot encode {type(event).__name__}: {e}") from None
+
+
+def _encode(event: Event) -> bytes:
     if isinstance(event, Data):
         _check_u64(event.offset, "offset")
+        _check_u64(event.offset + len(event.payload), "end offset")
         if len(event.payload) > MAX_PAYLOAD:
             raise LocalProtocolError("DATA payload too large")
         return _frame(FrameType.DATA, _DATA.pack(event.stream, event.offset) + event.payload)
@@ -282,6 +295,8 @@ def encode(event: Event) -> bytes:
         return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))
     if isinstance(event, StdinRead):
         _check_u64(event.offset, "offset")
+        if not 0 < event.max_bytes <= MAX_PAYLOAD:
+            raise LocalProtocolError(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
         return _frame(
             FrameType.STDIN_READ, _STDIN_READ.pack(event.stream, event.offset, event.max_bytes)
         )
@@ -396,9 +411,19 @@ def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...
     return tuple(out)
 
 
+def _is_unicode(value: str) -> bool:
+    """False for a string holding a lone surrogate (JSON's "\\udce9"): such a
+    string cannot be encoded, and would crash whatever stores or prints it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text(value: Any, limit: int, ftype: FrameType, key: str) -> str:
-    if not isinstance(value, str) or len(value) > limit or "\x00" in value:
-        raise _bad(f"{ftype.name}: {key!r} must be a string of at most {limit} characters")
+    if not isinstance(value, str) or len(value) > limit or "\x00" in value or not _is_unicode(value):
+        raise _bad(f"{ftype.name}: {key!r} must be Unicode text of at most {limit} characters, without NUL")
     return value
 
 
@@ -414,7 +439,7 @@ def _decode_hello(obj: dict[str, Any]) -> Hello:
     if not _INSTANCE_RE.match(instance):
         raise _bad("HELLO: 'instance' must be 1-64 characters of [A-Za-z0-9_.-]")
     command = _get(obj, "command", list, f)
-    if len(command) > 4096 or not all(isinstance(a, str) for a in command):
+    if len(command) > 4096 or not all(isinstance(a, str) and _is_unicode(a) for a in command):
         raise _bad("HELLO: 'command' must be a list of strings")
     raw_streams = _get(obj, "streams", list, f)
     if len(raw_streams) > _MAX_STREAMS:

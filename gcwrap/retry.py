@@ -84,6 +84,8 @@ def describe(exc: BaseException, where: str = "") -> str:
             return f"connection to the shadow{at} timed out"
         return f"network error with the shadow{at}: {exc.strerror or exc}"
     name = type(exc).__name__
+    if name == "TooSlowError":
+        return f"connecting to the shadow{at} timed out"
     if name in ("BrokenResourceError", "ClosedResourceError", "ConnectionLost"):
         return f"connection to the shadow{at} was lost"
     return f"{name}{at}: {exc}"

@@ -36,6 +36,7 @@ from .events import (
 from .outbox import MAX_ROW
 from .protocol import NEED_DATA, Connection, ProtocolError, Role
 from .retry import HeartbeatTimeout, ShadowRefused
+from .sync import first_error
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -144,11 +145,12 @@ class Session:
         self.welcomed = True
         agent.on_welcome()
         agent.changed.fire()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._recv_loop, stream)
-            nursery.start_soon(self._send_loop, stream)
-            nursery.start_soon(self._pinger, stream)
-            nursery.start_soon(self._watchdog)
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._recv_loop, stream)
+                nursery.start_soon(self._send_loop, stream)
+                nursery.start_soon(self._pinger, stream)
+                nursery.start_soon(self._watchdog)
 
     async def _receive_events(self, stream: trio.SocketStream) -> list[Event]:
         data = await stream.receive_some(65536)

@@ -8,8 +8,9 @@ each dirty file, record the new lengths in the state database, then wake the
 handlers so they send ACKs. Nothing is acknowledged before that.
 
 A job id has one active connection at a time: a newer connection of the same
-job fences the older one off (its handler is cancelled and every write checks
-the session number it was opened with), so two sessions never write one file.
+job fences the older one off (it writes nothing more, its handler is
+cancelled and its files closed before the newer one reopens them at their
+durable length), so two sessions never write one file.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ from .events import (
 )
 from .protocol import NEED_DATA, PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .shadow_store import JobFiles, Store, StoreError, StreamFile, sync_files
-from .sync import Signal
+from .sync import Signal, first_error
 
 log = logging.getLogger("gcshadow")
+
+# Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
+RECEIVE_SIZE = 120 << 10
 
 
 @dataclass
@@ -61,7 +65,7 @@ class ShadowOptions:
 
 
 class Fenced(Exception):
-    """This connection was replaced by a newer one of the same job."""
+    """This connection must stop: replaced by a newer one, or its files failed."""
 
 
 @dataclass
@@ -72,6 +76,14 @@ class LiveJob:
     scope: trio.CancelScope | None = None
     durable_changed: Signal = field(default_factory=Signal)
     gone: trio.Event = field(default_factory=trio.Event)
+    fenced: str = ""  # why this connection must stop writing, once it must
+    finished: bool = False
+
+    def fence(self, why: str) -> None:
+        """Stop this connection: no write after this, its handler is cancelled."""
+        self.fenced = self.fenced or why
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 class Durability:
@@ -127,8 +139,8 @@ class Durability:
                     except OSError:
                         pass
                     job = jobs.get(sf.job_id)
-                    if job and job.scope:
-                        job.scope.cancel()
+                    if job:
+                        job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
             for job in jobs.values():
                 job.durable_changed.fire()
 
@@ -177,7 +189,8 @@ class Shadow:
             if self.connections > self.opts.max_connections:
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections", peer, retry_after=5)
                 return
-            await self._serve_connection(stream, conn, peer)
+            with first_error():
+                await self._serve_connection(stream, conn, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
             log.info("%s: connection lost (%s)", peer, e)
         except ProtocolError as e:
@@ -190,12 +203,15 @@ class Shadow:
         except trio.TooSlowError:
             log.warning("%s: timed out", peer)
             await self._refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent", peer)
-        except Fenced:
-            log.info("%s: fenced off by a newer connection of the same job", peer)
-            await self._refuse(stream, conn, ErrorCode.FENCED, "a newer connection of this job took over", peer)
+        except Fenced as e:
+            log.info("%s: connection stopped: %s", peer, e)
+            await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
         except OSError as e:
             log.error("%s: I/O error: %s", peer, e)
             await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
+        except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
+            log.exception("%s: internal error", peer)
+            await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
         finally:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
@@ -212,7 +228,7 @@ class Shadow:
                 pass
 
     async def _next_events(self, stream: trio.SocketStream, conn: Connection) -> list[Event]:
-        data = await stream.receive_some(1 << 20)
+        data = await stream.receive_some(RECEIVE_SIZE)
         conn.receive_data(data)
         events: list[Event] = []
         while True:
@@ -250,12 +266,12 @@ class Shadow:
                 send_lock = trio.Lock()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
-                    await self._receive(stream, conn, job, session, send_lock, peer)
+                    await self._receive(stream, conn, job, send_lock, peer)
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
-                raise Fenced()
+                raise Fenced(job.fenced or "stopped")
         finally:
-            if self.live.get(files.job_id) is job and files.session == session:
+            if self.live.get(files.job_id) is job:
                 del self.live[files.job_id]
                 await self._release(job)
             job.gone.set()
@@ -263,9 +279,10 @@ class Shadow:
     async def _claim(self, hello: Hello, peer: str) -> LiveJob:
         old = self.live.get(hello.job_id)
         if old is not None:
-            # Fence: stop the older connection and wait until it is gone.
-            if old.scope is not None:
-                old.scope.cancel()
+            # Fence: the older connection writes nothing more (every write
+            # checks `fenced`), its handler is cancelled, and its files are
+            # closed before this one opens them again.
+            old.fence("a newer connection of this job took over")
             with trio.fail_after(10):
                 await old.gone.wait()
         files = await trio.to_thread.run_sync(
@@ -293,7 +310,7 @@ class Shadow:
                 self.durability.dirty = {
                     k: v for k, v in self.durability.dirty.items() if v.job_id != job.files.job_id
                 }
-                state = "finished" if job.files.session < 0 else "disconnected"
+                state = "finished" if job.finished else "disconnected"
                 job.files.close()
             if state == "disconnected":
                 try:
@@ -315,15 +332,15 @@ class Shadow:
             await job.durable_changed.wait()
 
     async def _receive(
-        self, stream: trio.SocketStream, conn: Connection, job: LiveJob, session: int, lock: trio.Lock, peer: str
+        self, stream: trio.SocketStream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str
     ) -> None:
         files = job.files
         while True:
             with trio.fail_after(self.opts.idle_timeout):
                 events = await self._next_events(stream, conn)
             for ev in events:
-                if files.session != session:
-                    raise Fenced()
+                if job.fenced:
+                    raise Fenced(job.fenced)
                 if isinstance(ev, Data):
                     self._write(job, ev)
                 elif isinstance(ev, StdinRead):
@@ -395,9 +412,9 @@ class Shadow:
         )
         status = f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None else "unknown status"
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
+        job.finished = True
         async with lock:
             await stream.send_all(conn.send(Done()))
-        files.session = -1  # finished: released as such
 
 
 def raise_fd_limit() -> None:
@@ -413,6 +430,7 @@ def raise_fd_limit() -> None:
 async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     store = await trio.to_thread.run_sync(Store, opts.root)
     try:
-        await Shadow(opts, store).serve(task_status=task_status)
+        with first_error():
+            await Shadow(opts, store).serve(task_status=task_status)
     finally:
         store.close()

@@ -298,6 +298,10 @@ class Spool:
                 ends: dict[int, int] = {}
                 rows = []
                 for c in chunks:
+                    if not c.data:
+                        # Nothing to keep, and a row would take (stream, start)
+                        # from the chunk that really holds the bytes there.
+                        continue
                     rows.append((c.stream, c.start, c.end, c.data))
                     ends[c.stream] = max(ends.get(c.stream, 0), c.end)
                 if rows:

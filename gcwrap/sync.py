@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import trio
 
 
@@ -22,3 +25,28 @@ class Signal:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The plain exceptions inside (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(leaves(inner))
+        return out
+    return [exc]
+
+
+@contextlib.contextmanager
+def first_error() -> Iterator[None]:
+    """Turn the exception group of a failed nursery into its first error, so
+    callers can catch concrete types (several tasks of a connection often fail
+    together when it breaks). Groups holding Cancelled pass unchanged: the
+    enclosing cancel scope must see them."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        flat = leaves(group)
+        if any(isinstance(e, trio.Cancelled) for e in flat):
+            raise
+        raise flat[0] from None
