@@ -1,0 +1,275 @@
+"""A real gcshadow, spoken to by a raw protocol client over loopback.
+
+These are the things an honest gcwrap never does (names that escape the
+root, gaps, garbage, two sessions of one job), so they are driven with the
+sans-I/O Connection directly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from gcwrap.events import (
+    Ack,
+    ConnectionClosed,
+    Data,
+    Done,
+    Error,
+    ErrorCode,
+    Event,
+    Exit,
+    Hello,
+    Ping,
+    Pong,
+    StdinData,
+    StdinRead,
+    StreamSpec,
+    Welcome,
+)
+from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
+from helpers import ShadowProc, file_size, wait_until
+
+
+_OPEN: list[socket.socket] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_sockets() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+class RawAgent:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        _OPEN.append(self.sock)
+        self.conn = Connection(Role.AGENT)
+
+    def send(self, event: Event) -> None:
+        self.sock.sendall(self.conn.send(event))
+
+    def next(self) -> Event:
+        while True:
+            ev = self.conn.next_event()
+            if ev is not NEED_DATA:
+                assert isinstance(ev, Event)
+                return ev
+            data = self.sock.recv(65536)
+            self.conn.receive_data(data)
+
+    def until(self, cls: type, limit: int = 1000) -> Event:
+        for _ in range(limit):
+            ev = self.next()
+            if isinstance(ev, cls) or isinstance(ev, (Error, ConnectionClosed)):
+                return ev
+        raise AssertionError(f"no {cls.__name__}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def hello(job: str, instance: str = "i1", out: str = "o", **kw: str) -> Hello:
+    streams = [StreamSpec(1, "stdout", out)]
+    if "stdin" in kw:
+        streams.append(StreamSpec(0, "stdin", kw["stdin"]))
+    return Hello(job_id=job, instance=instance, streams=tuple(streams), host="test")
+
+
+def welcome(agent: RawAgent, h: Hello) -> Welcome:
+    agent.send(h)
+    ev = agent.next()
+    assert isinstance(ev, Welcome), ev
+    return ev
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["../x", "/etc/x", "a/../../x", ".gcshadow/state.db", ""])
+def test_names_that_escape_are_refused(shadow: ShadowProc, home: Path, tmp_path: Path, name: str) -> None:
+    a = RawAgent(shadow.port)
+    a.send(hello("esc", out=name))
+    ev = a.next()
+    assert isinstance(ev, Error) and ev.code is ErrorCode.PATH_FORBIDDEN, ev
+    assert isinstance(a.next(), ConnectionClosed)
+    a.close()
+    assert not (tmp_path / "x").exists() and not Path("/etc/x").exists()
+    # the shadow keeps serving others
+    b = RawAgent(shadow.port)
+    assert isinstance(welcome(b, hello("fine", out="fine.out")), Welcome)
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_fifo_and_directory_names_refused(shadow: ShadowProc, home: Path) -> None:
+    os.mkfifo(home / "fifo")
+    (home / "adir").mkdir()
+    for name in ("fifo", "adir"):
+        a = RawAgent(shadow.port)
+        a.send(hello(f"special-{name}", out=name))
+        ev = a.next()
+        assert isinstance(ev, Error) and ev.code is ErrorCode.PATH_FORBIDDEN, ev
+        a.close()
+
+
+@pytest.mark.timeout(60)
+def test_gap_refused_trim_and_ack(shadow: ShadowProc, home: Path) -> None:
+    a = RawAgent(shadow.port)
+    w = welcome(a, hello("gappy", out="gap.out"))
+    assert w.durable == ((1, 0),)
+    a.send(Data(1, 0, b"hello "))
+    a.send(Data(1, 3, b"lo world"))  # overlaps: only "world" is new
+    ack = a.until(Ack)
+    while isinstance(ack, Ack) and ack.offset < 11:
+        ack = a.until(Ack)
+    assert ack == Ack(1, 11)
+    assert (home / "gap.out").read_bytes() == b"hello world"
+    a.send(Data(1, 20, b"!"))
+    ev = a.until(Error)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.OFFSET_GAP
+    assert (home / "gap.out").read_bytes() == b"hello world"
+
+
+@pytest.mark.timeout(60)
+def test_garbage_gets_an_error_and_the_shadow_lives(shadow: ShadowProc) -> None:
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", MAGIC + b"\x00\x00\x00\x05\x01{{{{", MAGIC + b"\xff\xff\xff\xff\x03",
+                 os.urandom(4096)):
+        s = socket.create_connection(("127.0.0.1", shadow.port), timeout=10)
+        _OPEN.append(s)
+        s.sendall(junk)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        s.close()
+        conn = Connection(Role.AGENT)
+        conn.receive_data(got)
+        conn.receive_data(b"")
+        ev = conn.next_event()
+        assert isinstance(ev, Error) and ev.code in (ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE), ev
+    a = RawAgent(shadow.port)
+    assert isinstance(welcome(a, hello("alive", out="alive.out")), Welcome)
+
+
+@pytest.mark.timeout(60)
+def test_newer_connection_fences_the_older(shadow: ShadowProc, home: Path) -> None:
+    a = RawAgent(shadow.port)
+    welcome(a, hello("fence", out="f.out"))
+    a.send(Data(1, 0, b"abc"))
+    assert a.until(Ack) == Ack(1, 3)
+    b = RawAgent(shadow.port)
+    wb = welcome(b, hello("fence", out="f.out"))
+    assert wb.durable == ((1, 3),)
+    ev = a.until(Error)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.FENCED
+    try:
+        a.sock.sendall(encode(Data(1, 3, b"OLD")))  # past our own state machine: must never land
+    except OSError:
+        pass
+    b.send(Data(1, 3, b"def"))
+    assert b.until(Ack) == Ack(1, 6)
+    assert (home / "f.out").read_bytes() == b"abcdef"
+    b.send(Exit(0, None, ((1, 6),)))
+    assert isinstance(b.until(Done), Done)
+
+
+@pytest.mark.timeout(60)
+def test_new_attempt_truncates_old_attempt_is_stale(shadow: ShadowProc, home: Path) -> None:
+    a = RawAgent(shadow.port)
+    welcome(a, hello("attempts", instance="first", out="att.out"))
+    a.send(Data(1, 0, b"first attempt"))
+    assert a.until(Ack) == Ack(1, 13)
+    a.close()
+    b = RawAgent(shadow.port)
+    assert welcome(b, hello("attempts", instance="second", out="att.out")).durable == ((1, 0),)
+    assert (home / "att.out").read_bytes() == b""
+    b.send(Data(1, 0, b"second"))
+    assert b.until(Ack) == Ack(1, 6)
+    b.close()
+    c = RawAgent(shadow.port)
+    c.send(hello("attempts", instance="first", out="att.out"))
+    ev = c.until(Welcome)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.STALE_ATTEMPT
+    assert (home / "att.out").read_bytes() == b"second"
+
+
+@pytest.mark.timeout(60)
+def test_torn_tail_is_cut_back_on_restart(shadow: ShadowProc, home: Path) -> None:
+    a = RawAgent(shadow.port)
+    welcome(a, hello("torn", out="torn.out"))
+    a.send(Data(1, 0, b"durable bytes"))
+    assert a.until(Ack) == Ack(1, 13)
+    shadow.kill9()
+    a.close()
+    with open(home / "torn.out", "ab") as f:
+        f.write(b"\x00garbage that was never acknowledged")  # a torn/unsynced tail
+    shadow.start()
+    b = RawAgent(shadow.port)
+    assert welcome(b, hello("torn", out="torn.out")).durable == ((1, 13),)
+    assert (home / "torn.out").read_bytes() == b"durable bytes"
+    b.send(Data(1, 13, b" and more"))
+    assert b.until(Ack) == Ack(1, 22)
+    assert (home / "torn.out").read_bytes() == b"durable bytes and more"
+
+
+@pytest.mark.timeout(60)
+def test_file_shortened_behind_the_shadows_back_is_refused(shadow: ShadowProc, home: Path) -> None:
+    a = RawAgent(shadow.port)
+    welcome(a, hello("short", out="short.out"))
+    a.send(Data(1, 0, b"0123456789"))
+    assert a.until(Ack) == Ack(1, 10)
+    a.close()
+    wait_until(lambda: file_size(home / "short.out") == 10, 10, "the file")
+    os.truncate(home / "short.out", 4)
+    b = RawAgent(shadow.port)
+    b.send(hello("short", out="short.out"))
+    ev = b.until(Welcome)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.LENGTH_MISMATCH
+    assert "truncated or replaced" in ev.message
+
+
+@pytest.mark.timeout(60)
+def test_stdin_by_offset_and_ping(shadow: ShadowProc, home: Path) -> None:
+    (home / "in.txt").write_bytes(b"0123456789" * 10)
+    a = RawAgent(shadow.port)
+    welcome(a, hello("reader", out="r.out", stdin="in.txt"))
+    a.send(StdinRead(0, 95, 100))
+    assert a.until(StdinData) == StdinData(0, 95, b"56789", True)
+    a.send(StdinRead(0, 10, 5))
+    assert a.until(StdinData) == StdinData(0, 10, b"01234", False)
+    a.send(Ping(42))
+    assert a.until(Pong) == Pong(42)
+
+
+@pytest.mark.timeout(60)
+def test_missing_stdin_refused(shadow: ShadowProc) -> None:
+    a = RawAgent(shadow.port)
+    a.send(hello("nostdin", out="n.out", stdin="missing.txt"))
+    ev = a.until(Welcome)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.NOT_FOUND
+
+
+@pytest.mark.timeout(60)
+def test_exit_with_wrong_lengths_refused(shadow: ShadowProc) -> None:
+    a = RawAgent(shadow.port)
+    welcome(a, hello("liar", out="liar.out"))
+    a.send(Data(1, 0, b"abc"))
+    assert a.until(Ack) == Ack(1, 3)
+    a.send(Exit(0, None, ((1, 5),)))
+    ev = a.until(Done)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.LENGTH_MISMATCH
+
+
+@pytest.mark.timeout(60)
+def test_second_shadow_on_same_root_refused(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    from helpers import tool
+
+    res = subprocess.run([*tool("gcshadow"), "serve", "--port", "0", "--root", str(home)], capture_output=True,
+                         timeout=30)
+    assert res.returncode == 1
+    assert b"another gcshadow is already serving" in res.stderr
