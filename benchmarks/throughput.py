@@ -519,6 +519,15 @@ def describe_machine(bench: Bench) -> str:
         socat_version = next((line.strip() for line in socat.splitlines() if line.startswith("socat version")), "?")
     except (OSError, subprocess.TimeoutExpired):
         socat_version = "?"
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "gcwrap"], capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        version += f" (commit {head or '?'}{', gcwrap/ modified' if dirty else ''})"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}); Linux {platform.release()}; "
             f"Python {platform.python_version()}; {version}; {socat_version}; "
             "load average %.2f %.2f %.2f" % os.getloadavg())

@@ -17,7 +17,6 @@ other with one `Signal`.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import signal
@@ -34,7 +33,8 @@ from .events import STDERR, STDIN, STDOUT, Exit, StreamSpec
 from .outbox import OutStream
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
-from .spool import JobRecord, Spool, SpoolError
+from .spool import Chunk, JobRecord, Spool, SpoolError
+from .spooler import Spooler, lock_spool
 from .sync import Signal, first_error
 
 log = logging.getLogger("gcwrap")
@@ -56,6 +56,8 @@ class AgentOptions:
     heartbeat: float = 5.0
     connect_timeout: float = 10.0
     mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
+    spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
+    min_free: int | None = None  # free disk space left to the job (None: the default reserve)
     cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
 
 
@@ -82,21 +84,10 @@ def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
     return specs
 
 
-def lock_spool(path: Path) -> int:
-    """An exclusive flock on the spool file: one gcwrap per spool at a time."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 class Agent:
-    def __init__(self, opts: AgentOptions, spool: Spool, job: JobRecord, specs: list[StreamSpec]) -> None:
+    def __init__(self, opts: AgentOptions, spooler: Spooler, job: JobRecord, specs: list[StreamSpec]) -> None:
         self.opts = opts
-        self.spool = spool
+        self.spooler = spooler
         self.job = job
         self.specs = specs
         self.changed = Signal()
@@ -104,9 +95,6 @@ class Agent:
             s.id: OutStream(s.id, s.kind, s.name) for s in specs if s.kind != "stdin"
         }
         self.stdin = StdinFeeder(STDIN) if any(s.kind == "stdin" for s in specs) else None
-        self.spool_limiter = trio.CapacityLimiter(1)
-        self.read_limiter = trio.CapacityLimiter(1)
-        self.reader: Spool | None = None  # second connection for the sender's reads
         self.job_updates: dict[str, Any] = {}
         self.committed_acked: dict[int, int] = {}
         self.committed_eof: set[int] = set()
@@ -185,39 +173,53 @@ class Agent:
 
     # -- the spool writer ------------------------------------------------
 
-    async def commit_loop(self) -> None:
-        backoff = Backoff(base=0.1, cap=5.0)
-        while True:
-            chunks = []
-            room = COMMIT_BATCH
-            for out in self.out.values():
-                got = out.unspooled(room)
-                chunks.extend(got)
-                room -= sum(len(c.data) for c in got)
-                if room <= 0:
+    @property
+    def spooled_pending(self) -> int:
+        return sum(max(0, o.spooled_end - o.acked) for o in self.out.values())
+
+    def _unspooled(self, room: int) -> list[Chunk]:
+        """Chunks not yet safe, in order per stream, that fit in `room` bytes."""
+        chunks: list[Chunk] = []
+        for out in self.out.values():
+            for c in out.unspooled(room):
+                if len(c.data) > room:
                     break
+                chunks.append(c)
+                room -= len(c.data)
+        return chunks
+
+    async def commit_loop(self) -> None:
+        """Group commit: whatever piled up while the last transaction ran goes
+        in the next one. When the spool cannot take bytes (disk full, limit,
+        I/O error) they stay in memory and go home from there."""
+        backoff = Backoff(base=0.1, cap=5.0)
+        spooler = self.spooler
+        while True:
+            room = min(COMMIT_BATCH, spooler.room(self.spooled_pending)) if spooler.spool else COMMIT_BATCH
+            chunks = self._unspooled(room)
+            waiting = any(o.unsafe_bytes for o in self.out.values())
+            if waiting and not chunks:
+                self._disk_failed(spooler.full_reason or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > self.committed_acked.get(s, 0)}
             eof = [s for s, o in self.out.items() if o.eof and s not in self.committed_eof and o.safe_end >= o.read_end]
             updates, self.job_updates = self.job_updates, {}
             if not (chunks or acked or eof or updates):
-                await self.changed.wait()
+                # A full disk frees up by itself (the job deletes files): look again soon.
+                with trio.move_on_after(1.0 if waiting else float("inf")):
+                    await self.changed.wait()
                 continue
             try:
-                await trio.to_thread.run_sync(
-                    self.spool.commit, chunks, acked, eof, updates, limiter=self.spool_limiter
-                )
+                await spooler.commit(chunks, acked, eof, updates)
             except SpoolError as e:
                 updates.update(self.job_updates)
                 self.job_updates = updates
-                if not self.disk_error:
-                    log.warning("%s; output goes straight home from memory until the disk recovers", e)
-                self.disk_error = str(e)
+                self._disk_failed(str(e))
                 await trio.sleep(backoff.next_delay())
                 continue
-            if self.disk_error:
-                log.warning("the spool is writable again")
-                self.disk_error = ""
             backoff.reset()
+            if chunks and self.disk_error:
+                log.warning("the spool takes output again")
+                self.disk_error = ""
             for c in chunks:
                 self.out[c.stream].mark_spooled(c.end)
             self.committed_acked.update(acked)
@@ -229,12 +231,32 @@ class Agent:
                     o.evict(share)
             self.changed.fire()
 
-    async def read_spool(self, stream: int, offset: int, limit: int) -> list[Any]:
-        """Chunks evicted from memory, read back through a second connection."""
-        if self.reader is None:
-            assert self.spool.path is not None
-            self.reader = await trio.to_thread.run_sync(Spool.open, self.spool.path, limiter=self.read_limiter)
-        return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+    def _disk_failed(self, reason: str) -> None:
+        if not self.disk_error:
+            log.warning("%s; output goes home from memory until the spool takes it again", reason)
+            self.note(last_error=reason)
+        self.disk_error = reason
+
+    async def final_flush(self) -> int:
+        """Last chance at the end: spool every byte still only in memory,
+        ignoring the reserve (the job no longer needs the disk). Returns the
+        bytes that could not be saved."""
+        chunks = self._unspooled(1 << 62)
+        if not chunks:
+            return 0
+        try:
+            await self.spooler.commit(chunks, {}, [], {})
+        except SpoolError as e:
+            log.error("%s", e)
+            return sum(len(c.data) for c in chunks)
+        for c in chunks:
+            self.out[c.stream].mark_spooled(c.end)
+        eof = [s for s, o in self.out.items() if o.eof]
+        try:
+            await self.spooler.commit([], {}, eof, {})
+        except SpoolError:
+            pass
+        return 0
 
     # -- delivery --------------------------------------------------------
 
@@ -279,7 +301,7 @@ class Agent:
             if self.blocked:
                 self.failures_blocked += 1
             if not self.outage_reported:
-                log.warning("%s; output waits in the spool %s, retrying", reason, self.spool.path)
+                log.warning("%s; output waits in the spool %s, retrying", reason, self.spooler.path)
                 self.outage_reported = True
             else:
                 log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
@@ -354,14 +376,18 @@ async def run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
 ) -> Outcome:
     specs = stream_specs(opts)
+    spooler = Spooler(
+        spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
+    )
     try:
-        spool = await trio.to_thread.run_sync(
-            Spool.create, spool_path, job, [(s.id, s.kind, s.name) for s in specs]
-        )
-        lock_fd = lock_spool(spool_path)
-    except (SpoolError, OSError) as e:
-        return Outcome(exitcodes.INTERNAL, message=f"cannot create the spool {spool_path}: {e}")
-    agent = Agent(opts, spool, job, specs)
+        await spooler.ensure()
+    except SpoolError as e:
+        # Keep the job running: output goes home from memory, and the spool
+        # is tried again as the job runs.
+        log.warning("%s; the job runs anyway, its output goes home from memory", e)
+    agent = Agent(opts, spooler, job, specs)
+    if spooler.spool is None:
+        agent.disk_error = f"cannot create spool {spool_path}"
     pipe = subprocess.PIPE
     try:
         proc = await trio.lowlevel.open_process(
@@ -371,19 +397,15 @@ async def run_job(
             stderr=subprocess.STDOUT if opts.merge_stderr else pipe if opts.stderr is not None else None,
         )
     except OSError as e:
-        spool.remove()
-        os.close(lock_fd)
+        spooler.close(remove=True)
         code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
         return Outcome(code, message=f"cannot run {command[0]}: {e.strerror}")
     agent.note(child_pid=proc.pid, state="running")
     started = time.monotonic()
-    try:
-        with first_error():
-            status = await _supervise(agent, proc)
-    finally:
-        if agent.reader is not None:
-            agent.reader.close()
-    outcome = _finish(agent, status, spool, lock_fd)
+    with first_error():
+        status = await _supervise(agent, proc)
+    lost = 0 if agent.delivered.is_set() else await agent.final_flush()
+    outcome = _finish(agent, status, lost)
     outcome.stats.update(agent.stats, wall=time.monotonic() - started)
     return outcome
 
@@ -438,29 +460,29 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
     return exit_status(returncode)
 
 
-def _finish(agent: Agent, job_status: int | None, spool: Spool, lock_fd: int) -> Outcome:
+def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
     """Delete a delivered spool; keep one that still holds output and say why."""
-    try:
-        if agent.delivered.is_set():
-            spool.remove()
-            return Outcome(job_status if job_status is not None else 0, job_status)
-        path = spool.path
-        if agent.refusal is not None:
-            spool.close()
-            return Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)
-        if agent.give_up is not None:
-            try:
-                spool.commit(job={"state": "gave-up", "reason": agent.give_up.message})
-            except SpoolError:
-                pass
-            spool.close()
-            agent.give_up.job_status = job_status
-            agent.give_up.spool = path
-            return agent.give_up
-        spool.close()
-        return Outcome(exitcodes.UNDELIVERED, job_status, "output was not delivered", path)
-    finally:
-        os.close(lock_fd)
+    spooler = agent.spooler
+    if agent.delivered.is_set():
+        spooler.close(remove=True)
+        return Outcome(job_status if job_status is not None else 0, job_status)
+    path = spooler.path if spooler.spool is not None else None
+    if agent.give_up is not None and spooler.spool is not None:
+        try:
+            spooler.spool.commit(job={"state": "gave-up", "reason": agent.give_up.message})
+        except SpoolError:
+            pass
+    spooler.close()
+    if agent.refusal is not None:
+        outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)
+    elif agent.give_up is not None:
+        outcome = agent.give_up
+        outcome.job_status, outcome.spool = job_status, path
+    else:
+        outcome = Outcome(exitcodes.UNDELIVERED, job_status, "output was not delivered", path)
+    if lost:
+        outcome.message += f"; {lost} bytes could neither be spooled nor delivered and are lost"
+    return outcome
 
 
 async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
@@ -479,7 +501,8 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
         os.close(lock_fd)
         return Outcome(exitcodes.INTERNAL, message=str(e))
     specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
-    agent = Agent(opts, spool, job, specs)
+    spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd)
+    agent = Agent(opts, spooler, job, specs)
     for sid, out in agent.out.items():
         st = states[sid]
         out.read_end = out.spooled_end = st.appended
@@ -494,22 +517,18 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
     else:
         agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths, reason=job.reason)
     started = time.monotonic()
-    try:
-        with first_error():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(agent.commit_loop)
-                await agent.deliver_loop()
-                nursery.cancel_scope.cancel()
-    finally:
-        if agent.reader is not None:
-            agent.reader.close()
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent.commit_loop)
+            await agent.deliver_loop()
+            nursery.cancel_scope.cancel()
     job_status = None
     if job.exit_signal is not None:
         job_status = 128 + job.exit_signal
     elif job.exit_code is not None:
         job_status = job.exit_code
-    outcome = _finish(agent, job_status, spool, lock_fd)
-    if outcome.status == job_status and agent.delivered.is_set():
+    outcome = _finish(agent, job_status)
+    if agent.delivered.is_set():
         outcome.status = 0
     outcome.stats.update(agent.stats, wall=time.monotonic() - started)
     return outcome

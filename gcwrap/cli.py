@@ -69,6 +69,20 @@ def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | No
     return callback
 
 
+class Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        from .units import parse_size
+
+        try:
+            return parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by `run` and `resume`."""
     options = [
@@ -121,12 +135,19 @@ def main() -> None:
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
               envvar="GCWRAP_SPOOL", show_envvar=True,
               help="Directory for the spool. Default: $TMPDIR/gcwrap-UID.")
+@click.option("--spool-limit", type=Size(), default="0", show_default=True, envvar="GCWRAP_SPOOL_LIMIT",
+              show_envvar=True, help="Most bytes the spool may hold (0: only free disk space limits it).")
+@click.option("--min-free", type=Size(), default=None, envvar="GCWRAP_MIN_FREE", show_envvar=True,
+              help="Free disk space the spool leaves to the job. Default: 5% of the file system, at most 256MiB.")
+@click.option("--memory-limit", type=Size(), default="32MiB", show_default=True, envvar="GCWRAP_MEMORY_LIMIT",
+              show_envvar=True,
+              help="Output held only in memory (disk failing) before the job is paused by backpressure.")
 @common_delivery_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
-    job_id: str | None, spool_dir: Path | None, retry_limit: int, retry_timeout: float,
-    heartbeat: float, verbose: int, command: tuple[str, ...],
+    job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
+    retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, command: tuple[str, ...],
 ) -> None:
     """Run COMMAND; stream its stdout/stderr to the shadow through a local spool.
 
@@ -147,29 +168,29 @@ def run(
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
     if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
         raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
-    sys.exit(_run(address, stdout_name, stderr_name, stdin_name, job_id, spool_dir,
-                  retry_limit, retry_timeout, heartbeat, list(command)))
-
-
-def _run(
-    address: tuple[str, int] | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
-    job_id: str | None, spool_dir: Path | None, retry_limit: int, retry_timeout: float, heartbeat: float,
-    command: list[str],
-) -> int:
-    import time
-
-    import trio
-
-    from .agent import AgentOptions, run_job
-    from .identity import default_job_id, hostname, username
-    from .render import stderr_console
-    from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
+    from .agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
     opts = AgentOptions(
         shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
+        spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
     )
+    sys.exit(_run(opts, address, job_id, spool_dir, list(command)))
+
+
+def _run(
+    opts: Any, address: tuple[str, int] | None, job_id: str | None, spool_dir: Path | None, command: list[str]
+) -> int:
+    import time
+
+    import trio
+
+    from .agent import run_job
+    from .identity import default_job_id, hostname, username
+    from .render import stderr_console
+    from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
+
     job_id = job_id or default_job_id()
     instance = new_instance()
     directory = spool_dir or default_spool_dir()
@@ -289,7 +310,8 @@ def demo(size: str, keep: bool) -> None:
     Example:
       gcwrap demo --size 64MiB
     """
-    from .demo import parse_size, run_demo
+    from .demo import run_demo
+    from .units import parse_size
 
     try:
         nbytes = parse_size(size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +19,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from .units import parse_size  # noqa: F401 - re-exported for the CLI
 
 # The sample job: deterministic bytes from a seed, written in bursts.
 JOB = r"""
@@ -41,17 +42,6 @@ while left:
 sys.stdout.buffer.flush()
 sys.stderr.write("done\n")
 """
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size like 8MiB or 100MB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def expected_stdout(n: int, seed: int) -> str:
     import random

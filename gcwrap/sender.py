@@ -221,7 +221,7 @@ class Session:
                 if offset >= out.read_end:
                     continue
                 chunk = out.from_memory(offset, MAX_ROW)
-                chunks = [chunk] if chunk is not None else await agent.read_spool(sid, offset, 4 * MAX_ROW)
+                chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, 4 * MAX_ROW)
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:

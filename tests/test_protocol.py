@@ -1,0 +1,1280 @@
+"""Tests of the sans-I/O wire protocol: codec round trips, framing, garbage, states.
+
+Two `Connection`s, an agent and a shadow, are joined in memory: whatever one
+`send()`s is fed to the other's `receive_data()`, whole, one byte at a time or
+in random pieces, and the events that come out must be the events that went in.
+Garbage (random bytes, mutated valid frames, JSON of the wrong shape) must only
+ever yield events or `RemoteProtocolError`, and must never make the receiver
+loop without consuming bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gcwrap.events import (
+    PROTOCOL_VERSION,
+    STREAM_KINDS,
+    Ack,
+    ConnectionClosed,
+    Data,
+    Done,
+    Error,
+    ErrorCode,
+    Event,
+    Exit,
+    Hello,
+    Ping,
+    Pong,
+    StdinData,
+    StdinRead,
+    StreamSpec,
+    Welcome,
+)
+from gcwrap.protocol import (
+    DEFAULT_MAX_FRAME,
+    MAGIC,
+    MAX_CONTROL,
+    MAX_PAYLOAD,
+    NEED_DATA,
+    Connection,
+    FrameType,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    Role,
+    State,
+    decode,
+    encode,
+)
+
+U64 = (1 << 64) - 1
+HEADER = struct.Struct("!IB")
+
+# Hypothesis budgets. The whole file must stay well under a minute on a slow
+# two-core machine; these take a few seconds in all on a fast one.
+ROUND_TRIP_EXAMPLES = 300
+GARBAGE_EXAMPLES = 1500
+COMMON = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def budget(max_examples: int) -> settings:
+    return settings(COMMON, max_examples=max_examples)
+
+
+# -- plumbing ------------------------------------------------------------------
+
+
+Chunker = Callable[[bytes], Iterable[bytes]]
+
+
+def whole(data: bytes) -> list[bytes]:
+    return [data]
+
+
+def bytewise(data: bytes) -> list[bytes]:
+    return [data[i : i + 1] for i in range(len(data))]
+
+
+def drain(conn: Connection) -> list[Event]:
+    """Every event `conn` can produce from what it holds (stops at ConnectionClosed)."""
+    events: list[Event] = []
+    # Each event consumes at least one header, so more iterations than
+    # buffered bytes would mean next_event() returns events out of nothing.
+    for _ in range(conn.buffered + 2):
+        ev = conn.next_event()
+        if ev is NEED_DATA:
+            return events
+        assert isinstance(ev, Event)
+        events.append(ev)
+        if isinstance(ev, ConnectionClosed):
+            return events
+    raise AssertionError("next_event() produced events without consuming bytes")
+
+
+def pipe(data: bytes, dst: Connection, chunker: Chunker = whole) -> list[Event]:
+    events: list[Event] = []
+    for piece in chunker(data):
+        dst.receive_data(piece)
+        events += drain(dst)
+    return events
+
+
+class Pair:
+    """An agent and a shadow Connection joined in memory."""
+
+    def __init__(self, chunker: Chunker = whole) -> None:
+        self.agent = Connection(Role.AGENT)
+        self.shadow = Connection(Role.SHADOW)
+        self.chunker = chunker
+        self.wire: dict[Role, bytearray] = {Role.AGENT: bytearray(), Role.SHADOW: bytearray()}
+
+    def conn(self, role: Role) -> Connection:
+        return self.agent if role is Role.AGENT else self.shadow
+
+    def peer(self, role: Role) -> Connection:
+        return self.shadow if role is Role.AGENT else self.agent
+
+    def send(self, role: Role, event: Event) -> list[Event]:
+        data = self.conn(role).send(event)
+        self.wire[role] += data
+        return pipe(data, self.peer(role), self.chunker)
+
+    def run(self, script: Iterable[tuple[Role, Event]]) -> list[Event]:
+        received: list[Event] = []
+        for role, event in script:
+            received += self.send(role, event)
+        return received
+
+    def states(self) -> tuple[State, State]:
+        return self.agent.state, self.shadow.state
+
+
+A, S = Role.AGENT, Role.SHADOW
+
+HELLO = Hello(
+    job_id="job-42 (nightly)",
+    instance="a1b2c3d4e5f60718",
+    streams=(
+        StreamSpec(1, "stdout", "runs/42/out.log"),
+        StreamSpec(2, "stderr", "runs/42/err.log"),
+        StreamSpec(0, "stdin", "inputs/42.txt"),
+    ),
+    host="node17.cluster",
+    user="alice",
+    command=("python3", "-c", "print('héllo wörld ✓')"),
+)
+WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5)
+EXIT = Exit(
+    code=0, signal=None, lengths=((1, 106), (2, 9)), reason="", summary=(("cpu", "1.5 s"), ("rss", "12 MiB"))
+)
+
+# A whole legal conversation using every event type but Error.
+CONVERSATION: list[tuple[Role, Event]] = [
+    (A, HELLO),
+    (S, WELCOME),
+    (A, Data(1, 100, b"hello\n")),
+    (A, Data(2, 0, b"\x00\xffbinary")),
+    (A, Data(1, 106, b"")),
+    (A, StdinRead(0, 0, 65536)),
+    (S, Ack(1, 106)),
+    (S, StdinData(0, 0, b"input bytes", False)),
+    (S, StdinData(0, 11, b"", True)),
+    (A, Ping(7)),
+    (S, Pong(7)),
+    (S, Ping(U64)),
+    (A, Pong(U64)),
+    (A, Exit(code=None, signal=9, lengths=((1, 106), (2, 9)), reason="killed: memory limit")),
+    (S, Ack(2, 9)),  # sent before the EXIT arrived: crosses it
+    (A, StdinRead(0, 11, 1)),
+    (S, Done()),
+]
+
+
+def states_after(script: list[tuple[Role, Event]]) -> tuple[State, State]:
+    pair = Pair()
+    pair.run(script)
+    return pair.states()
+
+
+def frames_of(wire: bytes, magic: bool) -> list[tuple[int, int]]:
+    """(start, end) of every frame in `wire`."""
+    pos = len(MAGIC) if magic else 0
+    out = []
+    while pos < len(wire):
+        length, _ = HEADER.unpack_from(wire, pos)
+        out.append((pos, pos + 4 + length))
+        pos += 4 + length
+    assert pos == len(wire)
+    return out
+
+
+def valid_wires() -> dict[Role, bytes]:
+    pair = Pair()
+    pair.run(CONVERSATION)
+    return {role: bytes(w) for role, w in pair.wire.items()}
+
+
+WIRES = valid_wires()
+AGENT_FRAMES = frames_of(WIRES[A], magic=True)
+SHADOW_FRAMES = frames_of(WIRES[S], magic=False)
+
+
+# -- (a) every event type round-trips ----------------------------------------
+
+
+def test_conversation_round_trips_every_event_type() -> None:
+    pair = Pair()
+    expected_states = {
+        0: (State.AWAIT_WELCOME, State.AWAIT_WELCOME),
+        1: (State.STREAMING, State.STREAMING),
+        13: (State.EXITING, State.EXITING),
+        16: (State.CLOSED, State.CLOSED),
+    }
+    for i, (role, event) in enumerate(CONVERSATION):
+        received = pair.send(role, event)
+        assert received == [event], f"step {i}: sent {event!r}"
+        assert type(received[0]) is type(event)
+        if i in expected_states:
+            assert pair.states() == expected_states[i], f"after step {i}"
+    # Only the agent opens with the magic, and only once.
+    assert bytes(pair.wire[A]).startswith(MAGIC)
+    assert bytes(pair.wire[A]).count(MAGIC) == 1
+    assert not bytes(pair.wire[S]).startswith(MAGIC)
+    # Clean EOF after DONE: both see ConnectionClosed, and nothing is buffered.
+    for conn in (pair.agent, pair.shadow):
+        assert conn.buffered == 0
+        conn.receive_data(b"")
+        assert conn.next_event() == ConnectionClosed()
+        assert conn.next_event() == ConnectionClosed()  # stays closed
+
+
+def test_conversation_covers_every_event_class() -> None:
+    sent = {type(ev) for _, ev in CONVERSATION} | {Error, ConnectionClosed}
+    assert sent == set(Event.__subclasses__())
+
+
+@pytest.mark.parametrize("refuser", [A, S])
+@pytest.mark.parametrize("after", [0, 1, 2, 14])
+def test_error_round_trips_and_closes(refuser: Role, after: int) -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[:after])
+    error = Error(ErrorCode.BUSY, "too many connections: 20000 ‼", retry_after=5.25)
+    assert pair.send(refuser, error) == [error]
+    assert pair.states() == (State.CLOSED, State.CLOSED)
+    # A closed connection sends nothing more, not even a PING or an ERROR.
+    for role in (A, S):
+        for ev in (Ping(1), Error(ErrorCode.INTERNAL, "again"), Data(1, 0, b"x"), Ack(1, 0)):
+            with pytest.raises(LocalProtocolError):
+                pair.conn(role).send(ev)
+    # ...and receives only the end of the connection.
+    pair.agent.receive_data(b"")
+    assert pair.agent.next_event() == ConnectionClosed()
+
+
+def test_error_before_hello_from_the_shadow() -> None:
+    """The shadow refuses (BUSY) before reading anything from the agent."""
+    pair = Pair()
+    error = Error(ErrorCode.BUSY, "too many connections", 5.0)
+    assert pair.send(S, error) == [error]
+    assert pair.states() == (State.CLOSED, State.CLOSED)
+    assert error.code.permanent is False
+    assert ErrorCode.PATH_FORBIDDEN.permanent is True
+
+
+def test_unknown_error_code_from_a_newer_peer_keeps_the_message() -> None:
+    body = json.dumps({"code": 4242, "message": "something new", "retry_after": 1}).encode()
+    ev = decode(FrameType.ERROR, body)
+    assert ev == Error(ErrorCode.INTERNAL, "something new", 1.0)
+    assert isinstance(ev, Error) and isinstance(ev.retry_after, float)
+
+
+def test_welcome_heartbeat_integer_becomes_float() -> None:
+    ev = decode(FrameType.WELCOME, b'{"version":1,"session":0,"durable":[],"heartbeat":10}')
+    assert isinstance(ev, Welcome) and ev.heartbeat == 10.0 and isinstance(ev.heartbeat, float)
+
+
+def test_largest_payloads_round_trip() -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[:2])
+    big = bytes(range(256)) * (MAX_PAYLOAD // 256)
+    assert len(big) == MAX_PAYLOAD
+    assert pair.send(A, Data(1, U64 - MAX_PAYLOAD, big)) == [Data(1, U64 - MAX_PAYLOAD, big)]
+    assert pair.send(S, StdinData(0, U64, big, True)) == [StdinData(0, U64, big, True)]
+    assert pair.send(A, StdinRead(255, U64, MAX_PAYLOAD)) == [StdinRead(255, U64, MAX_PAYLOAD)]
+
+
+def test_largest_control_frame_round_trips() -> None:
+    """A HELLO just under MAX_CONTROL passes; one byte more is refused locally."""
+    base = Hello(job_id="j", instance="i", streams=(), command=("",))
+    overhead = len(encode(base)) - 5
+    fits = Hello(job_id="j", instance="i", streams=(), command=("x" * (MAX_CONTROL - overhead),))
+    assert len(encode(fits)) - 5 == MAX_CONTROL
+    pair = Pair()
+    assert pair.send(A, fits) == [fits]
+    too_big = Hello(job_id="j", instance="i", streams=(), command=("x" * (MAX_CONTROL - overhead + 1),))
+    agent = Connection(Role.AGENT)
+    with pytest.raises(LocalProtocolError, match="too large"):
+        agent.send(too_big)
+    assert agent.state is State.AWAIT_HELLO
+
+
+# -- (b) one byte at a time ---------------------------------------------------
+
+
+def test_conversation_one_byte_at_a_time_gives_identical_events() -> None:
+    whole_pair, byte_pair = Pair(), Pair(bytewise)
+    assert byte_pair.run(CONVERSATION) == whole_pair.run(CONVERSATION) == [ev for _, ev in CONVERSATION]
+    assert byte_pair.wire == whole_pair.wire
+    assert byte_pair.states() == whole_pair.states() == (State.CLOSED, State.CLOSED)
+
+
+def test_each_event_appears_exactly_when_its_last_byte_arrives() -> None:
+    agent, shadow = Connection(Role.AGENT), Connection(Role.SHADOW)
+    for role, event in CONVERSATION:
+        src, dst = (agent, shadow) if role is A else (shadow, agent)
+        data = src.send(event)
+        for i, byte in enumerate(data):
+            dst.receive_data(bytes([byte]))
+            ev = dst.next_event()
+            if i < len(data) - 1:
+                assert ev is NEED_DATA, f"{event!r}: an event after {i + 1} of {len(data)} bytes"
+                # The shadow drops the magic as soon as it is whole; the rest waits.
+                magic = len(MAGIC) if dst is shadow and data.startswith(MAGIC) and i >= len(MAGIC) - 1 else 0
+                assert dst.buffered == i + 1 - magic
+            else:
+                assert ev == event
+                assert dst.next_event() is NEED_DATA
+                assert dst.buffered == 0
+
+
+@budget(100)
+@given(cuts=st.lists(st.integers(1, 64), min_size=1, max_size=40))
+def test_conversation_in_random_pieces_gives_identical_events(cuts: list[int]) -> None:
+    def chunker(data: bytes) -> list[bytes]:
+        pieces, pos, i = [], 0, 0
+        while pos < len(data):
+            n = cuts[i % len(cuts)]
+            pieces.append(data[pos : pos + n])
+            pos += n
+            i += 1
+        return pieces
+
+    pair = Pair(chunker)
+    assert pair.run(CONVERSATION) == [ev for _, ev in CONVERSATION]
+    assert pair.states() == (State.CLOSED, State.CLOSED)
+
+
+def test_whole_agent_side_in_one_buffer() -> None:
+    """Many frames arriving in one read come out as many events, in order."""
+    agent_events = [ev for role, ev in CONVERSATION if role is A]
+    shadow = Connection(Role.SHADOW)
+    hello_end = len(MAGIC) + len(encode(HELLO))
+    shadow.receive_data(WIRES[A][:hello_end])
+    assert drain(shadow) == [HELLO]
+    shadow.send(WELCOME)
+    shadow.receive_data(WIRES[A][hello_end:])
+    assert drain(shadow) == agent_events[1:]
+    assert shadow.state is State.EXITING
+    assert shadow.buffered == 0
+
+
+# -- (c) hypothesis round trips ----------------------------------------------
+
+u8 = st.integers(0, 255)
+u64 = st.integers(0, U64)
+
+
+def text(max_size: int, min_size: int = 0) -> st.SearchStrategy[str]:
+    """Unicode text the codec accepts in a string field: no NUL, no lone surrogate."""
+    return st.text(st.characters(exclude_characters="\x00"), min_size=min_size, max_size=max_size)
+
+
+PRINTABLE = st.characters(exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")) | st.just(" ")
+job_ids = st.text(PRINTABLE, min_size=1, max_size=256).filter(str.isprintable)
+instances = st.text(
+    st.sampled_from("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"), min_size=1, max_size=64
+)
+payloads = st.binary(max_size=4096)
+seconds = st.floats(0, 86400, exclude_max=True, allow_nan=False)
+pairs = st.lists(st.tuples(u8, u64), max_size=16).map(tuple)
+
+
+@st.composite
+def stream_specs(draw: st.DrawFn) -> tuple[StreamSpec, ...]:
+    ids = draw(st.lists(u8, unique=True, max_size=16))
+    return tuple(StreamSpec(i, draw(st.sampled_from(STREAM_KINDS)), draw(text(60))) for i in ids)
+
+
+hellos = st.builds(
+    Hello,
+    job_id=job_ids,
+    instance=instances,
+    streams=stream_specs(),
+    host=text(255),
+    user=text(255),
+    command=st.lists(st.text(max_size=80), max_size=12).map(tuple),  # NUL is allowed in arguments
+    versions=st.lists(st.integers(1, 65535), min_size=1, max_size=16).map(tuple),
+)
+welcomes = st.builds(
+    Welcome,
+    version=st.integers(0, 1 << 31),
+    session=u64,
+    durable=pairs,
+    heartbeat=st.floats(0, 86400, exclude_min=True, exclude_max=True, allow_nan=False),
+)
+
+
+@st.composite
+def datas(draw: st.DrawFn) -> Data:
+    payload = draw(payloads)
+    offset = draw(st.integers(0, U64 - len(payload)) | st.just(U64 - len(payload)))
+    return Data(draw(u8), offset, payload)
+
+
+acks = st.builds(Ack, stream=u8, offset=u64)
+stdin_reads = st.builds(StdinRead, stream=u8, offset=u64, max_bytes=st.integers(1, MAX_PAYLOAD))
+
+
+@st.composite
+def stdin_datas(draw: st.DrawFn) -> StdinData:
+    payload = draw(payloads)
+    return StdinData(draw(u8), draw(st.integers(0, U64 - len(payload))), payload, draw(st.booleans()))
+
+
+exits = st.builds(
+    Exit,
+    code=st.none() | u8,
+    signal=st.none() | st.integers(1, 127),
+    lengths=pairs,
+    reason=text(4096),
+    summary=st.lists(st.tuples(text(64), text(200)), max_size=8).map(tuple),
+)
+pings = st.builds(Ping, nonce=u64)
+pongs = st.builds(Pong, nonce=u64)
+errors = st.builds(Error, code=st.sampled_from(ErrorCode), message=text(2000), retry_after=seconds)
+any_event = st.one_of(
+    hellos, welcomes, datas(), acks, stdin_reads, stdin_datas(), exits, st.just(Done()), pings, pongs, errors
+)
+
+agent_streaming = st.one_of(datas(), stdin_reads, pings, pongs).map(lambda e: (A, e))
+shadow_streaming = st.one_of(acks, stdin_datas(), pings, pongs).map(lambda e: (S, e))
+agent_exiting = st.one_of(stdin_reads, pings, pongs).map(lambda e: (A, e))
+shadow_exiting = st.one_of(acks, stdin_datas(), pings, pongs).map(lambda e: (S, e))
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
+    """A legal conversation of random valid events, ended by DONE or by an ERROR anywhere."""
+    script: list[tuple[Role, Event]] = [(A, draw(hellos)), (S, draw(welcomes))]
+    script += draw(st.lists(agent_streaming | shadow_streaming, max_size=10))
+    script.append((A, draw(exits)))
+    script += draw(st.lists(agent_exiting | shadow_exiting, max_size=4))
+    script.append((S, Done()))
+    if draw(st.booleans()):
+        cut = draw(st.integers(0, len(script) - 1))
+        script = script[:cut] + [(draw(st.sampled_from([A, S])), draw(errors))]
+    return script
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(script=conversations(), piece=st.sampled_from([0, 1, 3, 7, 1000]))
+def test_random_conversations_round_trip(script: list[tuple[Role, Event]], piece: int) -> None:
+    chunker: Chunker = whole if piece == 0 else (lambda d: [d[i : i + piece] for i in range(0, len(d), piece)])
+    pair = Pair(chunker)
+    for role, event in script:
+        assert pair.send(role, event) == [event]
+    assert pair.states() == (State.CLOSED, State.CLOSED)
+    assert pair.agent.buffered == pair.shadow.buffered == 0
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(event=any_event)
+def test_codec_round_trip(event: Event) -> None:
+    frame = encode(event)
+    length, ftype = HEADER.unpack_from(frame)
+    assert length == len(frame) - 4 <= DEFAULT_MAX_FRAME
+    assert decode(ftype, frame[5:]) == event
+
+
+# -- encoder refuses what the peer would refuse --------------------------------
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        Data(256, 0, b""),
+        Data(-1, 0, b""),
+        Data(1, -1, b""),
+        Data(1, U64 + 1, b""),
+        Data(1, U64, b"x"),  # runs past the largest offset
+        Data(1, 0, bytes(MAX_PAYLOAD + 1)),
+        Ack(256, 0),
+        Ack(1, U64 + 1),
+        Ack(1, -1),
+        StdinRead(1, 0, 0),
+        StdinRead(1, 0, MAX_PAYLOAD + 1),
+        StdinRead(1, 0, 1 << 32),
+        StdinRead(300, 0, 1),
+        StdinData(999, 0, b"", False),
+        StdinData(1, 0, bytes(MAX_PAYLOAD + 1), False),
+        Ping(-1),
+        Pong(1 << 64),
+        Hello("j", "i", (), command=("cat", "caf\udce9.txt")),  # undecodable argv byte
+        Error(ErrorCode.INTERNAL, "x" * (MAX_CONTROL + 1)),
+    ],
+    ids=repr,
+)
+def test_encode_refuses_invalid_fields_with_local_protocol_error(event: Event) -> None:
+    try:
+        frame = encode(event)
+    except LocalProtocolError as e:
+        assert e.code is ErrorCode.BAD_FRAME
+        return
+    # Whatever encode() lets through, the peer must take back unchanged.
+    length, ftype = HEADER.unpack_from(frame)
+    assert decode(ftype, frame[5:]) == event
+
+
+@pytest.mark.parametrize("bad", [Data(256, 0, b"x"), Data(1, U64, b"xy"), Ping(-5)], ids=repr)
+def test_failed_send_changes_nothing(bad: Event) -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[:2])
+    with pytest.raises(LocalProtocolError):
+        pair.agent.send(bad)
+    assert pair.states() == (State.STREAMING, State.STREAMING)
+    assert pair.send(A, Data(1, 100, b"ok")) == [Data(1, 100, b"ok")]
+
+
+def test_a_refused_first_send_does_not_use_up_the_magic() -> None:
+    agent = Connection(Role.AGENT)
+    with pytest.raises(LocalProtocolError):
+        agent.send(Data(1, 0, b"early"))
+    with pytest.raises(LocalProtocolError):
+        agent.send(Hello("j", "i", (), command=("\udcff",)))
+    assert agent.send(HELLO).startswith(MAGIC)
+
+
+wide_int = st.integers(-2, (1 << 64) + 2) | st.integers(-2, 300) | st.integers((1 << 32) - 2, (1 << 32) + 2)
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(
+    event=st.one_of(
+        st.builds(Data, wide_int, wide_int, st.binary(max_size=16)),
+        st.builds(Ack, wide_int, wide_int),
+        st.builds(StdinRead, wide_int, wide_int, wide_int | st.just(MAX_PAYLOAD + 1)),
+        st.builds(StdinData, wide_int, wide_int, st.binary(max_size=16), st.booleans()),
+        st.builds(Ping, wide_int),
+        st.builds(Pong, wide_int),
+    )
+)
+def test_whatever_send_accepts_the_peer_decodes_unchanged(event: Event) -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[:2])
+    role = A if isinstance(event, (Data, StdinRead, Ping, Pong)) else S
+    try:
+        data = pair.conn(role).send(event)
+    except LocalProtocolError:
+        assert pair.states() == (State.STREAMING, State.STREAMING)
+        return
+    assert pipe(data, pair.peer(role)) == [event]
+
+
+# -- decoder: text must be Unicode ---------------------------------------------
+
+
+def hello_obj(**changes: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "versions": [1],
+        "job_id": "j",
+        "instance": "i",
+        "host": "h",
+        "user": "u",
+        "command": ["cat"],
+        "streams": [[1, "stdout", "out"]],
+    }
+    obj.update(changes)
+    return obj
+
+
+def welcome_obj(**changes: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {"version": 1, "session": 1, "durable": [[1, 0]], "heartbeat": 10.0}
+    obj.update(changes)
+    return obj
+
+
+def exit_obj(**changes: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {"code": 0, "signal": None, "lengths": [[1, 5]], "reason": "", "summary": [["k", "v"]]}
+    obj.update(changes)
+    return obj
+
+
+def error_obj(**changes: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {"code": 1, "message": "m", "retry_after": 0.0}
+    obj.update(changes)
+    return obj
+
+
+SURROGATE = "\udce9"  # json.dumps writes it as the escape \udce9
+
+
+@pytest.mark.parametrize(
+    "ftype, obj",
+    [
+        (FrameType.HELLO, hello_obj(host=SURROGATE)),
+        (FrameType.HELLO, hello_obj(user="a" + SURROGATE)),
+        (FrameType.HELLO, hello_obj(job_id=SURROGATE)),
+        (FrameType.HELLO, hello_obj(command=["cat", "caf" + SURROGATE])),
+        (FrameType.HELLO, hello_obj(streams=[[1, "stdout", "out" + SURROGATE]])),
+        (FrameType.HELLO, hello_obj(streams=[[1, "stdout", "\ud800"]])),
+        (FrameType.EXIT, exit_obj(reason=SURROGATE)),
+        (FrameType.EXIT, exit_obj(summary=[["k", SURROGATE]])),
+        (FrameType.ERROR, error_obj(message=SURROGATE)),
+    ],
+)
+def test_lone_surrogates_are_refused(ftype: FrameType, obj: dict[str, Any]) -> None:
+    """A string holding a lone surrogate cannot be encoded as UTF-8: storing it
+    in SQLite raises UnicodeEncodeError, which used to escape the shadow's
+    connection handler and stop the whole server. The codec refuses it."""
+    body = json.dumps(obj).encode()
+    assert b"\\ud" in body
+    with pytest.raises(RemoteProtocolError) as info:
+        decode(ftype, body)
+    assert info.value.code is ErrorCode.BAD_FRAME
+
+
+def test_escaped_surrogate_pairs_are_fine() -> None:
+    body = json.dumps(hello_obj(host="😀", command=["echo", "😀"])).encode()  # ensure_ascii: \ud83d\ude00
+    assert b"\\ud83d\\ude00" in body
+    ev = decode(FrameType.HELLO, body)
+    assert isinstance(ev, Hello) and ev.host == "😀" and ev.command == ("echo", "😀")
+
+
+# -- (d) garbage ----------------------------------------------------------------
+
+EXPECTED_CODES = {ErrorCode.BAD_FRAME, ErrorCode.UNEXPECTED, ErrorCode.FRAME_TOO_LARGE}
+
+
+def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tuple[list[Event], ProtocolError | None]:
+    """Feed `data` then EOF to `conn`, answering like the real peer would
+    (WELCOME to HELLO, DONE to EXIT, PONG to PING). Returns the events and the
+    RemoteProtocolError, if any; any other exception propagates."""
+    chunks: list[bytes] = []
+    if pieces:
+        pos, i = 0, 0
+        while pos < len(data):
+            chunks.append(data[pos : pos + pieces[i % len(pieces)]])
+            pos += pieces[i % len(pieces)]
+            i += 1
+    else:
+        chunks = [data]
+    events: list[Event] = []
+    try:
+        for chunk in [*chunks, b""]:
+            conn.receive_data(chunk)
+            for ev in drain(conn):
+                events.append(ev)
+                if isinstance(ev, ConnectionClosed):
+                    assert chunk == b"", "ConnectionClosed before EOF"
+                    return events, None
+                if isinstance(ev, Hello) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
+                    conn.send(Welcome(PROTOCOL_VERSION, 1, ()))
+                elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
+                    conn.send(EXIT)
+                elif isinstance(ev, Exit) and conn.state is State.EXITING:
+                    conn.send(Done())
+                elif isinstance(ev, Ping) and conn.state is not State.CLOSED:
+                    conn.send(Pong(ev.nonce))
+    except RemoteProtocolError as e:
+        assert isinstance(e, ProtocolError)
+        assert e.code in EXPECTED_CODES, e.code
+        assert str(e)
+        return events, e
+    raise AssertionError("EOF was fed but neither ConnectionClosed nor an error came out")
+
+
+def agent_after_hello() -> Connection:
+    conn = Connection(Role.AGENT)
+    conn.send(HELLO)
+    return conn
+
+
+def test_valid_wires_play_cleanly() -> None:
+    events, error = play(Connection(Role.SHADOW), WIRES[A])
+    assert error is None and events[-1] == ConnectionClosed()
+    assert events[:-1] == [ev for role, ev in CONVERSATION if role is A]
+    events, error = play(agent_after_hello(), WIRES[S])
+    assert error is None and events[:-1] == [ev for role, ev in CONVERSATION if role is S]
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.sampled_from(["stdout", "stderr", "stdin", "\udce9", "\x00", ""]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _mutate_json(body: bytes, key: str, value: Any, mode: str) -> bytes:
+    obj = json.loads(body)
+    if mode == "drop":
+        obj.pop(key, None)
+    elif mode == "replace":
+        obj[key] = value
+    elif mode == "whole":
+        obj = value
+    return json.dumps(obj, allow_nan=True).encode()
+
+
+@st.composite
+def mutated_wires(draw: st.DrawFn) -> tuple[Role, bytes]:
+    """A valid byte stream of one side with 1-3 mutations applied."""
+    role = draw(st.sampled_from([A, S]))
+    wire = bytearray(WIRES[role])
+    frames = AGENT_FRAMES if role is A else SHADOW_FRAMES
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(
+            st.sampled_from(
+                ["flip", "truncate", "type", "length", "insert", "delete", "duplicate", "json", "huge", "bool"]
+            )
+        )
+        start, end = draw(st.sampled_from(frames))
+        if end > len(wire):  # an earlier mutation shortened the stream
+            kind = "flip"
+        if kind == "flip" and wire:
+            i = draw(st.integers(0, len(wire) - 1))
+            wire[i] ^= draw(st.integers(1, 255))
+        elif kind == "truncate":
+            del wire[draw(st.integers(0, len(wire))) :]
+        elif kind == "type":
+            wire[start + 4] = draw(st.integers(0, 255))
+        elif kind == "length":
+            n = draw(st.sampled_from([0, 1, 2, 4, 8, 9, 10, 17]) | st.integers(0, (1 << 32) - 1))
+            struct.pack_into("!I", wire, start, n)
+        elif kind == "huge":
+            struct.pack_into("!I", wire, start, draw(st.sampled_from([DEFAULT_MAX_FRAME + 1, 1 << 30, (1 << 32) - 1])))
+        elif kind == "insert":
+            i = draw(st.integers(0, len(wire)))
+            wire[i:i] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "delete" and wire:
+            i = draw(st.integers(0, len(wire) - 1))
+            del wire[i : i + draw(st.integers(1, 16))]
+        elif kind == "duplicate":
+            wire[end:end] = wire[start:end]
+        elif kind in ("json", "bool"):
+            ftype = wire[start + 4]
+            body = bytes(wire[start + 5 : end])
+            if ftype not in (FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.ERROR, FrameType.DONE):
+                continue
+            try:
+                obj = json.loads(body)
+            except (ValueError, RecursionError):
+                continue
+            if not isinstance(obj, dict):
+                continue
+            keys = sorted(obj) or ["x"]
+            if kind == "bool":
+                new_body = _mutate_json(body, draw(st.sampled_from(keys)), draw(st.booleans()), "replace")
+            else:
+                mode = draw(st.sampled_from(["drop", "replace", "whole", "raw"]))
+                if mode == "raw":
+                    new_body = draw(
+                        st.binary(max_size=64)
+                        | st.sampled_from([b"", b"{", b"[" * 5000, b'{"a":' * 3000, b"\xff\xfe{}", b"nul"])
+                    )
+                else:
+                    new_body = _mutate_json(body, draw(st.sampled_from(keys)), draw(json_values), mode)
+            wire[start:end] = HEADER.pack(len(new_body) + 1, ftype) + new_body
+    return role, bytes(wire)
+
+
+def receiver(role: Role) -> Connection:
+    """The connection that receives what `role` sent."""
+    return Connection(Role.SHADOW) if role is A else agent_after_hello()
+
+
+def test_garbage_random_bytes() -> None:
+    tried = 0
+
+    @budget(GARBAGE_EXAMPLES)
+    @given(
+        data=st.binary(max_size=600),
+        magic=st.booleans(),
+        to=st.sampled_from([A, S]),
+        pieces=st.none() | st.lists(st.integers(1, 50), min_size=1, max_size=5),
+    )
+    def run(data: bytes, magic: bool, to: Role, pieces: list[int] | None) -> None:
+        nonlocal tried
+        tried += 1
+        conn = Connection(Role.SHADOW) if to is S else agent_after_hello()
+        play(conn, (MAGIC if magic and to is S else b"") + data, pieces)
+
+    run()
+    assert tried >= GARBAGE_EXAMPLES // 2, tried
+    print(f"random garbage: {tried} inputs")
+
+
+def test_garbage_mutated_frames() -> None:
+    tried = 0
+    refused = 0
+
+    @budget(GARBAGE_EXAMPLES)
+    @given(mutated=mutated_wires(), pieces=st.none() | st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    def run(mutated: tuple[Role, bytes], pieces: list[int] | None) -> None:
+        nonlocal tried, refused
+        tried += 1
+        role, wire = mutated
+        _, error = play(receiver(role), wire, pieces)
+        refused += error is not None
+
+    run()
+    assert tried >= GARBAGE_EXAMPLES // 2, tried
+    # The mutations are mostly fatal: the receivers really were exercised.
+    assert refused > tried // 2, (refused, tried)
+    print(f"mutated frames: {tried} inputs, {refused} refused")
+
+
+@pytest.mark.parametrize(
+    "ftype, make",
+    [(FrameType.HELLO, hello_obj), (FrameType.WELCOME, welcome_obj), (FrameType.EXIT, exit_obj),
+     (FrameType.ERROR, error_obj)],
+)
+def test_garbage_json_fields(ftype: FrameType, make: Callable[..., dict[str, Any]]) -> None:
+    tried = 0
+    keys = sorted(make())
+
+    @budget(GARBAGE_EXAMPLES // 4)
+    @given(key=st.sampled_from(keys + ["unknown"]), value=json_values, drop=st.booleans())
+    def run(key: str, value: Any, drop: bool) -> None:
+        nonlocal tried
+        tried += 1
+        obj = make()
+        if drop:
+            obj.pop(key, None)
+        else:
+            obj[key] = value
+        try:
+            ev = decode(ftype, json.dumps(obj).encode())
+        except RemoteProtocolError as e:
+            assert e.code in EXPECTED_CODES
+            return
+        # Accepted: then it must survive a round trip unchanged.
+        assert decode(ftype, encode(ev)[5:]) == ev
+
+    run()
+    assert tried >= GARBAGE_EXAMPLES // 8, tried
+    print(f"{ftype.name} JSON fields: {tried} inputs")
+
+
+BOOL_FOR_INT = [
+    (FrameType.HELLO, hello_obj(versions=[True])),
+    (FrameType.HELLO, hello_obj(streams=[[True, "stdout", "x"]])),
+    (FrameType.WELCOME, welcome_obj(version=True)),
+    (FrameType.WELCOME, welcome_obj(session=False)),
+    (FrameType.WELCOME, welcome_obj(heartbeat=True)),
+    (FrameType.WELCOME, welcome_obj(durable=[[1, True]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[False, 1]])),
+    (FrameType.EXIT, exit_obj(code=True)),
+    (FrameType.EXIT, exit_obj(code=None, signal=True)),
+    (FrameType.EXIT, exit_obj(lengths=[[1, True]])),
+    (FrameType.ERROR, error_obj(code=True)),
+    (FrameType.ERROR, error_obj(retry_after=True)),
+]
+WRONG_TYPES = [
+    (FrameType.HELLO, hello_obj(versions=1)),
+    (FrameType.HELLO, hello_obj(versions=[])),
+    (FrameType.HELLO, hello_obj(versions=[1.0])),
+    (FrameType.HELLO, hello_obj(versions=[0])),
+    (FrameType.HELLO, hello_obj(versions=[65536])),
+    (FrameType.HELLO, hello_obj(job_id="")),
+    (FrameType.HELLO, hello_obj(job_id="a\nb")),
+    (FrameType.HELLO, hello_obj(job_id="x" * 257)),
+    (FrameType.HELLO, hello_obj(job_id=5)),
+    (FrameType.HELLO, hello_obj(instance="a/b")),
+    (FrameType.HELLO, hello_obj(instance="x" * 65)),
+    (FrameType.HELLO, hello_obj(instance="")),
+    (FrameType.HELLO, hello_obj(instance="abc\n")),
+    (FrameType.HELLO, hello_obj(instance=None)),
+    (FrameType.HELLO, hello_obj(host=None)),
+    (FrameType.HELLO, hello_obj(host="h" * 256)),
+    (FrameType.HELLO, hello_obj(user="a\x00b")),
+    (FrameType.HELLO, hello_obj(command="cat")),
+    (FrameType.HELLO, hello_obj(command=[1])),
+    (FrameType.HELLO, hello_obj(command=None)),
+    (FrameType.HELLO, hello_obj(streams={})),
+    (FrameType.HELLO, hello_obj(streams=[[1, "stdout"]])),
+    (FrameType.HELLO, hello_obj(streams=[[256, "stdout", "x"]])),
+    (FrameType.HELLO, hello_obj(streams=[[-1, "stdout", "x"]])),
+    (FrameType.HELLO, hello_obj(streams=[[1, "stdout", "x"], [1, "stderr", "y"]])),
+    (FrameType.HELLO, hello_obj(streams=[[1, "tty", "x"]])),
+    (FrameType.HELLO, hello_obj(streams=[[1, ["stdout"], "x"]])),
+    (FrameType.HELLO, hello_obj(streams=[[1, "stdout", None]])),
+    (FrameType.HELLO, hello_obj(streams=[[i, "stdout", str(i)] for i in range(17)])),
+    (FrameType.WELCOME, welcome_obj(version="1")),
+    (FrameType.WELCOME, welcome_obj(session=-1)),
+    (FrameType.WELCOME, welcome_obj(session=1 << 64)),
+    (FrameType.WELCOME, welcome_obj(heartbeat=0)),
+    (FrameType.WELCOME, welcome_obj(heartbeat=86400)),
+    (FrameType.WELCOME, welcome_obj(heartbeat=float("nan"))),
+    (FrameType.WELCOME, welcome_obj(heartbeat=float("inf"))),
+    (FrameType.WELCOME, welcome_obj(durable=None)),
+    (FrameType.WELCOME, welcome_obj(durable=[[1, 2, 3]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[256, 0]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[1, 1 << 64]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[1, 1.5]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[i, 0] for i in range(17)])),
+    (FrameType.EXIT, exit_obj(code=256)),
+    (FrameType.EXIT, exit_obj(code=-1)),
+    (FrameType.EXIT, exit_obj(code="0")),
+    (FrameType.EXIT, exit_obj(code=None, signal=0)),
+    (FrameType.EXIT, exit_obj(code=None, signal=128)),
+    (FrameType.EXIT, exit_obj(lengths=None)),
+    (FrameType.EXIT, exit_obj(reason=None)),
+    (FrameType.EXIT, exit_obj(reason="r" * 4097)),
+    (FrameType.EXIT, exit_obj(summary={"k": "v"})),
+    (FrameType.EXIT, exit_obj(summary=[["k"]])),
+    (FrameType.EXIT, exit_obj(summary=[["k", 1]])),
+    (FrameType.EXIT, exit_obj(summary=[["k" * 65, "v"]])),
+    (FrameType.EXIT, exit_obj(summary=[["k", "v"]] * 65)),
+    (FrameType.ERROR, error_obj(code="1")),
+    (FrameType.ERROR, error_obj(code=1.0)),
+    (FrameType.ERROR, error_obj(retry_after=-1)),
+    (FrameType.ERROR, error_obj(retry_after=86400)),
+    (FrameType.ERROR, error_obj(retry_after=float("nan"))),
+    (FrameType.ERROR, error_obj(message=None)),
+    (FrameType.ERROR, error_obj(message="a\x00")),
+]
+
+
+@pytest.mark.parametrize("ftype, obj", BOOL_FOR_INT + WRONG_TYPES, ids=lambda x: repr(x)[:60])
+def test_malformed_control_frames_are_refused(ftype: FrameType, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj, allow_nan=True).encode()
+    # The unmodified object is valid: the change alone is what is refused.
+    with pytest.raises(RemoteProtocolError) as info:
+        decode(ftype, body)
+    assert info.value.code is ErrorCode.BAD_FRAME
+    # And through a Connection in the right state, not just the bare codec.
+    conn = Connection(Role.SHADOW) if ftype in (FrameType.HELLO, FrameType.EXIT) else agent_after_hello()
+    if ftype is FrameType.EXIT:
+        conn.receive_data(MAGIC + encode(HELLO))
+        assert conn.next_event() == HELLO
+        conn.send(WELCOME)
+    conn.receive_data((MAGIC if ftype is FrameType.HELLO else b"") + HEADER.pack(len(body) + 1, ftype) + body)
+    with pytest.raises(RemoteProtocolError):
+        conn.next_event()
+
+
+@pytest.mark.parametrize("make", [hello_obj, welcome_obj, exit_obj, error_obj])
+def test_malformed_fixtures_are_valid_before_mutation(make: Callable[..., dict[str, Any]]) -> None:
+    ftype = {hello_obj: FrameType.HELLO, welcome_obj: FrameType.WELCOME, exit_obj: FrameType.EXIT,
+             error_obj: FrameType.ERROR}[make]
+    assert isinstance(decode(ftype, json.dumps(make()).encode()), Event)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{", b"[]", b"null", b"1", b'"str"', b"\xff\xfe", b"{\"a\":1}}", b"{}" + b"\x00",
+     b"[" * 60000, b'{"versions":' + b"1" * 5000 + b"}", b"{'single':1}"],
+    ids=lambda b: repr(b[:20]),
+)
+@pytest.mark.parametrize("ftype", [FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.ERROR])
+def test_invalid_json_is_refused(ftype: FrameType, body: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode(ftype, body)
+    assert info.value.code is ErrorCode.BAD_FRAME
+
+
+def test_done_takes_any_json_object_but_nothing_else() -> None:
+    assert decode(FrameType.DONE, b"{}") == Done()
+    assert decode(FrameType.DONE, b'{"future":[1,2]}') == Done()
+    for body in (b"", b"[]", b"x"):
+        with pytest.raises(RemoteProtocolError):
+            decode(FrameType.DONE, body)
+
+
+@pytest.mark.parametrize(
+    "ftype, body",
+    [
+        (FrameType.DATA, b""),
+        (FrameType.DATA, b"\x01" * 8),  # shorter than stream + offset
+        (FrameType.DATA, b"\x01" + b"\xff" * 8 + b"x"),  # runs past 2**64 - 1
+        (FrameType.ACK, b"\x01" * 8),
+        (FrameType.ACK, b"\x01" * 10),
+        (FrameType.STDIN_READ, b"\x01" * 12),
+        (FrameType.STDIN_READ, b"\x01" + bytes(8) + bytes(4)),  # max_bytes 0
+        (FrameType.STDIN_READ, b"\x01" + bytes(8) + struct.pack("!I", MAX_PAYLOAD + 1)),
+        (FrameType.STDIN_DATA, b"\x01" * 9),
+        (FrameType.STDIN_DATA, b"\x01" + bytes(8) + b"\x02"),  # eof flag 2
+        (FrameType.PING, b"\x00" * 7),
+        (FrameType.PONG, b"\x00" * 9),
+        (0, b"{}"),
+        (12, b"{}"),
+        (255, b""),
+    ],
+)
+def test_malformed_binary_frames_are_refused(ftype: int, body: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode(ftype, body)
+    assert info.value.code is ErrorCode.BAD_FRAME
+
+
+def test_oversized_bodies_within_the_frame_limit() -> None:
+    """A receiver with a larger max_frame still caps payloads and JSON bodies."""
+    big = Connection(Role.AGENT, max_frame=4 * MAX_PAYLOAD)
+    big.send(HELLO)
+    body = json.dumps(welcome_obj(pad="x" * MAX_CONTROL)).encode()
+    big.receive_data(HEADER.pack(len(body) + 1, FrameType.WELCOME) + body)
+    with pytest.raises(RemoteProtocolError) as info:
+        big.next_event()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+    for ftype, head in ((FrameType.DATA, b"\x01" + bytes(8)), (FrameType.STDIN_DATA, b"\x01" + bytes(9))):
+        with pytest.raises(RemoteProtocolError) as info:
+            decode(ftype, head + bytes(MAX_PAYLOAD + 1))
+        assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+@pytest.mark.parametrize("length", [1 << 30, (1 << 32) - 1, DEFAULT_MAX_FRAME + 1])
+@pytest.mark.parametrize("role", [Role.SHADOW, Role.AGENT])
+def test_frame_limit_enforced_from_the_header_alone(role: Role, length: int) -> None:
+    conn = Connection(role) if role is Role.SHADOW else agent_after_hello()
+    if role is Role.SHADOW:
+        conn.receive_data(MAGIC)
+        assert conn.next_event() is NEED_DATA
+    header = HEADER.pack(length, FrameType.DATA)
+    for i in range(4):
+        conn.receive_data(header[i : i + 1])
+        assert conn.next_event() is NEED_DATA
+    conn.receive_data(header[4:])
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.next_event()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+    assert conn.buffered == 5  # nothing of the body was needed, or held
+
+
+def test_frame_of_exactly_the_limit_is_accepted() -> None:
+    conn = Connection(Role.SHADOW, max_frame=100)
+    conn.receive_data(MAGIC)
+    conn.receive_data(HEADER.pack(100, FrameType.PING))
+    assert conn.next_event() is NEED_DATA  # waits for the body rather than refusing
+    small = Connection(Role.SHADOW, max_frame=100)
+    small.receive_data(MAGIC + encode(Hello("j", "i", ())))
+    assert isinstance(small.next_event(), Hello)
+    small.send(WELCOME)
+    small.receive_data(encode(Data(1, 0, bytes(90))))  # 1 + 9 + 90 = 100
+    assert small.next_event() == Data(1, 0, bytes(90))
+    small.receive_data(encode(Data(1, 90, bytes(91))))
+    with pytest.raises(RemoteProtocolError) as info:
+        small.next_event()
+    assert info.value.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_zero_length_frame_is_refused() -> None:
+    conn = Connection(Role.SHADOW)
+    conn.receive_data(MAGIC + HEADER.pack(0, FrameType.PING))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.next_event()
+    assert info.value.code is ErrorCode.BAD_FRAME
+
+
+@pytest.mark.parametrize("junk", [b"G", b"GCWRAP\r\r", b"HTTP/1.1 200 OK\r\n", b"\x16\x03\x01\x02\x00", b"\x00" * 8])
+def test_bad_magic_is_refused_at_the_first_wrong_byte(junk: bytes) -> None:
+    conn = Connection(Role.SHADOW)
+    bad_at = next((i for i, (a, b) in enumerate(zip(junk, MAGIC)) if a != b), None)
+    for i in range(len(junk)):
+        conn.receive_data(junk[i : i + 1])
+        if bad_at is None or i < bad_at:
+            assert conn.next_event() is NEED_DATA
+        else:
+            with pytest.raises(RemoteProtocolError, match="magic"):
+                conn.next_event()
+            return
+    assert bad_at is None and junk == MAGIC[: len(junk)]
+
+
+def test_eof_at_every_point_of_a_frame() -> None:
+    stream = MAGIC + encode(HELLO)
+    for cut in range(len(stream) + 1):
+        conn = Connection(Role.SHADOW)
+        conn.receive_data(stream[:cut])
+        conn.receive_data(b"")
+        if cut == 0:
+            assert conn.next_event() == ConnectionClosed()
+        elif cut == len(stream):
+            assert conn.next_event() == HELLO
+            assert conn.next_event() == ConnectionClosed()
+        else:
+            with pytest.raises(RemoteProtocolError) as info:
+                conn.next_event()
+            assert info.value.code is ErrorCode.BAD_FRAME
+
+
+def test_eof_mid_frame_on_the_agent_side() -> None:
+    agent = agent_after_hello()
+    frame = encode(WELCOME)
+    agent.receive_data(frame[:-1])
+    assert agent.next_event() is NEED_DATA
+    agent.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+        agent.next_event()
+
+
+def test_data_after_eof_is_a_local_error() -> None:
+    conn = Connection(Role.SHADOW)
+    conn.receive_data(b"")
+    conn.receive_data(b"")  # a second EOF is harmless
+    with pytest.raises(LocalProtocolError):
+        conn.receive_data(b"x")
+    assert conn.next_event() == ConnectionClosed()
+
+
+# -- (e) the state machine -------------------------------------------------------
+
+# What each role may send in each state and where that leads, written out
+# from the protocol's description rather than imported from it.
+ALWAYS = {Ping: None, Pong: None, Error: State.CLOSED}  # None: the state stays
+LEGAL: dict[Role, dict[State, dict[type[Event], State | None]]] = {
+    A: {
+        State.AWAIT_HELLO: {Hello: State.AWAIT_WELCOME, **ALWAYS},
+        State.AWAIT_WELCOME: {**ALWAYS},
+        State.STREAMING: {Data: None, StdinRead: None, Exit: State.EXITING, **ALWAYS},
+        State.EXITING: {StdinRead: None, **ALWAYS},
+        State.CLOSED: {},
+    },
+    S: {
+        State.AWAIT_HELLO: {**ALWAYS},
+        State.AWAIT_WELCOME: {Welcome: State.STREAMING, **ALWAYS},
+        State.STREAMING: {Ack: None, StdinData: None, **ALWAYS},
+        State.EXITING: {Ack: None, StdinData: None, Done: State.CLOSED, **ALWAYS},
+        State.CLOSED: {},
+    },
+}
+SAMPLES: list[Event] = [
+    HELLO,
+    WELCOME,
+    Data(1, 5, b"abc"),
+    Ack(1, 3),
+    StdinRead(0, 0, 10),
+    StdinData(0, 0, b"in", False),
+    EXIT,
+    Done(),
+    Ping(1),
+    Pong(1),
+    Error(ErrorCode.TIMEOUT, "bye"),
+]
+# A legal prefix of CONVERSATION that leaves both sides in each state.
+PREFIX = {State.AWAIT_HELLO: 0, State.AWAIT_WELCOME: 1, State.STREAMING: 2, State.EXITING: 14, State.CLOSED: 17}
+
+
+def test_prefixes_reach_their_states() -> None:
+    for state, n in PREFIX.items():
+        assert states_after(CONVERSATION[:n]) == (state, state)
+
+
+@pytest.mark.parametrize("state", list(PREFIX))
+@pytest.mark.parametrize("role", [A, S])
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_send_in_every_state(role: Role, state: State, event: Event) -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[: PREFIX[state]])
+    conn = pair.conn(role)
+    legal = LEGAL[role][state]
+    if type(event) in legal:
+        data = conn.send(event)
+        assert data
+        assert conn.state is (legal[type(event)] or state)
+        assert pipe(data, pair.peer(role)) == [event]
+        assert pair.peer(role).state is conn.state
+    else:
+        with pytest.raises(LocalProtocolError) as info:
+            conn.send(event)
+        assert info.value.code is ErrorCode.UNEXPECTED
+        assert conn.state is state
+
+
+@pytest.mark.parametrize("state", list(PREFIX))
+@pytest.mark.parametrize("role", [A, S])
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_receive_in_every_state(role: Role, state: State, event: Event) -> None:
+    """`role` receives `event` from a peer that ignores the rules."""
+    pair = Pair()
+    pair.run(CONVERSATION[: PREFIX[state]])
+    conn = pair.conn(role)
+    peer_role = S if role is A else A
+    legal = LEGAL[peer_role][state]
+    frame = encode(event)
+    if role is S and state is State.AWAIT_HELLO:
+        frame = MAGIC + frame
+    conn.receive_data(frame)
+    if type(event) in legal:
+        assert conn.next_event() == event
+        assert conn.state is (legal[type(event)] or state)
+    else:
+        with pytest.raises(RemoteProtocolError) as info:
+            conn.next_event()
+        assert info.value.code is ErrorCode.UNEXPECTED
+        assert conn.state is state
+
+
+def test_data_before_hello() -> None:
+    with pytest.raises(LocalProtocolError):
+        Connection(Role.AGENT).send(Data(1, 0, b"x"))
+    shadow = Connection(Role.SHADOW)
+    shadow.receive_data(MAGIC + encode(Data(1, 0, b"x")))
+    with pytest.raises(RemoteProtocolError) as info:
+        shadow.next_event()
+    assert info.value.code is ErrorCode.UNEXPECTED
+
+
+def test_welcome_from_the_agent_and_hello_from_the_shadow() -> None:
+    agent = Connection(Role.AGENT)
+    agent.send(HELLO)
+    with pytest.raises(LocalProtocolError):
+        agent.send(WELCOME)
+    shadow = Connection(Role.SHADOW)
+    with pytest.raises(LocalProtocolError):
+        shadow.send(HELLO)
+    # A second HELLO is as wrong as a WELCOME from the agent.
+    shadow.receive_data(MAGIC + encode(HELLO) + encode(HELLO))
+    assert shadow.next_event() == HELLO
+    with pytest.raises(RemoteProtocolError) as info:
+        shadow.next_event()
+    assert info.value.code is ErrorCode.UNEXPECTED
+
+
+def test_ack_crosses_exit() -> None:
+    """The shadow acknowledges bytes while the agent's EXIT is in flight."""
+    pair = Pair()
+    pair.run(CONVERSATION[:2])
+    exit_bytes = pair.agent.send(EXIT)
+    assert pair.agent.state is State.EXITING
+    ack_bytes = pair.shadow.send(Ack(1, 106))  # the shadow has not seen EXIT yet
+    stdin_bytes = pair.shadow.send(StdinData(0, 0, b"late", True))
+    assert pipe(ack_bytes + stdin_bytes, pair.agent) == [Ack(1, 106), StdinData(0, 0, b"late", True)]
+    assert pipe(exit_bytes, pair.shadow) == [EXIT]
+    assert pair.states() == (State.EXITING, State.EXITING)
+    assert pair.send(S, Ack(2, 9)) == [Ack(2, 9)]
+    assert pair.send(S, Done()) == [Done()]
+    assert pair.states() == (State.CLOSED, State.CLOSED)
+    with pytest.raises(LocalProtocolError):
+        pair.agent.send(Data(1, 106, b"too late"))
+
+
+@pytest.mark.parametrize("state", [s for s in PREFIX if s is not State.CLOSED])
+def test_ping_pong_in_every_open_state(state: State) -> None:
+    pair = Pair()
+    pair.run(CONVERSATION[: PREFIX[state]])
+    for role in (A, S):
+        assert pair.send(role, Ping(99)) == [Ping(99)]
+        other = S if role is A else A
+        assert pair.send(other, Pong(99)) == [Pong(99)]
+    assert pair.states() == (state, state)
+
+
+def test_events_after_close_are_unexpected() -> None:
+    pair = Pair()
+    pair.run(CONVERSATION)
+    pair.shadow.receive_data(encode(Ping(1)))
+    with pytest.raises(RemoteProtocolError) as info:
+        pair.shadow.next_event()
+    assert info.value.code is ErrorCode.UNEXPECTED
+    # Nothing buffered and no EOF yet: a closed connection just waits.
+    assert pair.agent.next_event() is NEED_DATA
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(RemoteProtocolError, ProtocolError)
+    assert issubclass(LocalProtocolError, ProtocolError)
+    assert not issubclass(RemoteProtocolError, LocalProtocolError)
+    assert ProtocolError("x").code is ErrorCode.BAD_FRAME
