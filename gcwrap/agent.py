@@ -54,7 +54,7 @@ class AgentOptions:
     retry_limit: int = 20
     retry_timeout: float = 60.0
     heartbeat: float = 5.0
-    connect_timeout: float = 10.0
+    connect_timeout: float | None = None  # None: three heartbeats
     mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
     spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
     min_free: int | None = None  # free disk space left to the job (None: the default reserve)
@@ -165,11 +165,10 @@ class Agent:
                 await self.changed.wait()
         finally:
             self.blocked_since = None
-            paused = time.monotonic() - started
-            self.stats["paused"] += paused
-            self.note(state="running")
-            if announced:
-                log.warning("the job resumes after %.1f s paused", paused)
+            self.stats["paused"] += time.monotonic() - started
+        self.note(state="running")
+        if announced:
+            log.warning("the job resumes after %.1f s paused", time.monotonic() - started)
 
     # -- the spool writer ------------------------------------------------
 
@@ -210,9 +209,12 @@ class Agent:
                 continue
             try:
                 await spooler.commit(chunks, acked, eof, updates)
-            except SpoolError as e:
-                updates.update(self.job_updates)
-                self.job_updates = updates
+            except BaseException as e:
+                # Not recorded: keep the job fields for the next try (or for
+                # the final commit, when this one was cancelled).
+                self.job_updates = {**updates, **self.job_updates}
+                if not isinstance(e, SpoolError):
+                    raise
                 self._disk_failed(str(e))
                 await trio.sleep(backoff.next_delay())
                 continue
@@ -269,7 +271,7 @@ class Agent:
             self.stats["attempts"] += 1
             session = Session(self, where)
             try:
-                with trio.fail_after(self.opts.connect_timeout):
+                with trio.fail_after(self.opts.connect_timeout or 3 * self.opts.heartbeat):
                     tcp = await trio.open_tcp_stream(host, port)
                 started = time.monotonic()
                 try:
@@ -399,7 +401,10 @@ async def run_job(
     except OSError as e:
         spooler.close(remove=True)
         code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
-        return Outcome(code, message=f"cannot run {command[0]}: {e.strerror}")
+        why = e.strerror
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            why = "out of file descriptors (raise `ulimit -n`)"
+        return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
     started = time.monotonic()
     with first_error():
@@ -440,6 +445,10 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
             if proc.stderr is not None:
                 readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
             await proc.wait()
+            if delivery_done.is_set() and not agent.delivered.is_set():
+                # gcwrap gave up and ended the job: readers paused by
+                # backpressure would wait for room forever.
+                readers.cancel_scope.cancel()
         returncode = proc.returncode
         assert returncode is not None
         agent.exit_event = Exit(
@@ -467,11 +476,13 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
         spooler.close(remove=True)
         return Outcome(job_status if job_status is not None else 0, job_status)
     path = spooler.path if spooler.spool is not None else None
-    if agent.give_up is not None and spooler.spool is not None:
-        try:
-            spooler.spool.commit(job={"state": "gave-up", "reason": agent.give_up.message})
-        except SpoolError:
-            pass
+    final = dict(agent.job_updates, connected=False)
+    if agent.give_up is not None:
+        final.update(state="gave-up", reason=agent.give_up.message)
+    elif agent.refusal is not None:
+        final.update(state="refused", reason=describe(agent.refusal))
+    if not spooler.last_commit(final) and path is not None:
+        log.error("could not record the job's final state in %s", path)
     spooler.close()
     if agent.refusal is not None:
         outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)

@@ -18,11 +18,13 @@ shadow's offsets make any resend exactly-once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import sqlite3
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,33 +204,41 @@ class Spool:
     def create(
         cls, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
     ) -> Spool:
-        """A new spool for one run of a job. `path=None` makes one in memory."""
+        """A new spool for one run of a job. `path=None` makes one in memory.
+        Raises SpoolError (disk full, unwritable...) with the reason."""
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as e:
+                raise SpoolError(f"cannot create the spool directory {path.parent}: {e.strerror}") from None
             if path.exists():
                 raise SpoolError(f"spool {path} already exists")
-            conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        else:
-            conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        configure(conn, new=True)
-        db = sqlite_utils.Database(conn)
-        migrate(db)
-        spool = cls(db, path)
-        with transaction(db.conn):
-            row = spool._job_row(job)
-            db.execute(
-                f"INSERT INTO job (id, {', '.join(_JOB_FIELDS)}) VALUES (1, {', '.join('?' * len(_JOB_FIELDS))})",
-                [row[k] for k in _JOB_FIELDS],
-            )
-            for sid, kind, name in streams:
-                db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
+        conn = sqlite3.connect(str(path) if path else ":memory:", isolation_level=None, check_same_thread=False)
+        try:
+            configure(conn, new=True)
+            db = sqlite_utils.Database(conn)
+            migrate(db)
+            spool = cls(db, path)
+            with transaction(db.conn):
+                row = spool._job_row(job)
+                db.execute(
+                    f"INSERT INTO job (id, {', '.join(_JOB_FIELDS)}) VALUES (1, {', '.join('?' * len(_JOB_FIELDS))})",
+                    [row[k] for k in _JOB_FIELDS],
+                )
+                for sid, kind, name in streams:
+                    db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
+        except sqlite3.Error as e:
+            conn.close()
+            raise SpoolError(describe_sqlite_error(e, path)) from None
         return spool
 
     @classmethod
     def open(cls, path: Path, *, readonly: bool = False) -> Spool:
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
-        uri = f"file:{path}?mode=ro" if readonly else f"file:{path}"
+        # Quote the path: in a URI "?" and "#" end it and "%" escapes, so
+        # /tmp/C#/job.spool would open (and create) /tmp/C instead.
+        uri = f"file:{urllib.parse.quote(str(path))}" + ("?mode=ro" if readonly else "")
         try:
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
             if not readonly:
@@ -401,4 +411,14 @@ def describe_sqlite_error(e: sqlite3.Error, path: Path | None) -> str:
         return f"{where}: not writable ({text})"
     if "disk I/O" in text:
         return f"{where}: I/O error ({text})"
+    if "unable to open" in text and _out_of_descriptors():
+        return f"{where}: out of file descriptors (raise `ulimit -n`)"
     return f"{where}: {text}"
+
+
+def _out_of_descriptors() -> bool:
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return e.errno in (errno.EMFILE, errno.ENFILE)
+    return False

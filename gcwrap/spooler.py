@@ -11,16 +11,20 @@ memory and tries again later.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from .spool import Chunk, JobRecord, Spool, SpoolError
+log = logging.getLogger("gcwrap")
+
+from .spool import PAGE_SIZE, Chunk, JobRecord, Spool, SpoolError
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
+BALLAST = 4 * PAGE_SIZE  # space held back so the last commit (exit status, state) fits on a full disk
 
 
 def lock_spool(path: Path) -> int:
@@ -57,6 +61,7 @@ class Spooler:
         self.write_limiter = trio.CapacityLimiter(1)
         self.read_limiter = trio.CapacityLimiter(1)
         self.full_reason = ""
+        self.ballast = Path(f"{path}.ballast")
 
     # -- creating --------------------------------------------------------
 
@@ -65,8 +70,14 @@ class Spooler:
             # A previous try died half-way (disk full while creating): start over.
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._make_ballast()  # first: the final state matters more than any one byte of output
         spool = Spool.create(self.path, self.job, self.streams)
         try:
+            # Checkpoint often enough that the WAL stays a small part of the
+            # file system (the default, 1000 pages, is 64 MiB at our page size).
+            st = os.statvfs(self.path.parent)
+            pages = max(4, min(256, st.f_blocks * st.f_frsize // (16 * PAGE_SIZE)))
+            spool.db.conn.execute(f"PRAGMA wal_autocheckpoint = {pages}")
             self.lock_fd = lock_spool(self.path)
         except OSError as e:
             spool.remove()
@@ -117,6 +128,37 @@ class Spooler:
 
     # -- transactions ----------------------------------------------------
 
+    def _make_ballast(self) -> None:
+        if self.ballast.exists():
+            return
+        try:
+            fd = os.open(self.ballast, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return
+        try:
+            os.posix_fallocate(fd, 0, BALLAST)
+        except OSError:
+            os.close(fd)
+            self.ballast.unlink(missing_ok=True)  # no room even for that: do without
+            return
+        os.close(fd)
+
+    def last_commit(self, updates: dict[str, Any]) -> bool:
+        """Record the final job fields; on a full disk, give up the ballast to
+        make room. Synchronous: called once everything else has stopped."""
+        if self.spool is None:
+            return False
+        for attempt in range(2):
+            try:
+                self.spool.commit(job=updates)
+                return True
+            except SpoolError as e:
+                if attempt or not self.ballast.exists():
+                    log.error("%s", e)
+                    return False
+                self.ballast.unlink(missing_ok=True)
+        return False
+
     async def commit(
         self, chunks: list[Chunk], acked: dict[int, int], eof: list[int], updates: dict[str, Any]
     ) -> None:
@@ -138,6 +180,7 @@ class Spooler:
         if self.spool is not None:
             if remove:
                 self.spool.remove()
+                self.ballast.unlink(missing_ok=True)
             else:
                 self.spool.close()
             self.spool = None

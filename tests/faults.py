@@ -1,0 +1,242 @@
+"""Real faults from the kernel: a network namespace for the shadow's host,
+iptables for black holes, resets and loss, tmpfs for full disks, and a small
+delaying TCP proxy (this kernel has no netem).
+
+Only addresses of the namespace this module creates (10.200.0.0/30) and
+loopback are ever used. Every fixture deletes before it creates and cleans
+up in `finally`, so a crashed run does not break the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+NS = "gcwtest"
+VETH_HOST, VETH_NS = "gcwv0", "gcwv1"
+HOST_IP, NS_IP = "10.200.0.1", "10.200.0.2"
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces, iptables, tmpfs mounts)")
+    for tool in ("ip", "iptables", "mount"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs the {tool} command (apt-get install iproute2 iptables)")
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(list(args), capture_output=True, timeout=30, check=check)
+
+
+class NetNS:
+    """A second host: namespace NS joined to this one by a veth pair."""
+
+    def __init__(self) -> None:
+        self.faults = 0
+
+    def __enter__(self) -> NetNS:
+        self.cleanup()
+        sh("ip", "netns", "add", NS)
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+        sh("ip", "link", "add", VETH_HOST, "type", "veth", "peer", "name", VETH_NS)
+        sh("ip", "link", "set", VETH_NS, "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/30", "dev", VETH_HOST)
+        sh("ip", "link", "set", VETH_HOST, "up")
+        sh("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/30", "dev", VETH_NS)
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", VETH_NS, "up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    @staticmethod
+    def cleanup() -> None:
+        sh("ip", "link", "del", VETH_HOST, check=False)
+        sh("ip", "netns", "del", NS, check=False)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", NS]
+
+    def iptables(self, *rule: str) -> None:
+        sh(*self.prefix(), "iptables", *rule)
+
+    def blackhole(self, port: int) -> None:
+        """Packets to the shadow vanish: no RST, no ICMP."""
+        self.faults += 1
+        self.iptables("-I", "INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP")
+
+    def reset(self, port: int) -> None:
+        """Every packet to the shadow is answered with a TCP reset."""
+        self.faults += 1
+        self.iptables("-I", "INPUT", "-p", "tcp", "--dport", str(port), "-j", "REJECT", "--reject-with", "tcp-reset")
+
+    def loss(self, port: int, probability: float) -> None:
+        """Random loss both ways on the shadow's port."""
+        self.faults += 1
+        for chain, flag in (("INPUT", "--dport"), ("OUTPUT", "--sport")):
+            self.iptables("-I", chain, "-p", "tcp", flag, str(port), "-m", "statistic", "--mode", "random",
+                          "--probability", str(probability), "-j", "DROP")
+
+    def heal(self) -> None:
+        self.iptables("-F", "INPUT")
+        self.iptables("-F", "OUTPUT")
+
+    def link(self, up: bool) -> None:
+        if not up:
+            self.faults += 1
+        sh("ip", "link", "set", VETH_HOST, "up" if up else "down")
+
+
+class Tmpfs:
+    """A small file system that fills up for real."""
+
+    def __init__(self, path: Path, size: str) -> None:
+        self.path = path
+        self.size = size
+
+    def __enter__(self) -> Tmpfs:
+        self.path.mkdir(parents=True, exist_ok=True)
+        sh("umount", "-l", str(self.path), check=False)
+        sh("mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sh("umount", "-l", str(self.path), check=False)
+
+    def fill(self, leave: int = 0) -> Path:
+        """Fill the file system, leaving about `leave` bytes free."""
+        filler = self.path / "filler"
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        with open(filler, "ab") as f:
+            want = max(0, free - leave)
+            block = b"\0" * (64 << 10)
+            try:
+                while want > 0:
+                    f.write(block[: min(len(block), want)])
+                    want -= len(block)
+                f.flush()
+            except OSError:
+                pass
+        return filler
+
+    def free(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    def remount(self, readonly: bool) -> None:
+        sh("mount", "-o", f"remount,{'ro' if readonly else 'rw'}", str(self.path))
+
+
+class DelayProxy:
+    """A TCP proxy on loopback that delays every chunk by `delay` seconds,
+    both ways, keeping order (what netem would do, in user space)."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        self.target = target
+        self.delay = delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.socks: list[socket.socket] = []
+
+    def __enter__(self) -> DelayProxy:
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.listener.close()
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(5)
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            self.socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        import queue
+
+        q: queue.Queue[tuple[float, bytes]] = queue.Queue()
+
+        def writer() -> None:
+            while True:
+                due, data = q.get()
+                if not data:
+                    try:
+                        dst.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                    return
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        w = threading.Thread(target=writer, daemon=True)
+        w.start()
+        src.settimeout(None)
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            q.put((time.monotonic() + self.delay, data))
+            if not data:
+                break
+        w.join(30)
+
+
+def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequence[str] = ()) -> tuple[
+        subprocess.Popen[bytes], int]:
+    """Start gcshadow inside the namespace; return (process, port)."""
+    gcshadow = shutil.which("gcshadow")
+    assert gcshadow
+    port_file = logdir / f"ns-port-{time.monotonic_ns()}"
+    log = open(logdir / "ns-shadow.log", "ab")
+    proc = subprocess.Popen(
+        [*ns.prefix(), gcshadow, "serve", "--host", NS_IP, "--port", str(port), "--root", str(root),
+         "--port-file", str(port_file), *extra],
+        stdout=log, stderr=log, start_new_session=True,
+    )
+    log.close()
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"gcshadow in the namespace did not start: {(logdir / 'ns-shadow.log').read_text()}")
+        time.sleep(0.02)
+    return proc, int(port_file.read_text())

@@ -1,0 +1,299 @@
+"""Chaos: real faults from the kernel while a job streams home.
+
+Each scenario runs a job that writes known pseudo-random bytes (stdout and
+stderr, in bursts), injects a fault with a real kernel mechanism, and checks
+sha256 of what landed against what the job wrote (equal length and hash: no
+byte lost, none duplicated). Needs root; skips with a reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from faults import NS_IP, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
+from helpers import (
+    ShadowProc,
+    Wrapper,
+    expected,
+    file_size,
+    genjob,
+    sha256_file,
+    spool_status,
+    tool,
+    wait_until,
+)
+
+MB = 1_000_000
+pytestmark = pytest.mark.root
+
+
+def stamps(path: Path) -> list[float]:
+    return [float(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def max_gap(path: Path) -> float:
+    ts = stamps(path)
+    return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def check_landed(home: Path, name: str, n: int, seed: int) -> None:
+    got = file_size(home / name)
+    assert got == n, f"{name}: {got} bytes landed, the job wrote {n}"
+    assert sha256_file(home / name) == expected(n, seed), f"{name}: bytes differ"
+
+
+@pytest.fixture
+def netns() -> object:
+    need_root()
+    with NetNS() as ns:
+        yield ns
+
+
+# -- 1. the shadow killed -9 five times ------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_shadow_killed_five_times_at_random_moments(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    rng = random.Random(1234)
+    out, err = 40 * MB, 4 * MB
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "kill5", "--retry-timeout", "0.5",
+                 "--heartbeat", "1", "--stdout", "k.out", "--stderr", "k.err", "--",
+                 *genjob(out, err, seed=51, rate=8 * MB)])
+    for _ in range(5):
+        time.sleep(rng.uniform(0.2, 1.2))
+        shadow.kill9()
+        time.sleep(rng.uniform(0.0, 0.8))
+        shadow.start()
+    assert w.wait(180) == 0, w.err.decode()
+    check_landed(home, "k.out", out, 51)
+    check_landed(home, "k.err", err, 52)
+
+
+# -- 2. gcwrap killed -9, then resume ----------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_wrapper_killed_mid_run_then_resume(shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    progress = tmp_path / "stamps"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "orphan", "--retry-timeout", "0.5",
+                 "--stdout", "o.out", "--stderr", "o.err", "--",
+                 *genjob(50 * MB, 5 * MB, seed=61, rate=5 * MB, timestamps=progress)])
+    wait_until(lambda: file_size(home / "o.out") > 2 * MB, 60, "output at home")
+    shadow.stop()  # a backlog builds up in the spool...
+    time.sleep(1.5)
+    w.kill9()  # ...and the wrapper dies with it
+    (st,) = spool_status(spool_dir)
+    assert not st["active"]
+    spooled = {s["kind"]: s["appended"] for s in st["streams"]}  # type: ignore[index]
+    assert spooled["stdout"] > file_size(home / "o.out"), "part of the output is only in the spool"
+    shadow.start()
+    res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-timeout", "0.5"],
+                         capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr.decode()
+    # Everything gcwrap had read from the job is home, byte-exact: a prefix of the job's stream.
+    for name, kind, n, seed in (("o.out", "stdout", 50 * MB, 61), ("o.err", "stderr", 5 * MB, 62)):
+        landed = (home / name).read_bytes()
+        assert len(landed) == spooled[kind]
+        assert landed == random.Random(seed).randbytes(n)[: len(landed)]
+    assert list(spool_dir.glob("*.spool")) == []
+    jobs = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                                     check=True, timeout=30).stdout)
+    assert jobs[0]["state"] == "finished" and "exit status is unknown" in jobs[0]["reason"]
+
+
+# -- 3. partitions: black holes and resets -----------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("kind", "seconds"), [("drop", 2), ("drop", 10), ("reset", 2), ("reset", 10)])
+def test_partition(netns: NetNS, home: Path, spool_dir: Path, tmp_path: Path, kind: str, seconds: float) -> None:
+    proc, port = shadow_in_ns(netns, home, tmp_path)
+    ts = tmp_path / "stamps"
+    rate = 2 * MB
+    out = int(rate * (seconds + 5))
+    try:
+        w = Wrapper(["--shadow", f"{NS_IP}:{port}", "--spool", str(spool_dir), "--job-id", f"part-{kind}",
+                     "--retry-timeout", "1", "--heartbeat", "1", "--stdout", "p.out", "--stderr", "p.err", "--",
+                     *genjob(out, 200_000, seed=71, rate=rate, timestamps=ts)])
+        wait_until(lambda: file_size(home / "p.out") > MB, 30, "output at home")
+        (netns.blackhole if kind == "drop" else netns.reset)(port)
+        before = file_size(home / "p.out")
+        time.sleep(seconds)
+        during = file_size(home / "p.out")
+        netns.heal()
+        assert w.wait(120) == 0, w.err.decode()
+    finally:
+        stop(proc)
+    assert during - before < MB, "nothing should cross a partition"
+    check_landed(home, "p.out", out, 71)
+    check_landed(home, "p.err", 200_000, 72)
+    assert max_gap(ts) < 1.5, "the job never waits for the network"
+    if seconds > 3:  # longer than the heartbeat timeout (3 heartbeats)
+        assert b"no answer from the shadow" in w.err or b"reset" in w.err or b"refused" in w.err, w.err
+
+
+# -- 4. loss and delay during the whole run ------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_loss_and_delay_whole_run(netns: NetNS, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    proc, port = shadow_in_ns(netns, home, tmp_path)
+    netns.loss(port, 0.10)
+    try:
+        with DelayProxy((NS_IP, port), 0.2) as proxy:
+            w = Wrapper(["--shadow", f"127.0.0.1:{proxy.port}", "--spool", str(spool_dir), "--job-id", "lossy",
+                         "--retry-timeout", "1", "--heartbeat", "2", "--stdout", "l.out", "--stderr", "l.err", "--",
+                         *genjob(4 * MB, 400_000, seed=81, rate=1 * MB)])
+            assert w.wait(200) == 0, w.err.decode()
+    finally:
+        stop(proc)
+    check_landed(home, "l.out", 4 * MB, 81)
+    check_landed(home, "l.err", 400_000, 82)
+
+
+# -- 5. the spool's disk fills up ------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    need_root()
+    with Tmpfs(tmp_path / "small", "4m") as fs:
+        filler = fs.fill(leave=64 << 10)
+        ts = tmp_path / "stamps"
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(fs.path), "--job-id", "diskfull",
+                     "--memory-limit", "2MiB", "--stdout", "d.out", "--stderr", "d.err", "--",
+                     *genjob(20 * MB, 2 * MB, seed=91, rate=5 * MB, timestamps=ts)])
+        time.sleep(2)
+        filler.unlink()  # the disk recovers: spooling resumes
+        assert w.wait(60) == 0, w.err.decode()
+    check_landed(home, "d.out", 20 * MB, 91)
+    check_landed(home, "d.err", 2 * MB, 92)
+    assert max_gap(ts) < 1.0, "a full disk with the network up must not pause the job"
+    assert b"disk full" in w.err or b"disk nearly full" in w.err
+    assert b"the spool takes output again" in w.err
+
+
+@pytest.mark.timeout(120)
+def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_path: Path) -> None:
+    need_root()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()  # the network is "down": nothing listens
+    with Tmpfs(tmp_path / "small", "4m") as fs:
+        fs.fill(leave=64 << 10)
+        ts = tmp_path / "stamps"
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "paused",
+                     "--retry-timeout", "0.5", "--retry-limit", "0", "--memory-limit", "1MiB",
+                     "--stdout", "q.out", "--stderr", "q.err", "--",
+                     *genjob(8 * MB, 500_000, seed=95, rate=4 * MB, timestamps=ts)])
+        time.sleep(4)
+        assert w.proc.poll() is None, "the job is paused, not killed"
+        count = len(stamps(ts))
+        time.sleep(1)
+        assert len(stamps(ts)) == count, "the job is blocked in write()"
+        sh.start(port)
+        try:
+            assert w.wait(60) == 0, w.err.decode()
+        finally:
+            sh.stop()
+    check_landed(home, "q.out", 8 * MB, 95)
+    check_landed(home, "q.err", 500_000, 96)
+    assert max_gap(ts) > 2.5, "the job's own timestamps show the pause"
+    assert b"the job is paused" in w.err and b"the job resumes" in w.err
+
+
+# -- 6. the retry limit ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
+    need_root()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    with Tmpfs(tmp_path / "small", "4m") as fs:
+        fs.fill(leave=2 << 20)  # room for the spool to start and take some output, then full
+        started = time.monotonic()
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "doomed",
+                     "--retry-timeout", "0.2", "--retry-limit", "5", "--memory-limit", "1MiB",
+                     "--stdout", "z.out", "--", *genjob(50 * MB, 0, seed=97, rate=10 * MB)])
+        rc = w.wait(60)
+        elapsed = time.monotonic() - started
+        assert rc == 124, w.err.decode()
+        assert elapsed < 30
+        text = w.err.decode()
+        assert "retry limit reached" in text and "5 consecutive failed attempts" in text
+        assert "gcwrap resume --spool" in text
+        (st,) = spool_status(fs.path)
+        assert st["state"] == "gave-up"
+        assert st["exit_signal"] == signal.SIGTERM, "killed with SIGTERM"
+        pending = st["streams"][0]["pending"]  # type: ignore[index]
+        assert pending > 0, "the spool keeps what it holds"
+
+
+# -- descriptors and an unwritable root -----------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None:
+    """The shadow's root stops taking writes (ENOSPC): the agent is told,
+    backs off, the job goes on, and everything lands once space is back."""
+    need_root()
+    with Tmpfs(tmp_path / "root", "24m") as fs:
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        sh = ShadowProc(fs.path, logs)
+        sh.start()
+        try:
+            ts = tmp_path / "stamps"
+            w = Wrapper(["--shadow", sh.address, "--spool", str(spool_dir), "--job-id", "full-home",
+                         "--retry-timeout", "0.5", "--stdout", "r.out", "--",
+                         *genjob(8 * MB, 0, seed=99, rate=2 * MB, timestamps=ts)])
+            wait_until(lambda: file_size(fs.path / "r.out") > MB, 30, "output at home")
+            filler = fs.fill()
+            time.sleep(2)
+            filler.unlink()
+            assert w.wait(60) == 0, w.err.decode()
+            check_landed(fs.path, "r.out", 8 * MB, 99)
+            assert b"No space left" in w.err, w.err
+            assert max_gap(ts) < 1.0, "the job does not wait for the shadow's disk"
+        finally:
+            sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_descriptor_exhaustion_gives_a_clear_error(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12))
+
+    proc = subprocess.run([*tool("gcwrap"), "--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "fd",
+                           "--retry-limit", "2", "--retry-timeout", "0.2", "--stdout", "fd.out", "--", "echo", "hi"],
+                          capture_output=True, timeout=50, preexec_fn=low_limit)
+    text = proc.stderr.decode()
+    assert "Traceback" not in text, text
+    assert proc.returncode == 126, text
+    assert "cannot run echo: out of file descriptors (raise `ulimit -n`)" in text, text
+    assert list(spool_dir.glob("*.spool")) == [], "no spool left for a job that never ran"
