@@ -44,3 +44,15 @@ def shadow(home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
 @pytest.fixture
 def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    import sys
+
+    chaos = sys.modules.get("test_chaos")
+    totals = getattr(chaos, "CHAOS_TOTALS", None)
+    if totals and totals["seeds"]:
+        terminalreporter.write_line(
+            "chaos schedule: {seeds} seeds, {bytes} bytes moved, {faults} faults injected, "
+            "{lost} bytes lost, {duplicated} bytes duplicated".format(**totals)
+        )

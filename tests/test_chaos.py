@@ -297,3 +297,89 @@ def test_descriptor_exhaustion_gives_a_clear_error(shadow: ShadowProc, home: Pat
     assert proc.returncode == 126, text
     assert "cannot run echo: out of file descriptors (raise `ulimit -n`)" in text, text
     assert list(spool_dir.glob("*.spool")) == [], "no spool left for a job that never ran"
+
+
+# -- 7. a randomized schedule mixing all of the above --------------------------------
+
+CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0}
+FAULT_KINDS = ("kill", "drop", "reset", "loss", "link", "diskfull")
+
+
+def lost_and_duplicated(path: Path, want: bytes) -> tuple[int, int]:
+    got = path.read_bytes() if path.exists() else b""
+    if got == want:
+        return 0, 0
+    common = 0
+    step = 1 << 16
+    while common < min(len(got), len(want)) and got[common : common + step] == want[common : common + step]:
+        common += step
+    common = min(common, len(got), len(want))
+    return len(want) - common, max(0, len(got) - common)
+
+
+def chaos_seeds(config: pytest.Config) -> list[int]:
+    n = config.getoption("--seeds") or 20
+    return list(range(n))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "chaos_seed" in metafunc.fixturenames:
+        metafunc.parametrize("chaos_seed", chaos_seeds(metafunc.config))
+
+
+@pytest.mark.timeout(120)
+def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) -> None:
+    rng = random.Random(chaos_seed)
+    home, spool_dir, logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
+    home.mkdir()
+    logs.mkdir()
+    out_n, err_n = rng.randint(1, 6) * MB, rng.randint(0, 8) * 100_000
+    rate = rng.choice((2, 3, 4)) * MB
+    out_b, err_b = random.Random(chaos_seed).randbytes(out_n), random.Random(chaos_seed + 1).randbytes(err_n)
+    proc, port = shadow_in_ns(netns, home, logs)
+    faults = 0
+    with Tmpfs(spool_dir, "4m") as fs:
+        try:
+            w = Wrapper(["--shadow", f"{NS_IP}:{port}", "--spool", str(spool_dir), "--job-id", f"chaos-{chaos_seed}",
+                         "--retry-timeout", "0.5", "--retry-limit", "0", "--heartbeat", "0.5",
+                         "--memory-limit", "2MiB", "--stdout", "c.out", "--stderr", "c.err", "--",
+                         *genjob(out_n, err_n, seed=chaos_seed, rate=rate)])
+            for _ in range(rng.randint(2, 4)):
+                time.sleep(rng.uniform(0.1, 1.0))
+                kind = rng.choice(FAULT_KINDS)
+                faults += 1
+                filler = None
+                if kind == "kill":
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+                elif kind == "drop":
+                    netns.blackhole(port)
+                elif kind == "reset":
+                    netns.reset(port)
+                elif kind == "loss":
+                    netns.loss(port, 0.1)
+                elif kind == "link":
+                    netns.link(up=False)
+                else:
+                    filler = fs.fill()
+                time.sleep(rng.uniform(0.2, 2.5))
+                if kind == "kill":
+                    proc, _ = shadow_in_ns(netns, home, logs, port=port)
+                elif kind == "link":
+                    netns.link(up=True)
+                elif filler is not None:
+                    filler.unlink()
+                else:
+                    netns.heal()
+            rc = w.wait(90)
+        finally:
+            stop(proc)
+    lost_o, dup_o = lost_and_duplicated(home / "c.out", out_b)
+    lost_e, dup_e = lost_and_duplicated(home / "c.err", err_b)
+    CHAOS_TOTALS["seeds"] += 1
+    CHAOS_TOTALS["bytes"] += out_n + err_n
+    CHAOS_TOTALS["faults"] += faults
+    CHAOS_TOTALS["lost"] += lost_o + lost_e
+    CHAOS_TOTALS["duplicated"] += dup_o + dup_e
+    assert rc == 0, w.err.decode()
+    assert (lost_o, dup_o, lost_e, dup_e) == (0, 0, 0, 0)
