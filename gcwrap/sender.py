@@ -3,15 +3,20 @@
 A session runs four tasks: `_send_loop` streams DATA from memory or spool and
 asks for stdin, `_recv_loop` dispatches ACK / STDIN_DATA / PING / DONE /
 ERROR, `_pinger` sends a PING every heartbeat, and `_watchdog` declares the
-connection dead when nothing came in *and* nothing went out for three
-heartbeats (a black hole), while a slow shadow that still takes DATA or
-answers stays alive. All sends go through one lock.
+connection dead when for three heartbeats nothing came in *and* the peer's
+TCP acknowledged none of our bytes (the kernel's send queue did not shrink):
+that is a black hole. A slow shadow behind a thin link still drains the send
+queue, so it stays alive even while one large frame takes longer than the
+timeout and our PING waits behind it. All sends go through one lock.
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
 import itertools
 import socket
+import termios
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -105,10 +110,7 @@ class Session:
         async with self.send_lock:
             data = self.conn.send(event)
             await stream.send_all(data)
-            # Only DATA counts as progress out: a PING fits in the kernel's
-            # buffer of a black-holed connection and proves nothing.
-            if isinstance(event, Data):
-                self.last_out = time.monotonic()
+
 
     async def run(self, stream: trio.SocketStream) -> None:
         agent = self.agent
@@ -150,7 +152,7 @@ class Session:
                 nursery.start_soon(self._recv_loop, stream)
                 nursery.start_soon(self._send_loop, stream)
                 nursery.start_soon(self._pinger, stream)
-                nursery.start_soon(self._watchdog)
+                nursery.start_soon(self._watchdog, stream)
 
     async def _receive_events(self, stream: trio.SocketStream) -> list[Event]:
         data = await stream.receive_some(65536)
@@ -249,10 +251,25 @@ class Session:
             await trio.sleep(self.heartbeat)
             await self._send(stream, Ping(next(self.nonces)))
 
-    async def _watchdog(self) -> None:
+    async def _watchdog(self, stream: trio.SocketStream) -> None:
         limit = 3 * self.heartbeat
+        queued = send_queue(stream)
         while True:
-            await trio.sleep(self.heartbeat / 2)
+            await trio.sleep(self.heartbeat / 4)
             now = time.monotonic()
+            now_queued = send_queue(stream)
+            if now_queued < queued:
+                self.last_out = now  # the peer's TCP acknowledged bytes: it is alive
+            queued = now_queued
             if now - self.last_in > limit and now - self.last_out > limit:
-                raise HeartbeatTimeout(f"nothing received or sent for {limit:.0f} s")
+                raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit:g} s")
+
+
+def send_queue(stream: trio.SocketStream) -> int:
+    """Bytes in the kernel's send queue not yet acknowledged by the peer."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(stream.socket.fileno(), termios.TIOCOUTQ, buf)  # SIOCOUTQ
+    except OSError:
+        return 0
+    return buf[0]

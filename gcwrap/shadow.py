@@ -61,6 +61,7 @@ class ShadowOptions:
     handshake_timeout: float = 10.0
     idle_timeout: float = 60.0
     max_connections: int = 20000
+    min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
     port_file: Path | None = None
 
 
@@ -187,7 +188,9 @@ class Shadow:
         self.connections += 1
         try:
             if self.connections > self.opts.max_connections:
-                await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections", peer, retry_after=5)
+                log.warning("%s: too many connections (%d)", peer, self.connections)
+                await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
+                                   retry_after=5)
                 return
             with first_error():
                 await self._serve_connection(stream, conn, peer)
@@ -249,6 +252,11 @@ class Shadow:
                         hello = ev
                     elif isinstance(ev, (ConnectionClosed, Error)):
                         return
+        busy = self._busy()
+        if busy:
+            log.warning("%s: job %s told to come back later: %s", peer, hello.job_id, busy)
+            await self._refuse(stream, conn, ErrorCode.BUSY, busy, peer, retry_after=10)
+            return
         if PROTOCOL_VERSION not in hello.versions:
             raise ProtocolError(
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
@@ -275,6 +283,18 @@ class Shadow:
                 del self.live[files.job_id]
                 await self._release(job)
             job.gone.set()
+
+    def _busy(self) -> str:
+        """Why the shadow cannot take a session now (carrier sense), or ""."""
+        if self.opts.min_free:
+            try:
+                st = os.statvfs(self.opts.root)
+            except OSError as e:
+                return f"cannot check free space at home: {e.strerror}"
+            free = st.f_bavail * st.f_frsize
+            if free < self.opts.min_free:
+                return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
+        return ""
 
     async def _claim(self, hello: Hello, peer: str) -> LiveJob:
         old = self.live.get(hello.job_id)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cli import Size
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -55,10 +56,15 @@ def main() -> None:
               help="Seconds an agent has to introduce itself.")
 @click.option("--idle-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds of silence after which a connection is dropped.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=20000, show_default=True,
+              envvar="GCSHADOW_MAX_CONNECTIONS", show_envvar=True,
+              help="Connections served at once; more are told BUSY and come back later.")
+@click.option("--min-free", type=Size(), default="64MiB", show_default=True, envvar="GCSHADOW_MIN_FREE",
+              show_envvar=True, help="Free space at home below which new sessions are told BUSY (0: never).")
 @click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug).")
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
-    verbose: int,
+    max_connections: int, min_free: int, verbose: int,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -75,7 +81,8 @@ def serve(
     setup_logging("gcshadow", verbose + 1)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
-        handshake_timeout=handshake_timeout, idle_timeout=idle_timeout,
+        handshake_timeout=handshake_timeout, idle_timeout=idle_timeout, max_connections=max_connections,
+        min_free=min_free,
     )
     try:
         trio.run(run_shadow, opts)

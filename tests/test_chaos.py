@@ -12,6 +12,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -265,7 +266,7 @@ def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None
     with Tmpfs(tmp_path / "root", "24m") as fs:
         logs = tmp_path / "logs"
         logs.mkdir()
-        sh = ShadowProc(fs.path, logs)
+        sh = ShadowProc(fs.path, logs, extra=["--min-free", "0"])
         sh.start()
         try:
             ts = tmp_path / "stamps"
@@ -383,3 +384,48 @@ def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) ->
     CHAOS_TOTALS["duplicated"] += dup_o + dup_e
     assert rc == 0, w.err.decode()
     assert (lost_o, dup_o, lost_e, dup_e) == (0, 0, 0, 0)
+
+
+# -- carrier sense and slow shadows ------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_busy_shadow_makes_the_agent_back_off(home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    busy = ShadowProc(home, logs, extra=["--min-free", "1000TB"])  # "disk low at home"
+    port = busy.start()
+    try:
+        w = Wrapper(["--shadow", busy.address, "--spool", str(spool_dir), "--job-id", "patient",
+                     "--retry-timeout", "1", "--stdout", "b.out", "--", *genjob(2 * MB, 0, seed=13)])
+        wait_until(lambda: b"BUSY" in (busy.log().encode()) or "come back later" in busy.log(), 30, "a BUSY answer")
+    finally:
+        busy.stop()
+    ok = ShadowProc(home, logs)
+    ok.start(port)
+    try:
+        assert w.wait(60) == 0, w.err.decode()
+    finally:
+        ok.stop()
+    check_landed(home, "b.out", 2 * MB, 13)
+    assert b"disk low at home" in w.err and b"BUSY" in w.err
+
+
+@pytest.mark.timeout(120)
+def test_slow_shadow_is_not_dead(netns: NetNS, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    """A thin link (1 Mbit/s token bucket): one DATA frame takes longer than the
+    heartbeat timeout, yet the connection is kept; the spool absorbs the lag."""
+    if shutil.which("tc") is None:
+        pytest.skip("needs tc (apt-get install iproute2)")
+    proc, port = shadow_in_ns(netns, home, tmp_path)
+    subprocess.run(["tc", "qdisc", "add", "dev", "gcwv0", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
+                    "latency", "400ms"], check=True, timeout=10)
+    try:
+        w = Wrapper(["--shadow", f"{NS_IP}:{port}", "--spool", str(spool_dir), "--job-id", "slowpoke", "-v",
+                     "--heartbeat", "0.5", "--stdout", "s.out", "--", *genjob(int(1.5 * MB), 0, seed=17)])
+        assert w.wait(90) == 0, w.err.decode()
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "gcwv0", "root"], timeout=10)
+        stop(proc)
+    check_landed(home, "s.out", int(1.5 * MB), 17)
+    assert b"no answer from the shadow" not in w.err, w.err.decode()
