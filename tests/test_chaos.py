@@ -429,3 +429,26 @@ def test_slow_shadow_is_not_dead(netns: NetNS, home: Path, spool_dir: Path, tmp_
         stop(proc)
     check_landed(home, "s.out", int(1.5 * MB), 17)
     assert b"no answer from the shadow" not in w.err, w.err.decode()
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_preemption_sigterm_forwarded_and_output_pushed_home(shadow: ShadowProc, home: Path,
+                                                             spool_dir: Path) -> None:
+    """The batch system sends SIGTERM to gcwrap alone: the job gets it, dies,
+    and gcwrap pushes everything the job wrote home before it exits."""
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "preempted",
+                 "--stdout", "pre.out", "--stderr", "pre.err", "--", *genjob(200 * MB, 5 * MB, seed=23, rate=10 * MB)])
+    wait_until(lambda: file_size(home / "pre.out") > 3 * MB, 60, "output at home")
+    os.kill(w.proc.pid, signal.SIGTERM)  # not the process group: gcwrap must forward it
+    assert w.wait(60) == 128 + signal.SIGTERM, w.err.decode()
+    assert list(spool_dir.glob("*.spool")) == [], "everything was acknowledged before gcwrap exited"
+    for name, n, seed in (("pre.out", 200 * MB, 23), ("pre.err", 5 * MB, 24)):
+        landed = (home / name).read_bytes()
+        assert 0 < len(landed) < n
+        assert landed == random.Random(seed).randbytes(n)[: len(landed)], f"{name} is a byte-exact prefix"
+    jobs = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                                     check=True, timeout=30).stdout)
+    assert jobs[0]["exit_signal"] == signal.SIGTERM
