@@ -16,6 +16,7 @@ other with one `Signal`.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -108,7 +109,9 @@ class Agent:
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
-        self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "paused": 0.0, "connected_s": 0.0}
+        self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0}
+        self.started = time.monotonic()
+        self.connected_since: float | None = None
 
     # -- shared state helpers ---------------------------------------------
 
@@ -273,11 +276,12 @@ class Agent:
             try:
                 with trio.fail_after(self.opts.connect_timeout or 3 * self.opts.heartbeat):
                     tcp = await trio.open_tcp_stream(host, port)
-                started = time.monotonic()
+                self.connected_since = time.monotonic()
                 try:
                     await session.run(tcp)
                 finally:
-                    self.stats["connected_s"] += time.monotonic() - started
+                    self.stats["connected_s"] += time.monotonic() - self.connected_since
+                    self.connected_since = None
                     with trio.CancelScope(shield=True):
                         await trio.aclose_forcefully(tcp)
                     self.note(connected=False)
@@ -307,7 +311,8 @@ class Agent:
                 self.outage_reported = True
             else:
                 log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
-            self.note(last_error=reason, retries=int(self.stats["attempts"]))
+            self.stats["failures"] += 1
+            self.note(last_error=reason, retries=int(self.stats["failures"]))
             limit = self.opts.retry_limit
             if limit and self.failures_blocked >= limit:
                 ended = self.exit_event is not None
@@ -324,6 +329,31 @@ class Agent:
             if isinstance(error, ShadowRefused) and error.retry_after:
                 delay = max(delay, min(error.retry_after, self.opts.retry_timeout))
             await trio.sleep(delay)
+
+    def summary(self) -> dict[str, Any]:
+        """The I/O summary, in the spirit of Condor's: what moved, how, how long."""
+        wall = max(time.monotonic() - self.started, 1e-6)
+        total = sum(o.read_end for o in self.out.values())
+        out: dict[str, Any] = {f"{o.kind}_bytes": o.read_end for o in self.out.values()}
+        live = time.monotonic() - self.connected_since if self.connected_since is not None else 0.0
+        connected = min(self.stats["connected_s"] + live, wall)
+        out.update(
+            wall_s=round(wall, 3),
+            throughput_mb_s=round(total / wall / 1e6, 3),
+            connected_s=round(connected, 3),
+            disconnected_s=round(wall - connected, 3),
+            paused_s=round(self.stats["paused"], 3),
+            connections=int(self.stats["connects"]),
+            reconnects=max(0, int(self.stats["connects"]) - 1),
+            failed_attempts=int(self.stats["failures"]),
+        )
+        return out
+
+    def exit_frame(self) -> Exit:
+        """The EXIT to send, with the summary as of now."""
+        assert self.exit_event is not None
+        pairs = tuple((k, str(v)) for k, v in self.summary().items())
+        return dataclasses.replace(self.exit_event, summary=pairs)
 
     def on_welcome(self) -> None:
         self.stats["connects"] += 1
@@ -406,12 +436,11 @@ async def run_job(
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
-    started = time.monotonic()
     with first_error():
         status = await _supervise(agent, proc)
     lost = 0 if agent.delivered.is_set() else await agent.final_flush()
     outcome = _finish(agent, status, lost)
-    outcome.stats.update(agent.stats, wall=time.monotonic() - started)
+    outcome.stats = agent.summary()
     return outcome
 
 
@@ -476,7 +505,7 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
         spooler.close(remove=True)
         return Outcome(job_status if job_status is not None else 0, job_status)
     path = spooler.path if spooler.spool is not None else None
-    final = dict(agent.job_updates, connected=False)
+    final = dict(agent.job_updates, connected=False, summary=agent.summary())
     if agent.give_up is not None:
         final.update(state="gave-up", reason=agent.give_up.message)
     elif agent.refusal is not None:
@@ -527,7 +556,6 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
         agent.exit_event = Exit(None, None, lengths, reason=reason)
     else:
         agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths, reason=job.reason)
-    started = time.monotonic()
     with first_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
@@ -541,5 +569,5 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
     outcome = _finish(agent, job_status)
     if agent.delivered.is_set():
         outcome.status = 0
-    outcome.stats.update(agent.stats, wall=time.monotonic() - started)
+    outcome.stats = agent.summary()
     return outcome

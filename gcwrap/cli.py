@@ -96,6 +96,9 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      envvar="GCWRAP_HEARTBEAT", show_envvar=True,
                      help="Seconds between heartbeats; a connection silent for 3 heartbeats is replaced."),
         click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug)."),
+        click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr: no warnings, no I/O summary."),
+        click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+                     envvar="GCWRAP_LOG_FORMAT", show_envvar=True, help="Messages on stderr as text or JSON lines."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -147,7 +150,8 @@ def main() -> None:
 def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
-    retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, command: tuple[str, ...],
+    retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
+    command: tuple[str, ...],
 ) -> None:
     """Run COMMAND; stream its stdout/stderr to the shadow through a local spool.
 
@@ -162,7 +166,7 @@ def run(
     """
     from .render import setup_logging
 
-    setup_logging("gcwrap", verbose)
+    setup_logging("gcwrap", -1 if quiet else verbose, log_format)
     address = shadow_address(shadow)
     if address is None and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
@@ -176,11 +180,12 @@ def run(
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
     )
-    sys.exit(_run(opts, address, job_id, spool_dir, list(command)))
+    sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
 
 
 def _run(
-    opts: Any, address: tuple[str, int] | None, job_id: str | None, spool_dir: Path | None, command: list[str]
+    opts: Any, address: tuple[str, int] | None, job_id: str | None, spool_dir: Path | None, command: list[str],
+    quiet: bool = False, log_format: str = "text",
 ) -> int:
     import time
 
@@ -188,7 +193,7 @@ def _run(
 
     from .agent import run_job
     from .identity import default_job_id, hostname, username
-    from .render import stderr_console
+    from .render import Reporter, stderr_console
     from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
 
     job_id = job_id or default_job_id()
@@ -200,15 +205,17 @@ def _run(
         shadow=f"{address[0]}:{address[1]}" if address else "", started=time.time(), wrapper_pid=os.getpid(),
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
-    console = stderr_console()
+    say = Reporter(stderr_console(), log_format)
+    if not quiet and address is not None and outcome.job_status is not None:
+        say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
-        console.print(f"gcwrap: {outcome.message}", markup=False)
+        say.say(outcome.message)
     if outcome.spool is not None and outcome.status in (exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED):
-        console.print(f"gcwrap: undelivered output is kept in {outcome.spool}", markup=False)
+        say.say(f"undelivered output is kept in {outcome.spool}", spool=str(outcome.spool))
         if outcome.status != exitcodes.REFUSED:
-            console.print(f"gcwrap: deliver it later with: gcwrap resume --spool {outcome.spool.parent}", markup=False)
+            say.say(f"deliver it later with: gcwrap resume --spool {outcome.spool.parent}")
         if outcome.job_status is not None:
-            console.print(f"gcwrap: the job itself exited with status {outcome.job_status}", markup=False)
+            say.say(f"the job itself exited with status {outcome.job_status}", job_status=outcome.job_status)
     return outcome.status
 
 
@@ -247,7 +254,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
     spool_dir: Path | None, shadow: str | None, retry_limit: int, retry_timeout: float, heartbeat: float,
-    verbose: int, spools: tuple[Path, ...],
+    verbose: int, quiet: bool, log_format: str, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
 
@@ -264,7 +271,7 @@ def resume(
     from .render import setup_logging, stderr_console
     from .spool import default_spool_dir, spool_files
 
-    setup_logging("gcwrap", verbose)
+    setup_logging("gcwrap", -1 if quiet else verbose, log_format)
     console = stderr_console()
     paths = list(spools) or spool_files(spool_dir or default_spool_dir())
     if not paths:

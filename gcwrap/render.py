@@ -38,10 +38,13 @@ class _JsonFormatter(logging.Formatter):
 
 
 def setup_logging(prog: str, verbose: int, fmt: str = "text") -> None:
-    """Log to stderr: warnings by default, -v info, -vv debug."""
+    """Log to stderr: warnings by default, -v info, -vv debug, -1 (quiet) errors only."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog))
-    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    level = (
+        logging.ERROR if verbose < 0 else logging.WARNING if verbose == 0 else logging.INFO if verbose == 1
+        else logging.DEBUG
+    )
     for name in ("gcwrap", "gcshadow"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
@@ -121,3 +124,41 @@ def jobs_table(console: Console, jobs: Iterable[dict[str, Any]]) -> None:
         console.print(table)
     else:
         console.print("no jobs")
+
+
+def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:
+    """The I/O summary gcwrap prints on its own stderr when it exits."""
+    status = "unknown status" if job_status is None else f"status {job_status}"
+    streams = [
+        f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items() if key.endswith("_bytes")
+    ]
+    return [
+        f"job {job_id} ended with {status}; wall {summary.get('wall_s', 0):.1f} s",
+        "  output: " + (", ".join(streams) or "none") + f"; {summary.get('throughput_mb_s', 0):.1f} MB/s",
+        f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
+        f"job paused {summary.get('paused_s', 0):.1f} s",
+        f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
+        f"{summary.get('failed_attempts', 0)} failed attempt(s)",
+    ]
+
+
+class Reporter:
+    """gcwrap's closing words on stderr: text lines, or JSON lines with --log-format json."""
+
+    def __init__(self, console: Console, fmt: str = "text") -> None:
+        self.console = console
+        self.fmt = fmt
+
+    def say(self, message: str, level: str = "error", **fields: Any) -> None:
+        if self.fmt == "json":
+            record = {"time": round(time.time(), 3), "level": level, "logger": "gcwrap", "message": message, **fields}
+            self.console.print(json.dumps(record), markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.console.print(f"gcwrap: {message}", markup=False, highlight=False)
+
+    def summary(self, job_id: str, job_status: int | None, summary: dict[str, Any]) -> None:
+        if self.fmt == "json":
+            self.say("I/O summary", "info", job_id=job_id, job_status=job_status, summary=summary)
+        else:
+            for line in summary_lines(job_id, job_status, summary):
+                self.say(line)

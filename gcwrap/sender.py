@@ -242,7 +242,7 @@ class Session:
                 continue
             if agent.all_delivered and not self.exit_sent and agent.exit_event is not None:
                 self.exit_sent = True
-                await self._send(stream, agent.exit_event)
+                await self._send(stream, agent.exit_frame())
                 continue
             await agent.changed.wait()
 

@@ -64,6 +64,11 @@ def test_bulk_byte_exact_with_job_status(
         assert rec["exit_signal"] == status and rec["exit_code"] is None
     else:
         assert rec["exit_code"] == status and rec["exit_signal"] is None
+    # the I/O summary: on gcwrap's stderr, and recorded at the shadow
+    assert rec["summary"]["stdout_bytes"] == str(100 * MB) and rec["summary"]["stderr_bytes"] == str(20 * MB)
+    assert int(rec["summary"]["connections"]) >= 1 and float(rec["summary"]["connected_s"]) > 0
+    assert f"job bulk-{status} ended with status {want}".encode() in w.err
+    assert b"output: stdout 95.4 MiB, stderr 19.1 MiB" in w.err
 
 
 @pytest.mark.timeout(300)
@@ -219,7 +224,7 @@ def test_unnamed_streams_pass_through(shadow: ShadowProc, home: Path, spool_dir:
                  "echo out; echo err >&2"])
     assert w.wait(30) == 0
     assert (home / "p.out").read_bytes() == b"out\n"
-    assert w.err == b"err\n", "stderr with no NAME goes to gcwrap's own stderr"
+    assert w.err.startswith(b"err\n"), "stderr with no NAME goes to gcwrap's own stderr"
 
 
 @pytest.mark.timeout(60)
@@ -278,3 +283,12 @@ def test_gives_up_after_retry_limit_at_job_end(home: Path, spool_dir: Path) -> N
     assert "retry limit reached" in text and "gcwrap resume --spool" in text and "status 0" in text
     (st,) = spool_status(spool_dir)
     assert st["streams"][0]["pending"] == len(b"lost?\n")  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+def test_quiet_prints_nothing_on_success(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    w = Wrapper([*wrap_args(shadow, spool_dir, "hush"), "-q", "--stdout", "q.out", "--stderr", "q.err", "--",
+                 "sh", "-c", "echo out; echo err >&2"])
+    assert w.wait(30) == 0
+    assert w.err == b"" and w.out == b""
+    assert (home / "q.out").read_bytes() == b"out\n" and (home / "q.err").read_bytes() == b"err\n"
