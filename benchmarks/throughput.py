@@ -115,9 +115,9 @@ class Reaped:
 
 def signal_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Signal a process started with start_new_session=True, and its process group, by id."""
-    for kill in (lambda: os.kill(proc.pid, sig), lambda: os.killpg(proc.pid, sig)):
+    for kill in (os.kill, os.killpg):
         try:
-            kill()
+            kill(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -153,10 +153,12 @@ def wait_measured(proc: subprocess.Popen[bytes], deadline: float, rss: PeakRss |
         if thread.is_alive() and kill_at is not None and now > kill_at:
             signal_tree(proc, signal.SIGKILL)
             kill_at = None
+    own: float | None = None
+    children: float | None = None
     try:
         own, children = proc_times(proc.pid)
     except (OSError, ValueError, IndexError):
-        own = children = None
+        pass
     peak = rss.forget(proc) if rss is not None else 0
     _, status, ru = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -242,7 +244,7 @@ def sha256_file(path: Path) -> str:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def listening(port: int) -> bool:
@@ -293,15 +295,14 @@ class Bench:
         return ["head", "-c", str(self.size), str(self.source)]
 
     def deadline(self) -> float:
-        return time.monotonic() + self.args.timeout
+        return time.monotonic() + float(self.args.timeout)
 
     def prepare(self) -> None:
         """The source file (whole copies of one random block) and the expected sha256 of N bytes of it."""
         block = os.urandom(BLOCK)
         copies = -(-self.size // BLOCK)
         with open(self.source, "wb") as f:
-            for _ in range(copies):
-                f.write(block)
+            f.writelines(block for _ in range(copies))
         h = hashlib.sha256()
         view = memoryview(block)
         full, rest = divmod(self.size, BLOCK)
@@ -389,7 +390,7 @@ class Bench:
                 sender_cpu_s=r.own_cpu, receiver_cpu_s=shadow_cpu1 - shadow_cpu0,
                 sender_rss_mib=r.peak_rss_kib / 1024, receiver_rss_mib=shadow_hwm / 1024,
                 job_cpu_s=r.children_cpu,
-                notes={"paused_warnings": log_text.count("the job is paused"), "spool_leftover": leftover,
+                notes={"stderr_lines": len(log_text.splitlines()), "spool_leftover": leftover,
                        "wrapper_rusage_cpu_s": r.rusage_cpu},
             )
         finally:
@@ -507,30 +508,33 @@ def table(runs: list[Run], size: int) -> str:
 
 def describe_machine(bench: Bench) -> str:
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor() or "?"
     try:
-        version = subprocess.run([*bench.gcwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        version = subprocess.run([*bench.gcwrap, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         version = "?"
     try:
-        socat = subprocess.run([bench.socat or "socat", "-V"], capture_output=True, text=True, timeout=30).stdout
+        socat = subprocess.run([bench.socat or "socat", "-V"], capture_output=True, text=True, timeout=30,
+                               check=False).stdout
         socat_version = next((line.strip() for line in socat.splitlines() if line.startswith("socat version")), "?")
     except (OSError, subprocess.TimeoutExpired):
         socat_version = "?"
     repo = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=30).stdout.strip()
+                              text=True, timeout=30, check=False).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "gcwrap"], capture_output=True,
-                               text=True, timeout=30).stdout.strip()
+                               text=True, timeout=30, check=False).stdout.strip()
         version += f" (commit {head or '?'}{', gcwrap/ modified' if dirty else ''})"
     except (OSError, subprocess.TimeoutExpired):
         pass
     return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}); Linux {platform.release()}; "
             f"Python {platform.python_version()}; {version}; {socat_version}; "
-            "load average %.2f %.2f %.2f" % os.getloadavg())
+            "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,16 +585,14 @@ def main(argv: list[str] | None = None) -> int:
                 run = bench.run_gcwrap(i) if path == "gcwrap" else bench.run_socat(i)
                 runs.append(run)
                 extra = ""
-                if run.path == "gcwrap":
-                    extra = f"  ('job is paused' warnings: {run.notes['paused_warnings']})"
-                    if run.notes["spool_leftover"]:
-                        extra += f"  spool not emptied: {run.notes['spool_leftover']}"
+                if run.path == "gcwrap" and run.notes["spool_leftover"]:
+                    extra = f"  (spool directory not empty: {run.notes['spool_leftover']})"
                 print(f"run {i} {path:6}  {run.wall_s:8.2f} s  {run.mb_s:8.1f} MB/s  "
                       f"sender CPU {run.sender_cpu_s:6.2f} s  receiver CPU {run.receiver_cpu_s:6.2f} s  "
                       f"RSS {run.sender_rss_mib:6.1f} / {run.receiver_rss_mib:6.1f} MiB  sha256 OK{extra}",
                       flush=True)
         print()
-        print("load average at the end: %.2f %.2f %.2f" % os.getloadavg())
+        print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         print("commands (first run):")
         for name, cmd in bench.commands.items():
             print(f"  {name}: {shlex.join(cmd).replace(shlex.quote('|'), '|')}")

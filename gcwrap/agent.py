@@ -43,6 +43,7 @@ log = logging.getLogger("gcwrap")
 READ_SIZE = 64 << 10
 COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
+LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Agent:
         }
         self.stdin = StdinFeeder(STDIN) if any(s.kind == "stdin" for s in specs) else None
         self.job_updates: dict[str, Any] = {}
+        self.live_fields: dict[str, Any] = {}
         self.committed_acked: dict[int, int] = {}
         self.committed_eof: set[int] = set()
         self.exit_event: Exit | None = None  # set once the job has ended
@@ -112,13 +114,40 @@ class Agent:
         self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0}
         self.started = time.monotonic()
         self.connected_since: float | None = None
+        self.delivery_scope: trio.CancelScope | None = None
+        self.child_exited = False
 
     # -- shared state helpers ---------------------------------------------
 
     def note(self, **fields: Any) -> None:
-        """Record job fields in the spool with the next commit."""
+        """Record job fields in the spool with the next commit (and the live view)."""
         self.job_updates.update(fields)
+        self.live_fields.update(fields)
         self.changed.fire()
+
+    def live_snapshot(self) -> dict[str, Any]:
+        f = self.live_fields
+        return {
+            "t": round(time.time(), 3),
+            "state": f.get("state", "starting"),
+            "connected": bool(f.get("connected", False)),
+            "last_error": f.get("last_error", ""),
+            "retries": f.get("retries", 0),
+            "disk_error": self.disk_error,
+            "exit_code": f.get("exit_code"),
+            "exit_signal": f.get("exit_signal"),
+            "reason": f.get("reason", ""),
+            "streams": {
+                str(sid): {"written": o.read_end, "acked": o.acked, "memory_only": o.unsafe_bytes}
+                for sid, o in self.out.items()
+            },
+        }
+
+    async def live_loop(self) -> None:
+        """Keep the live status file current for `gcwrap status`."""
+        while True:
+            self.spooler.write_live(self.live_snapshot())
+            await trio.sleep(LIVE_INTERVAL)
 
     @property
     def unsafe_bytes(self) -> int:
@@ -140,7 +169,7 @@ class Agent:
     async def read_pipe(self, out: OutStream, pipe: trio.abc.ReceiveStream) -> None:
         async with pipe:
             while True:
-                if self.unsafe_bytes > self.opts.mem_limit:
+                if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 data = await pipe.receive_some(READ_SIZE)
                 if not data:
@@ -164,7 +193,9 @@ class Agent:
             )
         self.note(state="paused")
         try:
-            while self.unsafe_bytes > self.opts.mem_limit:
+            # Once the job has ended, what is left in its pipes is bounded by
+            # the pipe buffer: read it to EOF so the end can be recorded.
+            while self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                 await self.changed.wait()
         finally:
             self.blocked_since = None
@@ -291,15 +322,16 @@ class Agent:
                 return
             except ShadowRefused as e:
                 if e.permanent:
-                    self.refusal = e
-                    log.error("%s", describe(e, where))
+                    self.refusal = e  # reported once, by the caller, as the outcome
                     self.note(last_error=describe(e, where), state="refused")
                     return
                 error: BaseException = e
             except Exception as e:  # noqa: BLE001 - every failure is classified and retried
                 log.debug("session failed", exc_info=True)
                 error = e
-            if session.welcomed:
+            if session.welcomed and session.progressed:
+                # Only a session that moved bytes counts as success: one that is
+                # welcomed and then fails every time must not retry forever.
                 backoff.reset()
                 self.failures_blocked = 0
             reason = describe(error, where)
@@ -307,7 +339,8 @@ class Agent:
             if self.blocked:
                 self.failures_blocked += 1
             if not self.outage_reported:
-                log.warning("%s; output waits in the spool %s, retrying", reason, self.spooler.path)
+                where_now = f"the spool {self.spooler.path}" if self.spooler.spool else "memory (no spool)"
+                log.warning("%s; output waits in %s, retrying", reason, where_now)
                 self.outage_reported = True
             else:
                 log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
@@ -349,6 +382,13 @@ class Agent:
         )
         return out
 
+    def interrupt(self, reason: str) -> None:
+        """Stop delivering now; what is not home stays in the spool."""
+        if self.give_up is None and not self.delivered.is_set():
+            self.give_up = Outcome(exitcodes.UNDELIVERED, message=reason)
+        if self.delivery_scope is not None:
+            self.delivery_scope.cancel()
+
     def exit_frame(self) -> Exit:
         """The EXIT to send, with the summary as of now."""
         assert self.exit_event is not None
@@ -367,12 +407,38 @@ class Agent:
 # -- running a job ------------------------------------------------------------
 
 
+def _interactive() -> bool:
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _signal_job(proc: trio.Process, signum: int) -> None:
+    """Signal the job's whole process group when it has its own (a shell
+    script's children must get the batch system's SIGTERM too)."""
+    if proc.returncode is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signum)
+            return
+    except ProcessLookupError:
+        return
+    proc.send_signal(signum)
+
+
 async def _forward_signals(proc: trio.Process, agent: Agent) -> None:
+    """The first signals go to the job; one that comes after the job has
+    ended means "stop now": delivery stops, the spool is kept for resume."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            log.info("forwarding %s to the job", signal.Signals(signum).name)
-            if proc.returncode is None:
-                proc.send_signal(signum)
+            name = signal.Signals(signum).name
+            if agent.exit_event is not None:
+                agent.interrupt(f"{name} received after the job ended: delivery stopped")
+                continue
+            log.info("forwarding %s to the job", name)
+            _signal_job(proc, signum)
 
 
 async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
@@ -396,11 +462,11 @@ async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
 
 async def _end_job(proc: trio.Process, grace: float) -> None:
     if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
+        _signal_job(proc, signal.SIGTERM)
         with trio.move_on_after(grace):
             await proc.wait()
         if proc.returncode is None:
-            proc.kill()
+            _signal_job(proc, signal.SIGKILL)
             await proc.wait()
 
 
@@ -427,6 +493,9 @@ async def run_job(
             stdin=pipe if opts.stdin is not None else None,
             stdout=pipe if opts.stdout is not None else None,
             stderr=subprocess.STDOUT if opts.merge_stderr else pipe if opts.stderr is not None else None,
+            # Its own process group, so signals reach the whole job; not at an
+            # interactive terminal, where the job must stay in the foreground.
+            process_group=None if _interactive() else 0,
         )
     except OSError as e:
         spooler.close(remove=True)
@@ -452,7 +521,8 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
     async def deliver() -> None:
         try:
             if agent.opts.shadow is not None:
-                await agent.deliver_loop()
+                with trio.CancelScope() as agent.delivery_scope:
+                    await agent.deliver_loop()
         finally:
             delivery_done.set()
             agent.changed.fire()
@@ -464,6 +534,7 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(agent.commit_loop)
+        nursery.start_soon(agent.live_loop)
         nursery.start_soon(_forward_signals, proc, agent)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)
@@ -474,6 +545,8 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
             if proc.stderr is not None:
                 readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
             await proc.wait()
+            agent.child_exited = True
+            agent.changed.fire()
             if delivery_done.is_set() and not agent.delivered.is_set():
                 # gcwrap gave up and ended the job: readers paused by
                 # backpressure would wait for room forever.
@@ -507,9 +580,13 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
     path = spooler.path if spooler.spool is not None else None
     final = dict(agent.job_updates, connected=False, summary=agent.summary())
     if agent.give_up is not None:
-        final.update(state="gave-up", reason=agent.give_up.message)
+        final.update(state="gave-up", last_error=agent.give_up.message)
+        if agent.kill_reason:
+            final.update(reason=agent.kill_reason)
     elif agent.refusal is not None:
         final.update(state="refused", reason=describe(agent.refusal))
+    agent.live_fields.update({k: v for k, v in final.items() if k != "summary"})
+    spooler.write_live(agent.live_snapshot())
     if not spooler.last_commit(final) and path is not None:
         log.error("could not record the job's final state in %s", path)
     spooler.close()
@@ -559,6 +636,7 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
     with first_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
+            nursery.start_soon(agent.live_loop)
             await agent.deliver_loop()
             nursery.cancel_scope.cancel()
     job_status = None

@@ -200,8 +200,10 @@ def _run(
     instance = new_instance()
     directory = spool_dir or default_spool_dir()
     spool_path = directory / f"{safe_filename(job_id)}-{instance}{SPOOL_SUFFIX}"
+    # The command goes home as text: bytes that are not UTF-8 are shown escaped.
+    shown = [a.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for a in command]
     job = JobRecord(
-        job_id=job_id, instance=instance, command=command, host=hostname(), user=username(),
+        job_id=job_id, instance=instance, command=shown, host=hostname(), user=username(),
         shadow=f"{address[0]}:{address[1]}" if address else "", started=time.time(), wrapper_pid=os.getpid(),
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
@@ -234,7 +236,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 
     from rich.console import Console
 
-    from .render import status_table
+    from .render import status_details, status_table
     from .spool import default_spool_dir
     from .status import read_spools
 
@@ -242,7 +244,10 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(spools, indent=2))
     else:
-        status_table(Console(), spools)
+        console = Console()
+        console.print(status_table(console, spools))
+        for line in status_details(spools):
+            console.print(line, markup=False, highlight=False)
 
 
 @main.command(context_settings=CONTEXT)
@@ -250,16 +255,20 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
               envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: $TMPDIR/gcwrap-UID.")
 @click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
               help="Deliver to this shadow instead of the one recorded in the spool.")
+@click.option("--include-refused", is_flag=True,
+              help="Also retry spools the shadow refused for good (e.g. a file owned by another job).")
 @common_delivery_options
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
-    spool_dir: Path | None, shadow: str | None, retry_limit: int, retry_timeout: float, heartbeat: float,
-    verbose: int, quiet: bool, log_format: str, spools: tuple[Path, ...],
+    spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
+    heartbeat: float, verbose: int, quiet: bool, log_format: str, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
 
-    With no SPOOLS, every spool in the spool directory not in use is resumed.
-    Exits 0 when everything is home, 122 when something is still undelivered.
+    With no SPOOLS, every spool in the spool directory that no gcwrap is
+    using is resumed. Exits 0 when everything is home, 122 when something is
+    still undelivered, 123 when the shadow refused a spool, 125 when a spool
+    cannot be read or is in use.
 
     \b
     Example:
@@ -268,47 +277,55 @@ def resume(
     import trio
 
     from .agent import AgentOptions, resume_spool
-    from .render import setup_logging, stderr_console
-    from .spool import default_spool_dir, spool_files
+    from .render import Reporter, setup_logging, stderr_console
+    from .spool import Spool, SpoolError, default_spool_dir, spool_files
+    from .status import in_use
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
-    console = stderr_console()
+    say = Reporter(stderr_console(), log_format)
+    scanning = not spools
     paths = list(spools) or spool_files(spool_dir or default_spool_dir())
     if not paths:
-        console.print("gcwrap: no spools to resume")
+        say.say("no spools to resume", "info")
         return
     worst = 0
     for path in paths:
-        from .spool import Spool, SpoolError
-
+        if scanning and in_use(path):
+            say.say(f"{path}: in use by a running gcwrap; skipped", "info")
+            continue
         try:
             recorded = Spool.open(path, readonly=True)
             job = recorded.job()
             recorded.close()
         except SpoolError as e:
-            console.print(f"gcwrap: {e}", markup=False)
+            say.say(str(e))
             worst = max(worst, exitcodes.INTERNAL)
+            continue
+        if job.state == "refused" and not include_refused:
+            say.say(f"job {job.job_id}: skipped, the shadow refused it: {job.reason or job.last_error} "
+                    "(--include-refused to try again)", "warning")
+            worst = max(worst, exitcodes.REFUSED)
             continue
         address = shadow_address(shadow) if shadow else None
         if address is None:
             try:
                 address = parse_hostport(job.shadow)
             except ValueError:
-                console.print(f"gcwrap: {path}: no shadow recorded; use --shadow HOST:PORT", markup=False)
+                say.say(f"{path}: no shadow recorded; use --shadow HOST:PORT")
                 worst = max(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat)
         outcome = trio.run(resume_spool, opts, path)
         if outcome.status == 0:
-            console.print(f"gcwrap: job {job.job_id}: all output delivered to {address[0]}:{address[1]}", markup=False)
+            say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
         else:
-            console.print(f"gcwrap: job {job.job_id}: {outcome.message} (spool {path})", markup=False)
+            say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
         worst = max(worst, outcome.status)
     sys.exit(worst)
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--size", default="8MiB", show_default=True, help="Bytes the sample job writes to stdout (and 1/4 to stderr).")
+@click.option("--size", default="8MiB", show_default=True, help="Bytes the sample job writes to stdout (it also writes progress lines to stderr).")
 @click.option("--keep", is_flag=True, help="Keep the demo's directory instead of deleting it.")
 def demo(size: str, keep: bool) -> None:
     """Run a shadow on loopback and a sample job through gcwrap; verify checksums.

@@ -29,7 +29,11 @@ def split_name(name: str) -> tuple[str, ...]:
         raise NameError_(f"{name!r} contains '..'; names must stay inside the shadow's root")
     if parts[0] == STATE_DIR:
         raise NameError_(f"{name!r} is inside the shadow's own state directory")
-    if any(len(p.encode()) > 255 for p in parts):
+    try:
+        encoded = [p.encode() for p in parts]
+    except UnicodeEncodeError:
+        raise NameError_(f"{name!r} is not valid UTF-8") from None
+    if any(len(p) > 255 for p in encoded):
         raise NameError_(f"{name!r} has a path component longer than 255 bytes")
     return parts
 

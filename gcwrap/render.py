@@ -79,51 +79,114 @@ def exit_text(code: int | None, signal: int | None) -> str:
     return "unknown"
 
 
-def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> None:
-    """`gcwrap status`: one row per stream of every spool."""
-    table = Table(title="gcwrap spools", expand=False)
-    for col in ("job", "state", "stream", "name", "written", "acked", "pending", "shadow", "last error"):
+def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> Table:
+    """`gcwrap status`: one row per stream of every spool; the long fields
+    (shadow, retries, spool size, last error) go in `status_details`."""
+    table = Table(title="gcwrap spools")
+    for col in ("job", "state", "stream", "written", "acked", "pending", "oldest"):
         table.add_column(col, overflow="fold")
-    any_rows = False
+    rows = 0
     for sp in spools:
-        any_rows = True
-        streams = sp["streams"] or [{"kind": "-", "name": "-", "appended": 0, "acked": 0, "pending": 0}]
+        rows += 1
+        streams = sp["streams"] or [{"kind": "-", "name": "", "appended": 0, "acked": 0, "pending": 0}]
         for i, st in enumerate(streams):
-            first = i == 0
+            oldest = st.get("oldest_pending_s")
             table.add_row(
-                sp["job_id"] if first else "",
-                sp["state"] if first else "",
-                st["kind"],
-                st["name"],
+                sp["job_id"] if i == 0 else "",
+                sp["state"] if i == 0 else "",
+                f"{st['kind']} {st['name']}".strip(),
                 human_bytes(st["appended"]),
                 human_bytes(st["acked"]),
                 human_bytes(st["pending"]),
-                (sp["shadow"] + (" (connected)" if sp["connected"] else "")) if first else "",
-                (sp["last_error"] or "") if first else "",
+                f"{oldest:.0f}s" if oldest is not None else "-",
             )
-    if any_rows:
-        console.print(table)
-    else:
-        console.print("no spools")
+    if not rows:
+        table.caption = "no spools"
+    return table
 
 
-def jobs_table(console: Console, jobs: Iterable[dict[str, Any]]) -> None:
-    """`gcshadow jobs`: one row per job the shadow knows."""
+def status_details(spools: Iterable[dict[str, Any]]) -> list[str]:
+    """One line per spool: where it delivers, how it goes, why it waits."""
+    lines = []
+    for sp in spools:
+        conn = "connected" if sp.get("connected") else "not connected"
+        free = sp.get("disk_free")
+        size = human_bytes(sp.get("spool_bytes") or 0) + (f", {human_bytes(free)} free" if free is not None else "")
+        line = f"{sp['job_id']}: shadow {sp.get('shadow') or '-'} ({conn}), {sp.get('retries', 0)} failed attempts, "
+        line += f"spool {sp['spool']} ({size})"
+        if sp.get("last_error"):
+            line += f"; last error: {sp['last_error']}"
+        lines.append(line)
+    return lines
+
+
+def job_state_text(job: dict[str, Any], now: float | None = None) -> str:
+    """A job's state in words: streaming, disconnected since T, finished..."""
+    state = job["state"]
+    if state == "disconnected":
+        return f"disconnected since {ago(job['last_seen'], now)}"
+    if state != "finished":
+        return state
+    reason = job.get("reason") or ""
+    if "retry limit" in reason:
+        return f"killed by retry limit ({exit_text(job['exit_code'], job['exit_signal'])})"
+    if job["exit_signal"]:
+        return f"killed by signal {job['exit_signal']}"
+    if job["exit_code"] is None:
+        return "finished, status unknown"
+    return f"finished with status {job['exit_code']}"
+
+
+def job_bytes(job: dict[str, Any]) -> int:
+    return sum(s["durable"] for s in job["streams"] if s["kind"] != "stdin")
+
+
+def jobs_table(
+    console: Console, jobs: Iterable[dict[str, Any]], rates: dict[str, float] | None = None,
+    now: float | None = None,
+) -> Table:
+    """`gcshadow jobs`: one row per job the shadow knows. `rates` (bytes/s)
+    come from --watch; without them the rate is the average since the start."""
     table = Table(title="gcshadow jobs")
-    for col in ("job", "host", "state", "exit", "streams", "last seen"):
+    for col in ("job", "host", "state", "bytes", "rate", "last seen", "streams"):
         table.add_column(col, overflow="fold")
     rows = 0
     for job in jobs:
         rows += 1
+        total = job_bytes(job)
+        if rates is not None and job["job_id"] in rates:
+            rate = rates[job["job_id"]]
+        else:
+            span = (job["last_seen"] or 0) - (job["first_seen"] or 0)
+            rate = total / span if span > 0 else 0.0
         streams = ", ".join(
             f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"
         )
-        exit_ = exit_text(job["exit_code"], job["exit_signal"]) if job["state"] == "finished" else "-"
-        table.add_row(job["job_id"], job["host"] or "-", job["state"], exit_, streams, ago(job["last_seen"]))
-    if rows:
-        console.print(table)
-    else:
-        console.print("no jobs")
+        table.add_row(job["job_id"], job["host"] or "-", job_state_text(job, now), human_bytes(total),
+                      f"{human_bytes(rate)}/s", ago(job["last_seen"], now), streams)
+    if not rows:
+        table.caption = "no jobs"
+    return table
+
+
+def job_detail(console: Console, job: dict[str, Any]) -> None:
+    """`gcshadow jobs JOB`: everything the shadow knows of one job."""
+    table = Table(title=f"job {job['job_id']}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("state", job_state_text(job))
+    for key in ("host", "user", "peer", "instance"):
+        table.add_row(key, str(job.get(key) or "-"))
+    table.add_row("command", " ".join(job["command"]) or "-")
+    table.add_row("first seen", ago(job["first_seen"]))
+    table.add_row("last seen", ago(job["last_seen"]))
+    if job.get("reason"):
+        table.add_row("reason", job["reason"])
+    for s in job["streams"]:
+        table.add_row(s["kind"], f"{s['name']}  {s['durable']} bytes")
+    for key, value in (job.get("summary") or {}).items():
+        table.add_row(f"summary {key}", str(value))
+    console.print(table)
 
 
 def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:
@@ -138,7 +201,7 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
         f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
         f"job paused {summary.get('paused_s', 0):.1f} s",
         f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
-        f"{summary.get('failed_attempts', 0)} failed attempt(s)",
+        f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all",
     ]
 
 

@@ -100,6 +100,7 @@ class Session:
         self.conn = Connection(Role.AGENT)
         self.send_lock = trio.Lock()
         self.welcomed = False
+        self.progressed = False  # the shadow acknowledged new bytes in this session
         self.sent: dict[int, int] = {}
         self.exit_sent = False
         self.last_in = self.last_out = time.monotonic()
@@ -200,9 +201,11 @@ class Session:
                     except ValueError as e:
                         raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
                     if moved:
+                        self.progressed = True
                         agent.changed.fire()
                 elif isinstance(ev, StdinData):
                     if agent.stdin is not None and ev.stream == agent.stdin.stream:
+                        self.progressed = self.progressed or bool(ev.payload)
                         agent.stdin.receive(ev)
                         agent.changed.fire()
                 elif isinstance(ev, Ping):

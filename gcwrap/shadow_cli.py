@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -61,7 +62,7 @@ def main() -> None:
               help="Connections served at once; more are told BUSY and come back later.")
 @click.option("--min-free", type=Size(), default="64MiB", show_default=True, envvar="GCSHADOW_MIN_FREE",
               show_envvar=True, help="Free space at home below which new sessions are told BUSY (0: never).")
-@click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug).")
+@click.option("-v", "--verbose", count=True, help="Debug messages on stderr (it logs each job's start and end).")
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
     max_connections: int, min_free: int, verbose: int,
@@ -97,58 +98,102 @@ def serve(
 @main.command(context_settings=CONTEXT)
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
-def jobs(root: Path, as_json: bool) -> None:
-    """List the jobs the shadow at ROOT knows: host, state, exit status, bytes.
+@click.option("-w", "--watch", is_flag=True, help="Refresh the table live, like top (Ctrl-C to stop).")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.argument("job", required=False)
+def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
+    """List the jobs the shadow at ROOT knows: host, state, exit status, bytes, rate.
+
+    With JOB, show everything known of that job, including its I/O summary.
 
     \b
-    Example:
+    Examples:
       gcshadow jobs --root ~/results
+      gcshadow jobs --root ~/results --watch
+      gcshadow jobs --root ~/results slurm-4242
     """
     import json
     import sqlite3
+    import time
 
     from rich.console import Console
+    from rich.live import Live
 
-    from .render import jobs_table
+    from .render import job_bytes, job_detail, jobs_table
     from .shadow_store import list_jobs
 
-    try:
-        found = list_jobs(root)
-    except sqlite3.Error as e:
-        raise click.ClickException(f"no shadow state under {root}: {e}") from None
+    def load() -> list[dict[str, Any]]:
+        try:
+            return list_jobs(root)
+        except sqlite3.Error as e:
+            raise click.ClickException(f"no shadow state under {root}: {e}") from None
+
+    found = load()
+    if job is not None:
+        match = [j for j in found if j["job_id"] == job]
+        if not match:
+            raise click.ClickException(f"no job {job!r} at this shadow")
+        if as_json:
+            click.echo(json.dumps(match[0], indent=2))
+        else:
+            job_detail(Console(), match[0])
+        return
     if as_json:
         click.echo(json.dumps(found, indent=2))
-    else:
-        jobs_table(Console(), found)
+        return
+    console = Console()
+    if not watch:
+        console.print(jobs_table(console, found))
+        return
+    last = {j["job_id"]: job_bytes(j) for j in found}
+    last_t = time.monotonic()
+    try:
+        with Live(jobs_table(console, found), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                found, now = load(), time.monotonic()
+                rates = {j["job_id"]: max(0.0, (job_bytes(j) - last.get(j["job_id"], 0)) / (now - last_t))
+                         for j in found}
+                last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now
+                live.update(jobs_table(console, found, rates), refresh=True)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command(context_settings=CONTEXT)
 @root_option
-@click.argument("job")
-@click.argument("stream", required=False, default="stdout")
-def tail(root: Path, job: str, stream: str) -> None:
-    """Print the output a job has delivered so far (STREAM: stdout or stderr).
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the output grows, until the job ends.")
+@click.option("--all", "all_jobs", is_flag=True, help="Every job, each line prefixed with [JOB STREAM].")
+@click.argument("job", required=False)
+@click.argument("stream", required=False, metavar="[STREAM]", type=click.Choice(["stdout", "stderr", "all"]))
+def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str | None) -> None:
+    """Print the output a job has delivered so far; with -f, follow it live.
+
+    STREAM is stdout (the default), stderr, or all. Following ends when the
+    job has ended and all its output is printed; with --all it goes on until
+    interrupted.
 
     \b
-    Example:
-      gcshadow tail --root ~/results slurm-4242 stderr
+    Examples:
+      gcshadow tail -f --root ~/results slurm-4242
+      gcshadow tail -f --all --root ~/results
     """
     import sqlite3
 
-    from .shadow_store import list_jobs
+    from .tail import tail as run_tail
 
+    if job is None and not all_jobs:
+        raise click.UsageError("name a JOB, or use --all")
+    if job is not None and all_jobs:
+        raise click.UsageError("--all follows every job: do not name one")
+    stream = stream or ("all" if all_jobs else "stdout")
+    prefix = all_jobs or stream == "all"
     try:
-        found = {j["job_id"]: j for j in list_jobs(root)}
+        run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix)
     except sqlite3.Error as e:
         raise click.ClickException(f"no shadow state under {root}: {e}") from None
-    if job not in found:
-        raise click.ClickException(f"no job {job!r} at this shadow")
-    for st in found[job]["streams"]:
-        if st["kind"] == stream:
-            with open(root / st["name"], "rb") as f:
-                out = sys.stdout.buffer
-                while data := f.read(1 << 16):
-                    out.write(data)
-                out.flush()
-            return
-    raise click.ClickException(f"job {job!r} has no {stream} stream")
+    except LookupError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -128,8 +128,14 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m002_chunk_time(db: sqlite_utils.Database) -> None:
+    # When each chunk was spooled: `gcwrap status` shows the oldest pending age.
+    db.execute("ALTER TABLE chunks ADD COLUMN t REAL")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
+    (2, "chunk-time", _m002_chunk_time),
 ]
 
 
@@ -229,6 +235,9 @@ class Spool:
                     db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
         except sqlite3.Error as e:
             conn.close()
+            if path is not None:  # leave no half-made spool behind
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{path}{suffix}").unlink(missing_ok=True)
             raise SpoolError(describe_sqlite_error(e, path)) from None
         return spool
 
@@ -307,16 +316,17 @@ class Spool:
             with transaction(conn):
                 ends: dict[int, int] = {}
                 rows = []
+                now = time.time()
                 for c in chunks:
                     if not c.data:
                         # Nothing to keep, and a row would take (stream, start)
                         # from the chunk that really holds the bytes there.
                         continue
-                    rows.append((c.stream, c.start, c.end, c.data))
+                    rows.append((c.stream, c.start, c.end, c.data, now))
                     ends[c.stream] = max(ends.get(c.stream, 0), c.end)
                 if rows:
                     conn.executemany(
-                        'INSERT INTO chunks (stream, start, "end", data) VALUES (?, ?, ?, ?)', rows
+                        'INSERT INTO chunks (stream, start, "end", data, t) VALUES (?, ?, ?, ?, ?)', rows
                     )
                 for sid, end in ends.items():
                     conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
@@ -369,6 +379,14 @@ class Spool:
             "SELECT stream, start, data FROM chunks ORDER BY seq"
         ):
             yield Chunk(stream, start, bytes(data))
+
+    def oldest_pending(self) -> dict[int, float]:
+        """Per stream, when its oldest chunk still in the spool was spooled."""
+        try:
+            rows = self.db.execute("SELECT stream, min(t) FROM chunks GROUP BY stream").fetchall()
+        except sqlite3.OperationalError:
+            return {}  # a spool from before migration 2, opened read-only
+        return {r[0]: r[1] for r in rows if r[1] is not None}
 
     def pending_bytes(self) -> int:
         row = self.db.execute('SELECT coalesce(sum("end" - start), 0) FROM chunks').fetchone()

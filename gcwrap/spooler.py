@@ -11,6 +11,7 @@ memory and tries again later.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ from .spool import PAGE_SIZE, Chunk, JobRecord, Spool, SpoolError
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
 BALLAST = 4 * PAGE_SIZE  # space held back so the last commit (exit status, state) fits on a full disk
+LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so it works on a full disk
 
 
 def lock_spool(path: Path) -> int:
@@ -62,6 +64,8 @@ class Spooler:
         self.read_limiter = trio.CapacityLimiter(1)
         self.full_reason = ""
         self.ballast = Path(f"{path}.ballast")
+        self.live = Path(f"{path}.live")
+        self.live_fd: int | None = None
 
     # -- creating --------------------------------------------------------
 
@@ -70,6 +74,7 @@ class Spooler:
             # A previous try died half-way (disk full while creating): start over.
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._make_live()
         self._make_ballast()  # first: the final state matters more than any one byte of output
         spool = Spool.create(self.path, self.job, self.streams)
         try:
@@ -143,6 +148,40 @@ class Spooler:
             return
         os.close(fd)
 
+    def _make_live(self) -> None:
+        if self.live_fd is not None:
+            return
+        try:
+            fd = os.open(self.live, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return
+        try:
+            os.posix_fallocate(fd, 0, LIVE_SIZE)
+        except OSError:
+            os.close(fd)
+            self.live.unlink(missing_ok=True)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "in use", even when no spool could be made
+        except OSError:
+            pass
+        self.live_fd = fd
+
+    def write_live(self, snapshot: dict[str, Any]) -> None:
+        """Rewrite the live status in place (no new blocks: works on a full disk)."""
+        if self.live_fd is None:
+            self._make_live()
+            if self.live_fd is None:
+                return
+        data = json.dumps(snapshot, separators=(",", ":")).encode()
+        if len(data) > LIVE_SIZE:
+            snapshot = dict(snapshot, last_error=str(snapshot.get("last_error", ""))[:200])
+            data = json.dumps(snapshot, separators=(",", ":")).encode()[:LIVE_SIZE]
+        try:
+            os.pwrite(self.live_fd, data.ljust(LIVE_SIZE, b" "), 0)
+        except OSError:
+            pass  # the live view is a convenience; never a reason to fail
+
     def last_commit(self, updates: dict[str, Any]) -> bool:
         """Record the final job fields; on a full disk, give up the ballast to
         make room. Synchronous: called once everything else has stopped."""
@@ -180,10 +219,15 @@ class Spooler:
         if self.spool is not None:
             if remove:
                 self.spool.remove()
-                self.ballast.unlink(missing_ok=True)
             else:
                 self.spool.close()
             self.spool = None
+        if self.live_fd is not None:
+            os.close(self.live_fd)
+            self.live_fd = None
+        if remove:
+            self.ballast.unlink(missing_ok=True)
+            self.live.unlink(missing_ok=True)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None

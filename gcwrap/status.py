@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from .spool import Spool, SpoolError, spool_files
 
 
-def _in_use(path: Path) -> bool:
+def in_use(path: Path) -> bool:
     """True while a gcwrap holds the spool's lock (running or resuming)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -25,19 +27,66 @@ def _in_use(path: Path) -> bool:
         os.close(fd)
 
 
+def state_text(state: str, exit_code: int | None, exit_signal: int | None, active: bool) -> str:
+    """running / paused / exited N / killed by signal N / gave-up, job ... / wrapper gone."""
+    if not active and state in ("running", "paused", "starting"):
+        return "wrapper gone"
+    if state in ("exited", "delivered", "gave-up", "refused") and (exit_code is not None or exit_signal):
+        how = f"killed by signal {exit_signal}" if exit_signal else f"exited {exit_code}"
+        return how if state in ("exited", "delivered") else f"{state}, job {how}"
+    return state
+
+
+def read_live(path: Path) -> dict[str, Any] | None:
+    """The agent's live status file beside the spool, if readable."""
+    try:
+        data = Path(f"{path}.live").read_bytes().strip(b" \0")
+        live = json.loads(data) if data else None
+    except (OSError, ValueError):
+        return None
+    return live if isinstance(live, dict) else None
+
+
+def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
+    """A live wrapper knows better than its last commit (which a full disk
+    may have refused): take its state, connection, errors and counts."""
+    info["connected"] = bool(live.get("connected"))
+    info["last_error"] = live.get("last_error") or live.get("disk_error") or info["last_error"]
+    info["retries"] = max(int(live.get("retries") or 0), int(info.get("retries") or 0))
+    info["live_at"] = live.get("t")
+    by_id = {str(s["id"]): s for s in info["streams"]}
+    for sid, ls in (live.get("streams") or {}).items():
+        st = by_id.get(sid)
+        if st is None or not isinstance(ls, dict):
+            continue
+        st["appended"] = max(st["appended"], int(ls.get("written", 0)))
+        st["acked"] = max(st["acked"], int(ls.get("acked", 0)))
+        st["pending"] = st["appended"] - st["acked"]
+        st["memory_only"] = int(ls.get("memory_only", 0))
+
+
 def read_spool(path: Path) -> dict[str, Any]:
     spool = Spool.open(path, readonly=True)
     try:
         job = spool.job()
         streams = spool.streams()
         size = spool.file_size()
+        oldest = spool.oldest_pending()
     finally:
         spool.close()
-    active = _in_use(path)
-    state = job.state
-    if not active and state in ("running", "paused", "starting"):
-        state = "wrapper gone"
-    return {
+    active = in_use(path)
+    live = read_live(path) if active else None
+    # A live wrapper's view is newer than its last commit (which a full disk may refuse).
+    exit_code = job.exit_code if job.exit_code is not None else (live or {}).get("exit_code")
+    exit_signal = job.exit_signal or (live or {}).get("exit_signal")
+    state = state_text(live.get("state", job.state) if live else job.state, exit_code, exit_signal, active)
+    now = time.time()
+    try:
+        st = os.statvfs(path.parent)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    info = {
         "spool": str(path),
         "job_id": job.job_id,
         "instance": job.instance,
@@ -50,24 +99,47 @@ def read_spool(path: Path) -> dict[str, Any]:
         "child_pid": job.child_pid,
         "started": job.started,
         "ended": job.ended,
-        "exit_code": job.exit_code,
-        "exit_signal": job.exit_signal,
+        "exit_code": exit_code,
+        "exit_signal": exit_signal,
         "connected": job.connected and active,
         "last_error": job.last_error,
         "retries": job.retries,
         "reason": job.reason,
         "spool_bytes": size,
+        "disk_free": free,
         "streams": [
             {"id": s.id, "kind": s.kind, "name": s.name, "appended": s.appended, "acked": s.acked,
-             "pending": s.pending, "eof": s.eof}
+             "pending": s.pending, "eof": s.eof,
+             "oldest_pending_s": round(now - oldest[s.id], 3) if s.id in oldest and s.pending else None}
             for s in streams.values() if s.kind != "stdin"
         ],
     }
+    if live:
+        _overlay(info, live)
+    return info
 
 
 def read_spools(directory: Path) -> list[dict[str, Any]]:
     out = []
-    for path in spool_files(directory):
+    paths = spool_files(directory)
+    for live_path in sorted(directory.glob("*.spool.live")) if directory.is_dir() else []:
+        spool_path = live_path.with_name(live_path.name[: -len(".live")])
+        if spool_path.exists():
+            continue
+        # The disk refused even the spool: only the live view tells of this job.
+        live = read_live(spool_path)
+        if live:
+            active = in_use(live_path)
+            state = state_text(live.get("state", "?"), live.get("exit_code"), live.get("exit_signal"), active)
+            out.append({"spool": str(spool_path), "job_id": live_path.name.rsplit("-", 1)[0], "state": state,
+                        "active": active, "reason": live.get("reason", ""), "exit_code": live.get("exit_code"),
+                        "exit_signal": live.get("exit_signal"), "connected": bool(live.get("connected")), "shadow": "",
+                "last_error": live.get("disk_error") or live.get("last_error", ""), "retries": live.get("retries", 0),
+                "streams": [{"id": int(k), "kind": {"1": "stdout", "2": "stderr"}.get(k, k), "name": "",
+                             "appended": v.get("written", 0), "acked": v.get("acked", 0),
+                             "pending": v.get("written", 0) - v.get("acked", 0),
+                             "memory_only": v.get("memory_only", 0)} for k, v in live.get("streams", {}).items()]})
+    for path in paths:
         try:
             out.append(read_spool(path))
         except SpoolError as e:

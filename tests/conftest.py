@@ -5,7 +5,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import ShadowProc
+from helpers import ShadowProc, Wrapper
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -20,6 +20,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_wrappers() -> Iterator[None]:
+    yield
+    Wrapper.kill_leftovers()
 
 
 @pytest.fixture

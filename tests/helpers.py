@@ -112,7 +112,10 @@ class ShadowProc:
 
 
 class Wrapper:
-    """A gcwrap process running a job."""
+    """A gcwrap process running a job. Every one still alive when its test
+    ends is killed, with its job (see `kill_leftovers`)."""
+
+    started: list[Wrapper] = []
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: int | None = None) -> None:
         self.args = [*tool("gcwrap"), *args]
@@ -122,12 +125,30 @@ class Wrapper:
         )
         self.out = b""
         self.err = b""
+        Wrapper.started.append(self)
+
+    @classmethod
+    def kill_leftovers(cls) -> None:
+        for w in cls.started:
+            if w.proc.poll() is None:
+                job_pids = _children(w.proc.pid)
+                os.killpg(w.proc.pid, signal.SIGKILL)
+                for pid in job_pids:  # the job runs in a process group of its own
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            try:
+                w.proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+        cls.started.clear()
 
     def wait(self, timeout: float) -> int:
         try:
             self.out, self.err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            Wrapper.kill_leftovers()
             self.out, self.err = self.proc.communicate()
             raise AssertionError(f"gcwrap did not finish in {timeout} s; stderr: {self.err.decode(errors='replace')}")
         return self.proc.returncode
@@ -135,6 +156,14 @@ class Wrapper:
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.out, self.err = self.proc.communicate(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 def genjob(out: int, err: int = 0, seed: int = 1, **opts: object) -> list[str]:

@@ -119,7 +119,7 @@ def test_shadow_down_when_job_starts(home: Path, spool_dir: Path, tmp_path: Path
 
     def all_spooled() -> bool:
         st = spool_status(spool_dir)
-        return bool(st) and st[0]["state"] == "exited"
+        return bool(st) and str(st[0]["state"]).startswith("exited")
 
     wait_until(all_spooled, 30, "the spool to record the job's end")
     (st,) = spool_status(spool_dir)
@@ -251,10 +251,10 @@ def test_resume_after_wrapper_killed(home: Path, spool_dir: Path, tmp_path: Path
     w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "orphan",
                  "--retry-timeout", "1", "--stdout", "orphan.out", "--stderr", "orphan.err", "--", *job])
     wait_until(done.exists, 60, "the job to finish")
-    wait_until(lambda: spool_status(spool_dir)[0]["state"] == "exited", 30, "the spool to record the exit")
+    wait_until(lambda: str(spool_status(spool_dir)[0]["state"]).startswith("exited"), 30, "the spool to record the exit")
     w.kill9()
     (st,) = spool_status(spool_dir)
-    assert st["state"] == "exited" and not st["active"]
+    assert st["state"] == "exited 0" and not st["active"]
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)

@@ -60,8 +60,8 @@ HEADER = struct.Struct("!IB")
 
 # Hypothesis budgets. The whole file must stay well under a minute on a slow
 # two-core machine; these take a few seconds in all on a fast one.
-ROUND_TRIP_EXAMPLES = 300
-GARBAGE_EXAMPLES = 1500
+ROUND_TRIP_EXAMPLES = 120
+GARBAGE_EXAMPLES = 600
 COMMON = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -374,7 +374,8 @@ u64 = st.integers(0, U64)
 
 def text(max_size: int, min_size: int = 0) -> st.SearchStrategy[str]:
     """Unicode text the codec accepts in a string field: no NUL, no lone surrogate."""
-    return st.text(st.characters(exclude_characters="\x00"), min_size=min_size, max_size=max_size)
+    return st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=min_size,
+                   max_size=max_size)
 
 
 PRINTABLE = st.characters(exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")) | st.just(" ")
@@ -400,7 +401,7 @@ hellos = st.builds(
     streams=stream_specs(),
     host=text(255),
     user=text(255),
-    command=st.lists(st.text(max_size=80), max_size=12).map(tuple),  # NUL is allowed in arguments
+    command=st.lists(st.text(st.characters(codec="utf-8"), max_size=80), max_size=12).map(tuple),
     versions=st.lists(st.integers(1, 65535), min_size=1, max_size=16).map(tuple),
 )
 welcomes = st.builds(
@@ -454,7 +455,7 @@ shadow_exiting = st.one_of(acks, stdin_datas(), pings, pongs).map(lambda e: (S, 
 def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
     """A legal conversation of random valid events, ended by DONE or by an ERROR anywhere."""
     script: list[tuple[Role, Event]] = [(A, draw(hellos)), (S, draw(welcomes))]
-    script += draw(st.lists(agent_streaming | shadow_streaming, max_size=10))
+    script += draw(st.lists(agent_streaming | shadow_streaming, max_size=8))
     script.append((A, draw(exits)))
     script += draw(st.lists(agent_exiting | shadow_exiting, max_size=4))
     script.append((S, Done()))
@@ -510,20 +511,16 @@ def test_codec_round_trip(event: Event) -> None:
         Hello("j", "i", (), command=("cat", "caf\udce9.txt")),  # undecodable argv byte
         Error(ErrorCode.INTERNAL, "x" * (MAX_CONTROL + 1)),
     ],
-    ids=repr,
+    ids=lambda e: repr(e)[:50],
 )
 def test_encode_refuses_invalid_fields_with_local_protocol_error(event: Event) -> None:
-    try:
-        frame = encode(event)
-    except LocalProtocolError as e:
-        assert e.code is ErrorCode.BAD_FRAME
-        return
-    # Whatever encode() lets through, the peer must take back unchanged.
-    length, ftype = HEADER.unpack_from(frame)
-    assert decode(ftype, frame[5:]) == event
+    """Not a struct.error or UnicodeEncodeError, and not a frame the peer must refuse."""
+    with pytest.raises(LocalProtocolError) as info:
+        encode(event)
+    assert info.value.code is ErrorCode.BAD_FRAME
 
 
-@pytest.mark.parametrize("bad", [Data(256, 0, b"x"), Data(1, U64, b"xy"), Ping(-5)], ids=repr)
+@pytest.mark.parametrize("bad", [Data(256, 0, b"x"), Data(1, U64, b"xy"), Ping(-5)], ids=lambda e: repr(e)[:50])
 def test_failed_send_changes_nothing(bad: Event) -> None:
     pair = Pair()
     pair.run(CONVERSATION[:2])
@@ -619,6 +616,7 @@ SURROGATE = "\udce9"  # json.dumps writes it as the escape \udce9
         (FrameType.EXIT, exit_obj(summary=[["k", SURROGATE]])),
         (FrameType.ERROR, error_obj(message=SURROGATE)),
     ],
+    ids=lambda x: x.name if isinstance(x, FrameType) else None,
 )
 def test_lone_surrogates_are_refused(ftype: FrameType, obj: dict[str, Any]) -> None:
     """A string holding a lone surrogate cannot be encoded as UTF-8: storing it
@@ -645,7 +643,7 @@ EXPECTED_CODES = {ErrorCode.BAD_FRAME, ErrorCode.UNEXPECTED, ErrorCode.FRAME_TOO
 
 def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tuple[list[Event], ProtocolError | None]:
     """Feed `data` then EOF to `conn`, answering like the real peer would
-    (WELCOME to HELLO, DONE to EXIT, PONG to PING). Returns the events and the
+    (WELCOME to HELLO, EXIT to WELCOME, PONG to PING). Returns the events and the
     RemoteProtocolError, if any; any other exception propagates."""
     chunks: list[bytes] = []
     if pieces:
@@ -660,7 +658,12 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tupl
     try:
         for chunk in [*chunks, b""]:
             conn.receive_data(chunk)
-            for ev in drain(conn):
+            # Each event consumes at least a header: more rounds than bytes would be a loop.
+            for _ in range(conn.buffered + 2):
+                ev = conn.next_event()
+                if ev is NEED_DATA:
+                    break
+                assert isinstance(ev, Event)
                 events.append(ev)
                 if isinstance(ev, ConnectionClosed):
                     assert chunk == b"", "ConnectionClosed before EOF"
@@ -669,10 +672,10 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tupl
                     conn.send(Welcome(PROTOCOL_VERSION, 1, ()))
                 elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
                     conn.send(EXIT)
-                elif isinstance(ev, Exit) and conn.state is State.EXITING:
-                    conn.send(Done())
                 elif isinstance(ev, Ping) and conn.state is not State.CLOSED:
                     conn.send(Pong(ev.nonce))
+            else:
+                raise AssertionError("next_event() produced events without consuming bytes")
     except RemoteProtocolError as e:
         assert isinstance(e, ProtocolError)
         assert e.code in EXPECTED_CODES, e.code
@@ -830,12 +833,13 @@ def test_garbage_mutated_frames() -> None:
     "ftype, make",
     [(FrameType.HELLO, hello_obj), (FrameType.WELCOME, welcome_obj), (FrameType.EXIT, exit_obj),
      (FrameType.ERROR, error_obj)],
+    ids=["HELLO", "WELCOME", "EXIT", "ERROR"],
 )
 def test_garbage_json_fields(ftype: FrameType, make: Callable[..., dict[str, Any]]) -> None:
     tried = 0
     keys = sorted(make())
 
-    @budget(GARBAGE_EXAMPLES // 4)
+    @budget(GARBAGE_EXAMPLES // 5)
     @given(key=st.sampled_from(keys + ["unknown"]), value=json_values, drop=st.booleans())
     def run(key: str, value: Any, drop: bool) -> None:
         nonlocal tried
@@ -854,7 +858,7 @@ def test_garbage_json_fields(ftype: FrameType, make: Callable[..., dict[str, Any
         assert decode(ftype, encode(ev)[5:]) == ev
 
     run()
-    assert tried >= GARBAGE_EXAMPLES // 8, tried
+    assert tried >= GARBAGE_EXAMPLES // 10, tried
     print(f"{ftype.name} JSON fields: {tried} inputs")
 
 
@@ -938,7 +942,9 @@ WRONG_TYPES = [
 ]
 
 
-@pytest.mark.parametrize("ftype, obj", BOOL_FOR_INT + WRONG_TYPES, ids=lambda x: repr(x)[:60])
+@pytest.mark.parametrize(
+    "ftype, obj", BOOL_FOR_INT + WRONG_TYPES, ids=lambda x: x.name if isinstance(x, FrameType) else repr(x)[:60]
+)
 def test_malformed_control_frames_are_refused(ftype: FrameType, obj: dict[str, Any]) -> None:
     body = json.dumps(obj, allow_nan=True).encode()
     # The unmodified object is valid: the change alone is what is refused.
@@ -1089,7 +1095,7 @@ def test_eof_at_every_point_of_a_frame() -> None:
         conn = Connection(Role.SHADOW)
         conn.receive_data(stream[:cut])
         conn.receive_data(b"")
-        if cut == 0:
+        if cut in (0, len(MAGIC)):  # nothing, or the magic alone: a clean end between frames
             assert conn.next_event() == ConnectionClosed()
         elif cut == len(stream):
             assert conn.next_event() == HELLO
