@@ -249,8 +249,9 @@ def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
         assert "retry limit reached" in text and "5 consecutive failed attempts" in text
         assert "gcwrap resume --spool" in text
         (st,) = spool_status(fs.path)
-        assert st["state"] == "gave-up"
+        assert st["state"] == "gave-up, job killed by signal 15"
         assert st["exit_signal"] == signal.SIGTERM, "killed with SIGTERM"
+        assert "retry limit reached" in str(st["reason"])
         pending = st["streams"][0]["pending"]  # type: ignore[index]
         assert pending > 0, "the spool keeps what it holds"
 
