@@ -44,7 +44,7 @@ _gcshadow() {
             continue
         fi
         case $cmd:$w in
-            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free) skip=1; lastopt=$w ;;
+            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format) skip=1; lastopt=$w ;;
             jobs:--root|jobs:--interval) skip=1; lastopt=$w ;;
             tail:--root) skip=1; lastopt=$w ;;
             *:-*) ;;
@@ -56,6 +56,7 @@ _gcshadow() {
         case $cmd:$lastopt in
             serve:--root) _gcshadow_files dir ;;
             serve:--port-file) _gcshadow_files file ;;
+            serve:--log-format) _gcshadow_words "text json" ;;
             jobs:--root) _gcshadow_files dir ;;
             tail:--root) _gcshadow_files dir ;;
         esac
@@ -63,11 +64,11 @@ _gcshadow() {
     fi
     if [[ $cur == -* ]]; then
         if (( COMP_CWORD == 1 )); then
-            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose -h --help --version"
+            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format -h --help --version"
             return 0
         fi
         case $cmd in
-            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose -h --help" ;;
+            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format -h --help" ;;
             jobs) _gcshadow_words "--root --json -w --watch --interval -h --help" ;;
             tail) _gcshadow_words "--root -f --follow --all -h --help" ;;
         esac

@@ -41,6 +41,7 @@ complete -c gcshadow -n '__gcshadow_using serve' -l idle-timeout -x -d 'Seconds 
 complete -c gcshadow -n '__gcshadow_using serve' -l max-connections -x -d 'Connections served at once; more are told BUSY and come back later'
 complete -c gcshadow -n '__gcshadow_using serve' -l min-free -x -d 'Free space at home below which new sessions are told BUSY (0: never)'
 complete -c gcshadow -n '__gcshadow_using serve' -s v -l verbose -d 'Debug messages on stderr (it logs each job\'s start and end)'
+complete -c gcshadow -n '__gcshadow_using serve' -l log-format -x -a 'text json' -d 'Log lines on stderr as text or JSON'
 complete -c gcshadow -n '__gcshadow_using serve; and not __gcshadow_at_subcommand' -s h -l help -d 'Show this message and exit'
 
 # gcshadow jobs

@@ -25,7 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -571,6 +571,16 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
     return exit_status(returncode)
 
 
+async def _report_progress(agent: Agent, progress: Callable[[int, int], None], start: dict[int, int]) -> None:
+    total = sum(o.read_end - start[sid] for sid, o in agent.out.items())
+    try:
+        while True:
+            progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
+            await trio.sleep(0.2)
+    finally:
+        progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
+
+
 def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
     """Delete a delivered spool; keep one that still holds output and say why."""
     spooler = agent.spooler
@@ -602,8 +612,11 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
     return outcome
 
 
-async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
-    """Deliver what a spool left behind (a killed wrapper, an outage at job end)."""
+async def resume_spool(
+    opts: AgentOptions, path: Path, progress: Callable[[int, int], None] | None = None
+) -> Outcome:
+    """Deliver what a spool left behind (a killed wrapper, an outage at job end).
+    `progress(done, total)` is called as bytes are acknowledged."""
     try:
         lock_fd = lock_spool(path)
     except BlockingIOError:
@@ -637,6 +650,9 @@ async def resume_spool(opts: AgentOptions, path: Path) -> Outcome:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
+            start = {sid: o.acked for sid, o in agent.out.items()}
+            if progress is not None:
+                nursery.start_soon(_report_progress, agent, progress, start)
             await agent.deliver_loop()
             nursery.cancel_scope.cancel()
     job_status = None

@@ -7,10 +7,11 @@ sqlite-utils, rich) are imported inside the commands that need them, so
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -315,13 +316,33 @@ def resume(
                 worst = max(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat)
-        outcome = trio.run(resume_spool, opts, path)
+        with resume_progress(say.console, job.job_id, quiet or log_format == "json") as progress:
+            outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:
             say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
         else:
             say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
         worst = max(worst, outcome.status)
     sys.exit(worst)
+
+
+@contextlib.contextmanager
+def resume_progress(console: Any, job_id: str, hidden: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar (bytes, rate, ETA) on stderr while a spool is resumed."""
+    if hidden:
+        yield None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress(TextColumn(f"[cyan]{job_id}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("resume", total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=max(total, 1))
+
+        yield update
 
 
 @main.command(context_settings=CONTEXT)

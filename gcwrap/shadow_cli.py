@@ -63,9 +63,11 @@ def main() -> None:
 @click.option("--min-free", type=Size(), default="64MiB", show_default=True, envvar="GCSHADOW_MIN_FREE",
               show_envvar=True, help="Free space at home below which new sessions are told BUSY (0: never).")
 @click.option("-v", "--verbose", count=True, help="Debug messages on stderr (it logs each job's start and end).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              envvar="GCSHADOW_LOG_FORMAT", show_envvar=True, help="Log lines on stderr as text or JSON.")
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
-    max_connections: int, min_free: int, verbose: int,
+    max_connections: int, min_free: int, verbose: int, log_format: str,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -79,7 +81,7 @@ def serve(
     from .shadow import ShadowOptions, run_shadow
     from .shadow_store import StoreError
 
-    setup_logging("gcshadow", verbose + 1)
+    setup_logging("gcshadow", verbose + 1, log_format)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
         handshake_timeout=handshake_timeout, idle_timeout=idle_timeout, max_connections=max_connections,

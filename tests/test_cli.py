@@ -1,0 +1,64 @@
+"""Every option of every command parses, from the command line and from its
+environment variables (CliRunner and click's own parser, no job is run)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import click
+import pytest
+
+from gcwrap.cli import Size
+from gcwrap.cli import main as gcwrap_main
+from gcwrap.shadow_cli import main as gcshadow_main
+
+REQUIRED = {"run": ["--", "true"], "tail": ["job"]}
+
+
+def sample(param: click.Option) -> str:
+    t = param.type
+    if isinstance(t, click.Choice):
+        return str(t.choices[-1])
+    if isinstance(t, Size):
+        return "3MiB"
+    if isinstance(t, (click.IntRange, click.types.IntParamType)):
+        return "7"
+    if isinstance(t, (click.FloatRange, click.types.FloatParamType)):
+        return "2.5"
+    if param.name == "shadow":
+        return "home.example:50000"
+    return "some/value"
+
+
+def options() -> Iterator[Any]:
+    for prog, main in (("gcwrap", gcwrap_main), ("gcshadow", gcshadow_main)):
+        assert isinstance(main, click.Group)
+        for name, cmd in sorted(main.commands.items()):
+            for p in cmd.params:
+                if isinstance(p, click.Option) and p.name != "help":
+                    yield pytest.param(cmd, name, p, id=f"{prog}-{name}-{p.opts[-1]}")
+
+
+def parse(cmd: click.Command, name: str, args: list[str]) -> dict[str, Any]:
+    with cmd.make_context(name, [*args, *REQUIRED.get(name, [])]) as ctx:
+        return dict(ctx.params)
+
+
+@pytest.mark.parametrize(("cmd", "name", "param"), list(options()))
+def test_option_on_the_command_line(cmd: click.Command, name: str, param: click.Option) -> None:
+    flagged = param.is_flag or param.count
+    got = parse(cmd, name, [param.opts[-1]] if flagged else [param.opts[-1], sample(param)])
+    default = parse(cmd, name, [])[param.name]  # type: ignore[index]
+    assert got[param.name] != default, f"{param.opts[-1]} did not change {param.name}"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("cmd", "name", "param"), [p for p in options() if p.values[2].envvar])
+def test_option_from_each_environment_variable(
+    cmd: click.Command, name: str, param: click.Option, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+    default = parse(cmd, name, [])[param.name]  # type: ignore[index]
+    for var in names:
+        with monkeypatch.context() as m:
+            m.setenv(var, "1" if param.is_flag else sample(param))
+            assert parse(cmd, name, [])[param.name] != default, f"${var} did not set {param.name}"  # type: ignore[index]
