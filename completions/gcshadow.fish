@@ -42,6 +42,15 @@ complete -c gcshadow -n '__gcshadow_using serve' -l max-connections -x -d 'Conne
 complete -c gcshadow -n '__gcshadow_using serve' -l min-free -x -d 'Free space at home below which new sessions are told BUSY (0: never)'
 complete -c gcshadow -n '__gcshadow_using serve' -s v -l verbose -d 'Debug messages on stderr (it logs each job\'s start and end)'
 complete -c gcshadow -n '__gcshadow_using serve' -l log-format -x -a 'text json' -d 'Log lines on stderr as text or JSON'
+complete -c gcshadow -n '__gcshadow_using serve' -l token-file -r -F -d 'Require agents to prove this shared secret (the file must be...'
+complete -c gcshadow -n '__gcshadow_using serve' -l tls-cert -r -F -d 'Serve TLS with this certificate'
+complete -c gcshadow -n '__gcshadow_using serve' -l tls-key -r -F -d 'Private key of --tls-cert (if not in the same file)'
+complete -c gcshadow -n '__gcshadow_using serve' -l tls-ca -r -F -d 'Require client certificates signed by this CA (mutual TLS)'
+complete -c gcshadow -n '__gcshadow_using serve' -l allow-subject -x -d 'With --tls-ca: a client certificate with this CN may write the jobs...'
+complete -c gcshadow -n '__gcshadow_using serve' -l allow -x -d 'Hosts, .domain suffixes and CIDR ranges that may connect (repeatable...'
+complete -c gcshadow -n '__gcshadow_using serve' -l quota -x -d 'Bytes one job may write in all (0: no limit)'
+complete -c gcshadow -n '__gcshadow_using serve' -l max-jobs-per-identity -x -d 'Jobs streaming at once per certificate CN (or per host without one)...'
+complete -c gcshadow -n '__gcshadow_using serve' -l insecure -d 'Listen on a non-loopback address without authentication (anyone who...'
 complete -c gcshadow -n '__gcshadow_using serve; and not __gcshadow_at_subcommand' -s h -l help -d 'Show this message and exit'
 
 # gcshadow jobs

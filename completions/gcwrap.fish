@@ -24,7 +24,7 @@ function __gcwrap_command_start --description 'Where the wrapped COMMAND starts,
     set -l value_options
     switch $sub
         case run
-            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --retry-limit --retry-timeout --heartbeat --log-format
+            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --retry-limit --retry-timeout --heartbeat --log-format --token-file --tls-ca --tls-cert --tls-key
         case '*'
             return 1
     end
@@ -94,6 +94,11 @@ complete -c gcwrap -n '__gcwrap_using run' -l heartbeat -x -d 'Seconds between h
 complete -c gcwrap -n '__gcwrap_using run' -s v -l verbose -d 'More messages on stderr (-vv for debug)'
 complete -c gcwrap -n '__gcwrap_using run' -s q -l quiet -d 'Only errors on stderr: no warnings, no I/O summary'
 complete -c gcwrap -n '__gcwrap_using run' -l log-format -x -a 'text json' -d 'Messages on stderr as text or JSON lines'
+complete -c gcwrap -n '__gcwrap_using run' -l token-file -r -F -d 'Shared secret: prove it to the shadow, and make it prove it back'
+complete -c gcwrap -n '__gcwrap_using run' -l tls -d 'Speak TLS to the shadow, verified against the system\'s CAs (implied...'
+complete -c gcwrap -n '__gcwrap_using run' -l tls-ca -r -F -d 'CA certificate(s) that signed the shadow\'s certificate'
+complete -c gcwrap -n '__gcwrap_using run' -l tls-cert -r -F -d 'Client certificate, for a shadow that requires one (mutual TLS)'
+complete -c gcwrap -n '__gcwrap_using run' -l tls-key -r -F -d 'Private key of --tls-cert (if not in the same file)'
 complete -c gcwrap -n '__gcwrap_using run; and not __gcwrap_at_subcommand' -s h -l help -d 'Show this message and exit'
 complete -c gcwrap -n '__gcwrap_using run; and not __gcwrap_at_subcommand' -a '(__fish_complete_command)'
 
@@ -112,6 +117,11 @@ complete -c gcwrap -n '__gcwrap_using resume' -l heartbeat -x -d 'Seconds betwee
 complete -c gcwrap -n '__gcwrap_using resume' -s v -l verbose -d 'More messages on stderr (-vv for debug)'
 complete -c gcwrap -n '__gcwrap_using resume' -s q -l quiet -d 'Only errors on stderr: no warnings, no I/O summary'
 complete -c gcwrap -n '__gcwrap_using resume' -l log-format -x -a 'text json' -d 'Messages on stderr as text or JSON lines'
+complete -c gcwrap -n '__gcwrap_using resume' -l token-file -r -F -d 'Shared secret: prove it to the shadow, and make it prove it back'
+complete -c gcwrap -n '__gcwrap_using resume' -l tls -d 'Speak TLS to the shadow, verified against the system\'s CAs (implied...'
+complete -c gcwrap -n '__gcwrap_using resume' -l tls-ca -r -F -d 'CA certificate(s) that signed the shadow\'s certificate'
+complete -c gcwrap -n '__gcwrap_using resume' -l tls-cert -r -F -d 'Client certificate, for a shadow that requires one (mutual TLS)'
+complete -c gcwrap -n '__gcwrap_using resume' -l tls-key -r -F -d 'Private key of --tls-cert (if not in the same file)'
 complete -c gcwrap -n '__gcwrap_using resume' -s h -l help -d 'Show this message and exit'
 complete -c gcwrap -n '__gcwrap_using resume' -F
 

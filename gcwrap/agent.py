@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import trio
 
 from . import exitcodes
-from .events import STDERR, STDIN, STDOUT, Exit, StreamSpec
+from .events import STDERR, STDIN, STDOUT, ErrorCode, Exit, StreamSpec
 from .outbox import OutStream
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
@@ -61,6 +62,8 @@ class AgentOptions:
     spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
     min_free: int | None = None  # free disk space left to the job (None: the default reserve)
     cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
+    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
+    tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
 
 
 @dataclass
@@ -296,7 +299,30 @@ class Agent:
 
     # -- delivery --------------------------------------------------------
 
+    async def _connect(self, host: str, port: int) -> tuple[trio.abc.Stream, trio.SocketStream]:
+        """A connection to the shadow: TCP, and TLS over it when configured."""
+        with trio.fail_after(self.opts.connect_timeout or 3 * self.opts.heartbeat):
+            tcp = await trio.open_tcp_stream(host, port)
+            if self.opts.tls is None:
+                return tcp, tcp
+            tls = trio.SSLStream(tcp, self.opts.tls, server_hostname=host)
+            try:
+                await tls.do_handshake()
+            except BaseException as e:
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(tcp)
+                if isinstance(e.__cause__, ssl.SSLCertVerificationError):
+                    raise ShadowRefused(
+                        ErrorCode.AUTH_FAILED,
+                        f"the shadow's certificate failed verification: {e.__cause__.verify_message}",
+                        permanent=True,
+                    ) from None
+                raise
+            return tls, tcp
+
     async def deliver_loop(self) -> None:
+        """Connect, run a session, back off, repeat, until the shadow said DONE,
+        the retry limit is reached, or the job ended while the shadow refuses it."""
         assert self.opts.shadow is not None
         host, port = self.opts.shadow
         where = f"{host}:{port}"
@@ -304,12 +330,12 @@ class Agent:
         while True:
             self.stats["attempts"] += 1
             session = Session(self, where)
+            error: BaseException
             try:
-                with trio.fail_after(self.opts.connect_timeout or 3 * self.opts.heartbeat):
-                    tcp = await trio.open_tcp_stream(host, port)
+                stream, tcp = await self._connect(host, port)
                 self.connected_since = time.monotonic()
                 try:
-                    await session.run(tcp)
+                    await session.run(stream, tcp.socket)
                 finally:
                     self.stats["connected_s"] += time.monotonic() - self.connected_since
                     self.connected_since = None
@@ -320,12 +346,6 @@ class Agent:
                 self.delivered.set()
                 self.changed.fire()
                 return
-            except ShadowRefused as e:
-                if e.permanent:
-                    self.refusal = e  # reported once, by the caller, as the outcome
-                    self.note(last_error=describe(e, where), state="refused")
-                    return
-                error: BaseException = e
             except Exception as e:  # noqa: BLE001 - every failure is classified and retried
                 log.debug("session failed", exc_info=True)
                 error = e
@@ -338,14 +358,23 @@ class Agent:
             self.net_error = reason
             if self.blocked:
                 self.failures_blocked += 1
-            if not self.outage_reported:
+            self.stats["failures"] += 1
+            self.note(last_error=reason, retries=int(self.stats["failures"]))
+            refused = isinstance(error, ShadowRefused) and error.permanent
+            if refused:
+                # Refused for good (token, name, owner...): something to fix at
+                # home. The job keeps running into its spool; say so now, loudly.
+                if self.refusal is None or str(self.refusal) != str(error):
+                    log.error("%s; the job goes on, its output is kept in the spool", reason)
+                self.refusal = error  # type: ignore[assignment]
+                if self.exit_event is not None:
+                    return  # the job has ended: retrying now changes nothing
+            elif not self.outage_reported:
                 where_now = f"the spool {self.spooler.path}" if self.spooler.spool else "memory (no spool)"
                 log.warning("%s; output waits in %s, retrying", reason, where_now)
                 self.outage_reported = True
             else:
                 log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
-            self.stats["failures"] += 1
-            self.note(last_error=reason, retries=int(self.stats["failures"]))
             limit = self.opts.retry_limit
             if limit and self.failures_blocked >= limit:
                 ended = self.exit_event is not None
@@ -358,10 +387,13 @@ class Agent:
                     ),
                 )
                 return
-            delay = backoff.next_delay()
+            delay = self.opts.retry_timeout if refused else backoff.next_delay()
             if isinstance(error, ShadowRefused) and error.retry_after:
                 delay = max(delay, min(error.retry_after, self.opts.retry_timeout))
-            await trio.sleep(delay)
+            with trio.move_on_after(delay):
+                # ...but a refused job that ends gets its last try at once.
+                while not (refused and self.exit_event is not None):
+                    await self.changed.wait()
 
     def summary(self) -> dict[str, Any]:
         """The I/O summary, in the spirit of Condor's: what moved, how, how long."""
@@ -401,6 +433,7 @@ class Agent:
             log.warning("connected to the shadow again; delivering the backlog")
             self.outage_reported = False
         self.net_error = ""
+        self.refusal = None
         self.note(connected=True, last_error="")
 
 
@@ -429,12 +462,16 @@ def _signal_job(proc: trio.Process, signum: int) -> None:
 
 
 async def _forward_signals(proc: trio.Process, agent: Agent) -> None:
-    """The first signals go to the job; one that comes after the job has
-    ended means "stop now": delivery stops, the spool is kept for resume."""
+    """Signals go to the job. A second one, once the job has ended, means
+    "stop now": delivery stops, the spool is kept for resume. (The first one
+    never does: a batch system signals the job and gcwrap together, and the
+    job may well die before gcwrap reads its copy.)"""
+    received = 0
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
+            received += 1
             name = signal.Signals(signum).name
-            if agent.exit_event is not None:
+            if received > 1 and agent.exit_event is not None:
                 agent.interrupt(f"{name} received after the job ended: delivery stopped")
                 continue
             log.info("forwarding %s to the job", name)
@@ -526,9 +563,9 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
         finally:
             delivery_done.set()
             agent.changed.fire()
-            if agent.refusal is not None or agent.give_up is not None:
-                # The output can never go home: end the job, and say why.
-                agent.kill_reason = describe(agent.refusal) if agent.refusal else agent.give_up.message  # type: ignore[union-attr]
+            if agent.give_up is not None and agent.exit_event is None:
+                # Past the retry limit with nowhere to put the output: end the job, and say why.
+                agent.kill_reason = agent.give_up.message
                 with trio.CancelScope(shield=True):
                     await _end_job(proc, KILL_GRACE)
 
@@ -594,7 +631,7 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
         if agent.kill_reason:
             final.update(reason=agent.kill_reason)
     elif agent.refusal is not None:
-        final.update(state="refused", reason=describe(agent.refusal))
+        final.update(state="refused", last_error=describe(agent.refusal))
     agent.live_fields.update({k: v for k, v in final.items() if k != "summary"})
     spooler.write_live(agent.live_snapshot())
     if not spooler.last_commit(final) and path is not None:

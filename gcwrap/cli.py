@@ -42,6 +42,21 @@ def parse_hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None,
+             tls_key: Path | None) -> dict[str, Any]:
+    """AgentOptions fields for the token and TLS options (usage errors if unusable)."""
+    from .auth import AuthError, client_context, load_token
+
+    try:
+        token = load_token(token_file, private=False) if token_file else None
+        tls = client_context(tls_ca, tls_cert, tls_key) if (tls_on or tls_ca or tls_cert or tls_key) else None
+    except AuthError as e:
+        raise click.UsageError(str(e)) from None
+    if tls_key and not tls_cert:
+        raise click.UsageError("--tls-key needs --tls-cert")
+    return {"token": token, "tls": tls}
+
+
 def shadow_address(value: str | None) -> tuple[str, int] | None:
     if value:
         try:
@@ -59,15 +74,33 @@ def shadow_address(value: str | None) -> tuple[str, int] | None:
 
 
 def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | None], str | None]:
+    """A NAME template's syntax (%j, %a...); `expand_name` makes it a NAME once the job is known."""
     def callback(ctx: click.Context, p: click.Parameter, value: str | None) -> str | None:
         if value is None or value == "":
             return None
+        from .templates import TemplateError, check
+
         try:
-            return normalize(value)
-        except NameError_ as e:
+            check(value)
+        except TemplateError as e:
             raise click.BadParameter(str(e), param_hint=param) from None
+        return value
 
     return callback
+
+
+def expand_name(value: str | None, values: dict[str, str], param: str) -> str | None:
+    """A NAME template expanded for this job, then checked as a NAME."""
+    if value is None:
+        return None
+    from .templates import expand
+
+    name = expand(value, values)
+    try:
+        return normalize(name)
+    except NameError_ as e:
+        shown = str(e) if name == value else f"{value!r} expands to {name!r}: {e}"
+        raise click.BadParameter(shown, param_hint=param) from None
 
 
 class Size(click.ParamType):
@@ -100,6 +133,16 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr: no warnings, no I/O summary."),
         click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
                      envvar="GCWRAP_LOG_FORMAT", show_envvar=True, help="Messages on stderr as text or JSON lines."),
+        click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TOKEN_FILE",
+                     show_envvar=True, help="Shared secret: prove it to the shadow, and make it prove it back."),
+        click.option("--tls", "tls_on", is_flag=True, envvar="GCWRAP_TLS", show_envvar=True,
+                     help="Speak TLS to the shadow, verified against the system's CAs (implied by --tls-*)."),
+        click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TLS_CA",
+                     show_envvar=True, help="CA certificate(s) that signed the shadow's certificate."),
+        click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TLS_CERT",
+                     show_envvar=True, help="Client certificate, for a shadow that requires one (mutual TLS)."),
+        click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TLS_KEY",
+                     show_envvar=True, help="Private key of --tls-cert (if not in the same file)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -127,18 +170,22 @@ def main() -> None:
               help="Where gcshadow listens. Default: $BYPASS_SHADOW_HOST:$BYPASS_SHADOW_PORT.")
 @click.option("--stdout", "stdout_name", metavar="NAME", envvar=["GCWRAP_STDOUT", "GRID_CONSOLE_STDOUT"],
               show_envvar=True, callback=check_name("--stdout"),
-              help="File (relative to the shadow's root) that receives the job's stdout. Unset: pass through.")
+              help="File (relative to the shadow's root) that receives the job's stdout. Unset: pass through. "
+                   "A template: %j job id, %a array task, %h host, %u user, %n attempt, %% a literal %.")
 @click.option("--stderr", "stderr_name", metavar="NAME", envvar=["GCWRAP_STDERR", "GRID_CONSOLE_STDERR"],
               show_envvar=True, callback=check_name("--stderr"),
-              help="File that receives the job's stderr; the same NAME as --stdout merges them (2>&1).")
+              help="File that receives the job's stderr; the same NAME as --stdout merges them (2>&1). "
+                   "Templates as for --stdout.")
 @click.option("--stdin", "stdin_name", metavar="NAME", envvar=["GCWRAP_STDIN", "GRID_CONSOLE_STDIN"],
               show_envvar=True, callback=check_name("--stdin"),
-              help="File at the shadow that is fed to the job's stdin. Unset: pass through.")
+              help="File at the shadow that is fed to the job's stdin. Unset: pass through. "
+                   "Templates as for --stdout.")
 @click.option("--job-id", metavar="ID", envvar="GCWRAP_JOB_ID", show_envvar=True,
               help="Job id at the shadow. Default: the batch system's (Slurm, HTCondor, PBS), else host-pid-time.")
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
               envvar="GCWRAP_SPOOL", show_envvar=True,
-              help="Directory for the spool. Default: $TMPDIR/gcwrap-UID.")
+              help="Directory for the spool. Default: gcwrap-UID in the batch system's scratch directory "
+                   "($_CONDOR_SCRATCH_DIR, $SLURM_TMPDIR) or $TMPDIR, else in /tmp.")
 @click.option("--spool-limit", type=Size(), default="0", show_default=True, envvar="GCWRAP_SPOOL_LIMIT",
               show_envvar=True, help="Most bytes the spool may hold (0: only free disk space limits it).")
 @click.option("--min-free", type=Size(), default=None, envvar="GCWRAP_MIN_FREE", show_envvar=True,
@@ -152,6 +199,7 @@ def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
     retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
+    token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND; stream its stdout/stderr to the shadow through a local spool.
@@ -163,6 +211,7 @@ def run(
     \b
     Examples:
       gcwrap --shadow home:50000 --stdout outfile.5 -- ./app
+      gcwrap --shadow home:50000 --stdout 'out/%j.%a.out' -- ./app    # in a batch job: out/4242.7.out
       BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5 gcwrap -- ./app
     """
     from .render import setup_logging
@@ -173,6 +222,15 @@ def run(
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
     if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
         raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
+    from .identity import detect
+    from .templates import values_for
+
+    ident = detect()
+    values = values_for(ident, job_id)
+    stdout_name = expand_name(stdout_name, values, "--stdout")
+    stderr_name = expand_name(stderr_name, values, "--stderr")
+    stdin_name = expand_name(stdin_name, values, "--stdin")
+    job_id = job_id or ident.job_id
     from .agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
@@ -180,6 +238,7 @@ def run(
         shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
+        **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
 
@@ -215,7 +274,10 @@ def _run(
         say.say(outcome.message)
     if outcome.spool is not None and outcome.status in (exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED):
         say.say(f"undelivered output is kept in {outcome.spool}", spool=str(outcome.spool))
-        if outcome.status != exitcodes.REFUSED:
+        if outcome.status == exitcodes.REFUSED:
+            say.say(f"once that is fixed at home, deliver it with: "
+                    f"gcwrap resume --include-refused --spool {outcome.spool.parent}")
+        else:
             say.say(f"deliver it later with: gcwrap resume --spool {outcome.spool.parent}")
         if outcome.job_status is not None:
             say.say(f"the job itself exited with status {outcome.job_status}", job_status=outcome.job_status)
@@ -224,7 +286,7 @@ def _run(
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: $TMPDIR/gcwrap-UID.")
+              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
 def status(spool_dir: Path | None, as_json: bool) -> None:
     """Show the spools on this machine: job, state, bytes written, acked, pending.
@@ -253,7 +315,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: $TMPDIR/gcwrap-UID.")
+              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
               help="Deliver to this shadow instead of the one recorded in the spool.")
 @click.option("--include-refused", is_flag=True,
@@ -262,7 +324,8 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
     spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
-    heartbeat: float, verbose: int, quiet: bool, log_format: str, spools: tuple[Path, ...],
+    heartbeat: float, verbose: int, quiet: bool, log_format: str, token_file: Path | None, tls_on: bool,
+    tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
 
@@ -315,7 +378,8 @@ def resume(
                 say.say(f"{path}: no shadow recorded; use --shadow HOST:PORT")
                 worst = max(worst, exitcodes.USAGE)
                 continue
-        opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat)
+        opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
+                            **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
         with resume_progress(say.console, job.job_id, quiet or log_format == "json") as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:

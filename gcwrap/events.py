@@ -82,6 +82,7 @@ class Hello(Event):
     user: str = ""
     command: tuple[str, ...] = ()
     versions: tuple[int, ...] = (PROTOCOL_VERSION,)
+    nonce: str = ""  # the agent's challenge to the shadow (hex), for token authentication
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,21 @@ class Welcome(Event):
     session: int
     durable: tuple[tuple[int, int], ...]  # (stream id, durable length)
     heartbeat: float = 10.0  # seconds the shadow waits for a frame before it gives up
+    proof: str = ""  # the shadow's answer to the agent's nonce (hex HMAC), when a token is in use
+
+
+@dataclass(frozen=True)
+class Challenge(Event):
+    """Shadow → agent, after HELLO when a token is required: prove you know it."""
+
+    nonce: str  # hex, fresh for every connection
+
+
+@dataclass(frozen=True)
+class Auth(Event):
+    """Agent → shadow: HMAC-SHA256 over both nonces and the job (hex)."""
+
+    mac: str
 
 
 @dataclass(frozen=True)

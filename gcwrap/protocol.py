@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 The agent opens a TCP connection, writes the 8-byte MAGIC and a HELLO frame
-naming the job, its attempt (`instance`) and its streams. The shadow answers
-WELCOME with the durable length it holds of each output stream, or ERROR. From
+naming the job, its attempt (`instance`) and its streams. When the shadow
+requires a token it answers CHALLENGE(nonce) and the agent proves it knows
+the token with AUTH (see gcwrap.auth). The shadow then answers WELCOME with
+the durable length it holds of each output stream, or ERROR. From
 then on the agent sends DATA frames (stream, absolute offset, bytes) in offset
 order per stream; the shadow trims bytes it already holds, refuses gaps, and
 once the bytes are on stable storage sends ACK(stream, durable offset). The
@@ -36,6 +38,8 @@ from .events import (
     PROTOCOL_VERSION,
     STREAM_KINDS,
     Ack,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -85,6 +89,8 @@ class FrameType(enum.IntEnum):
     PING = 9
     PONG = 10
     ERROR = 11
+    CHALLENGE = 12
+    AUTH = 13
 
 
 class Role(enum.Enum):
@@ -95,6 +101,7 @@ class Role(enum.Enum):
 class State(enum.Enum):
     AWAIT_HELLO = "await-hello"
     AWAIT_WELCOME = "await-welcome"
+    AWAIT_AUTH = "await-auth"
     STREAMING = "streaming"
     EXITING = "exiting"
     CLOSED = "closed"
@@ -136,7 +143,11 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
     },
     State.AWAIT_WELCOME: {
         Role.AGENT: {},
-        Role.SHADOW: {Welcome: State.STREAMING},
+        Role.SHADOW: {Welcome: State.STREAMING, Challenge: State.AWAIT_AUTH},
+    },
+    State.AWAIT_AUTH: {
+        Role.AGENT: {Auth: State.AWAIT_WELCOME},
+        Role.SHADOW: {},
     },
     State.STREAMING: {
         Role.AGENT: {Data: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
@@ -270,6 +281,22 @@ def _json_body(obj: dict[str, Any]) -> bytes:
     return body
 
 
+_HEX_RE = re.compile(r"[0-9a-f]{0,128}\Z")
+
+
+def _hex_field(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _HEX_RE.match(value):
+        raise LocalProtocolError(f"{what} must be at most 128 lowercase hex digits")
+    return value
+
+
+def _hex(obj: dict[str, Any], key: str, ftype: FrameType) -> str:
+    value = obj.get(key, "")
+    if not isinstance(value, str) or not _HEX_RE.match(value):
+        raise _bad(f"{ftype.name}: {key!r} must be at most 128 lowercase hex digits")
+    return value
+
+
 def _check_u64(value: int, what: str) -> None:
     if not 0 <= value <= _U64:
         raise LocalProtocolError(f"{what} {value} out of range")
@@ -322,6 +349,7 @@ def _encode(event: Event) -> bytes:
                     "user": event.user,
                     "command": list(event.command),
                     "streams": [[s.id, s.kind, s.name] for s in event.streams],
+                    "nonce": event.nonce,
                 }
             ),
         )
@@ -334,6 +362,7 @@ def _encode(event: Event) -> bytes:
                     "session": event.session,
                     "durable": [list(p) for p in event.durable],
                     "heartbeat": event.heartbeat,
+                    "proof": event.proof,
                 }
             ),
         )
@@ -352,6 +381,10 @@ def _encode(event: Event) -> bytes:
         )
     if isinstance(event, Done):
         return _frame(FrameType.DONE, b"{}")
+    if isinstance(event, Challenge):
+        return _frame(FrameType.CHALLENGE, _json_body({"nonce": _hex_field(event.nonce, "nonce")}))
+    if isinstance(event, Auth):
+        return _frame(FrameType.AUTH, _json_body({"mac": _hex_field(event.mac, "mac")}))
     if isinstance(event, Error):
         return _frame(
             FrameType.ERROR,
@@ -464,6 +497,7 @@ def _decode_hello(obj: dict[str, Any]) -> Hello:
         user=_text(obj.get("user", ""), 255, f, "user"),
         command=tuple(command),
         versions=tuple(versions),
+        nonce=_hex(obj, "nonce", f),
     )
 
 
@@ -503,7 +537,17 @@ def _decode_json_frame(ftype: FrameType, body: bytes) -> Event:
             raise _bad("WELCOME: 'heartbeat' must be a positive number of seconds")
         if not 0 <= session <= _U64:
             raise _bad("WELCOME: 'session' out of range")
-        return Welcome(version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat))
+        return Welcome(
+            version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat),
+            _hex(obj, "proof", ftype),
+        )
+    if ftype is FrameType.CHALLENGE:
+        nonce = _hex(obj, "nonce", ftype)
+        if len(nonce) < 32:
+            raise _bad("CHALLENGE: 'nonce' must have at least 32 hex digits")
+        return Challenge(nonce)
+    if ftype is FrameType.AUTH:
+        return Auth(_hex(obj, "mac", ftype))
     if ftype is FrameType.EXIT:
         return _decode_exit(obj)
     if ftype is FrameType.DONE:
@@ -554,7 +598,10 @@ def _decode_binary(ftype: FrameType, body: bytes) -> Event:
     return Ping(nonce) if ftype is FrameType.PING else Pong(nonce)
 
 
-_JSON_FRAMES = {FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.DONE, FrameType.ERROR}
+_JSON_FRAMES = {
+    FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.DONE, FrameType.ERROR, FrameType.CHALLENGE,
+    FrameType.AUTH,
+}
 
 
 def decode(raw_type: int, body: bytes) -> Event:

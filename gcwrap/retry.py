@@ -68,7 +68,7 @@ def describe(exc: BaseException, where: str = "") -> str:
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the shadow's host{at}: {exc.strerror or exc}"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS failure with the shadow{at}: {exc}"
+        return f"TLS failure with the shadow{at}: {exc.reason or exc}"
     if isinstance(exc, TimeoutError):
         return f"connecting to the shadow{at} timed out"
     if isinstance(exc, ConnectionRefusedError):
@@ -84,8 +84,12 @@ def describe(exc: BaseException, where: str = "") -> str:
             return f"connection to the shadow{at} timed out"
         return f"network error with the shadow{at}: {exc.strerror or exc}"
     name = type(exc).__name__
+    if name == "BrokenResourceError" and isinstance(exc.__cause__, ssl.SSLError):
+        return describe(exc.__cause__, where)  # e.g. the shadow rejected our client certificate
     if name == "TooSlowError":
         return f"connecting to the shadow{at} timed out"
+    if name == "ConnectionLost" and str(exc):
+        return f"{exc}{at and ' (' + where + ')'}"
     if name in ("BrokenResourceError", "ClosedResourceError", "ConnectionLost"):
         return f"connection to the shadow{at} was lost"
     return f"{name}{at}: {exc}"

@@ -16,6 +16,7 @@ import array
 import fcntl
 import itertools
 import socket
+import ssl
 import termios
 import time
 from collections import deque
@@ -23,8 +24,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .auth import agent_mac, new_nonce, same, shadow_proof
 from .events import (
     Ack,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -107,19 +111,23 @@ class Session:
         self.nonces = itertools.count(1)
         self.heartbeat = agent.opts.heartbeat
 
-    async def _send(self, stream: trio.SocketStream, event: Event) -> None:
+    async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
             data = self.conn.send(event)
             await stream.send_all(data)
 
 
-    async def run(self, stream: trio.SocketStream) -> None:
+    async def run(self, stream: trio.abc.Stream, sock: socket.socket | trio.socket.SocketType) -> None:
+        """Speak the protocol over `stream` (plain TCP, or TLS over it); `sock`
+        is the TCP socket underneath, for its options and send queue."""
         agent = self.agent
+        self.sock = sock
         try:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         except OSError:
             pass
         job = agent.job
+        token = agent.opts.token
         hello = Hello(
             job_id=job.job_id,
             instance=job.instance,
@@ -127,9 +135,18 @@ class Session:
             host=job.host,
             user=job.user,
             command=tuple(job.command),
+            nonce=new_nonce() if token else "",
         )
-        await self._send(stream, hello)
-        welcome = await self._await_welcome(stream)
+        try:
+            await self._send(stream, hello)
+            welcome = await self._authenticate(stream, hello, token)
+        except (ConnectionLost, trio.BrokenResourceError) as e:
+            if agent.opts.tls is not None and not isinstance(e.__cause__, ssl.SSLError):
+                raise ConnectionLost(
+                    "the shadow closed the TLS connection before welcoming us: it probably rejected our "
+                    "client certificate (missing, expired, or from a CA it does not trust; see its log)"
+                ) from None
+            raise
         for sid, durable in welcome.durable:
             out = agent.out.get(sid)
             if out is None:
@@ -153,9 +170,9 @@ class Session:
                 nursery.start_soon(self._recv_loop, stream)
                 nursery.start_soon(self._send_loop, stream)
                 nursery.start_soon(self._pinger, stream)
-                nursery.start_soon(self._watchdog, stream)
+                nursery.start_soon(self._watchdog)
 
-    async def _receive_events(self, stream: trio.SocketStream) -> list[Event]:
+    async def _receive_events(self, stream: trio.abc.Stream) -> list[Event]:
         data = await stream.receive_some(65536)
         self.last_in = time.monotonic()
         try:
@@ -174,13 +191,41 @@ class Session:
                 await self._send(stream, Error(e.code, str(e)))
             raise
 
-    async def _await_welcome(self, stream: trio.SocketStream) -> Welcome:
+    async def _await_handshake(self, stream: trio.abc.Stream) -> Welcome | Challenge:
         with trio.fail_after(self.heartbeat * 3):
             while True:
                 for ev in await self._receive_events(stream):
-                    if isinstance(ev, Welcome):
+                    if isinstance(ev, (Welcome, Challenge)):
                         return ev
                     self._check_failure(ev)
+
+    async def _authenticate(self, stream: trio.abc.Stream, hello: Hello, token: bytes | None) -> Welcome:
+        """The token handshake (gcwrap.auth): prove we know the token, and make
+        the shadow prove it too before any output goes to it."""
+        first = await self._await_handshake(stream)
+        if isinstance(first, Welcome):
+            if token is not None:
+                raise ShadowRefused(
+                    ErrorCode.AUTH_FAILED,
+                    "the shadow did not ask for the token: it runs without one, or it is not the real shadow; "
+                    "no output is sent to it",
+                    permanent=True,
+                )
+            return first
+        if token is None:
+            raise ShadowRefused(
+                ErrorCode.AUTH_FAILED, "the shadow requires a token: give gcwrap --token-file FILE", permanent=True
+            )
+        mac = agent_mac(token, hello.nonce, first.nonce, hello.job_id, hello.instance)
+        await self._send(stream, Auth(mac))
+        welcome = await self._await_handshake(stream)
+        if not isinstance(welcome, Welcome) or not same(welcome.proof, shadow_proof(token, hello.nonce, first.nonce)):
+            raise ShadowRefused(
+                ErrorCode.AUTH_FAILED,
+                "the shadow could not prove it knows the token: the tokens differ, or it is not the real shadow",
+                permanent=True,
+            )
+        return welcome
 
     def _check_failure(self, ev: Event) -> None:
         if isinstance(ev, Error):
@@ -188,7 +233,7 @@ class Session:
         if isinstance(ev, ConnectionClosed):
             raise ConnectionLost("the shadow closed the connection")
 
-    async def _recv_loop(self, stream: trio.SocketStream) -> None:
+    async def _recv_loop(self, stream: trio.abc.Stream) -> None:
         agent = self.agent
         while True:
             for ev in await self._receive_events(stream):
@@ -217,7 +262,7 @@ class Session:
                 else:
                     self._check_failure(ev)
 
-    async def _send_loop(self, stream: trio.SocketStream) -> None:
+    async def _send_loop(self, stream: trio.abc.Stream) -> None:
         agent = self.agent
         while True:
             progressed = False
@@ -249,18 +294,18 @@ class Session:
                 continue
             await agent.changed.wait()
 
-    async def _pinger(self, stream: trio.SocketStream) -> None:
+    async def _pinger(self, stream: trio.abc.Stream) -> None:
         while True:
             await trio.sleep(self.heartbeat)
             await self._send(stream, Ping(next(self.nonces)))
 
-    async def _watchdog(self, stream: trio.SocketStream) -> None:
+    async def _watchdog(self) -> None:
         limit = 3 * self.heartbeat
-        queued = send_queue(stream)
+        queued = send_queue(self.sock)
         while True:
             await trio.sleep(self.heartbeat / 4)
             now = time.monotonic()
-            now_queued = send_queue(stream)
+            now_queued = send_queue(self.sock)
             if now_queued < queued:
                 self.last_out = now  # the peer's TCP acknowledged bytes: it is alive
             queued = now_queued
@@ -268,11 +313,11 @@ class Session:
                 raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit:g} s")
 
 
-def send_queue(stream: trio.SocketStream) -> int:
+def send_queue(sock: socket.socket | trio.socket.SocketType) -> int:
     """Bytes in the kernel's send queue not yet acknowledged by the peer."""
     buf = array.array("i", [0])
     try:
-        fcntl.ioctl(stream.socket.fileno(), termios.TIOCOUTQ, buf)  # SIOCOUTQ
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)  # SIOCOUTQ
     except OSError:
         return 0
     return buf[0]

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import resource
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,11 @@ from typing import Any
 
 import trio
 
+from .auth import AllowList, SubjectMap, agent_mac, new_nonce, same, shadow_proof, subject_cn
 from .events import (
     Ack,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -63,6 +67,12 @@ class ShadowOptions:
     max_connections: int = 20000
     min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
     port_file: Path | None = None
+    token: bytes | None = None  # require the token challenge-response (gcwrap.auth)
+    tls: ssl.SSLContext | None = None  # TLS (mutual when it requires client certificates)
+    allow: AllowList = field(default_factory=AllowList)  # who may connect at all
+    subjects: SubjectMap = field(default_factory=SubjectMap)  # certificate CN -> job ids it may write
+    quota: int = 0  # bytes one job may write in all (0: no limit)
+    max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
 
 
 class Fenced(Exception):
@@ -74,6 +84,7 @@ class LiveJob:
     """A job with an open connection (or a recent one): its files and waiters."""
 
     files: JobFiles
+    identity: str = ""
     scope: trio.CancelScope | None = None
     durable_changed: Signal = field(default_factory=Signal)
     gone: trio.Event = field(default_factory=trio.Event)
@@ -179,21 +190,56 @@ class Shadow:
 
     # -- one connection ----------------------------------------------------
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _admit(self, tcp: trio.SocketStream, conn: Connection, peer: str, ip: str) -> tuple[
+            trio.abc.Stream, str] | None:
+        """Allow-list (before a single byte is read), then TLS. Returns the
+        stream to speak on and the client certificate's CN, or None."""
+        allow = self.opts.allow
+        if allow:
+            if allow.hosts or allow.suffixes:
+                why = await trio.to_thread.run_sync(allow.check, ip)
+            else:
+                why = allow.check(ip)
+            if why:
+                self.stats["refused"] += 1
+                log.warning("%s: refused before reading: %s", peer, why)
+                if self.opts.tls is None:
+                    await self._refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}", peer)
+                return None
+        if self.opts.tls is None:
+            return tcp, ""
+        tls = trio.SSLStream(tcp, self.opts.tls, server_side=True)
         try:
-            peer = "%s:%d" % stream.socket.getpeername()[:2]
+            with trio.fail_after(self.opts.handshake_timeout):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
+            self.stats["refused"] += 1
+            cause = e.__cause__ or e
+            log.warning("%s: TLS handshake failed: %s", peer, cause if str(cause) else type(cause).__name__)
+            return None
+        return tls, subject_cn(tls.getpeercert())
+
+    async def _handle(self, tcp: trio.SocketStream) -> None:
+        try:
+            ip, port = tcp.socket.getpeername()[:2]
+            peer = f"{ip}:{port}"
         except OSError:
-            peer = "?"
+            ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
         self.connections += 1
+        stream: trio.abc.Stream = tcp
         try:
             if self.connections > self.opts.max_connections:
                 log.warning("%s: too many connections (%d)", peer, self.connections)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
                                    retry_after=5)
                 return
+            admitted = await self._admit(tcp, conn, peer, ip)
+            if admitted is None:
+                return
+            stream, cn = admitted
             with first_error():
-                await self._serve_connection(stream, conn, peer)
+                await self._serve_connection(stream, conn, peer, cn or ip, cn)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
             log.info("%s: connection lost (%s)", peer, e)
         except ProtocolError as e:
@@ -218,9 +264,11 @@ class Shadow:
         finally:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
+            if stream is not tcp:
+                await trio.aclose_forcefully(tcp)
 
     async def _refuse(
-        self, stream: trio.SocketStream, conn: Connection, code: ErrorCode, message: str, peer: str,
+        self, stream: trio.abc.Stream, conn: Connection, code: ErrorCode, message: str, peer: str,
         retry_after: float = 0.0,
     ) -> None:
         with trio.move_on_after(2) as scope:
@@ -230,7 +278,7 @@ class Shadow:
             except Exception:  # noqa: BLE001 - best effort: the peer may be gone
                 pass
 
-    async def _next_events(self, stream: trio.SocketStream, conn: Connection) -> list[Event]:
+    async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:
         data = await stream.receive_some(RECEIVE_SIZE)
         conn.receive_data(data)
         events: list[Event] = []
@@ -243,15 +291,57 @@ class Shadow:
             if isinstance(ev, (ConnectionClosed, Error)):
                 return events
 
-    async def _serve_connection(self, stream: trio.SocketStream, conn: Connection, peer: str) -> None:
-        hello: Hello | None = None
-        with trio.fail_after(self.opts.handshake_timeout):
-            while hello is None:
-                for ev in await self._next_events(stream, conn):
-                    if isinstance(ev, Hello):
-                        hello = ev
-                    elif isinstance(ev, (ConnectionClosed, Error)):
-                        return
+    async def _await(
+        self, stream: trio.abc.Stream, conn: Connection, kind: type[Event], pending: list[Event]
+    ) -> Event | None:
+        """The next event, which must be a `kind` (else the agent breaks the
+        protocol); None if it closed or gave up. Events that arrived in the
+        same read stay in `pending`, in order, for whoever reads next."""
+        while not pending:
+            pending.extend(await self._next_events(stream, conn))
+        ev = pending.pop(0)
+        if isinstance(ev, kind):
+            return ev
+        if isinstance(ev, (ConnectionClosed, Error)):
+            return None
+        raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}", ErrorCode.UNEXPECTED)
+
+    async def _authenticate(
+        self, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str, pending: list[Event]
+    ) -> str | None:
+        """The token challenge-response and the certificate's rights; returns
+        the shadow's proof for WELCOME, or None if the agent went away."""
+        proof = ""
+        token = self.opts.token
+        if token is not None:
+            if not hello.nonce:
+                raise StoreError(ErrorCode.AUTH_FAILED,
+                                 "this shadow requires token authentication: start gcwrap with --token-file")
+            nonce = new_nonce()
+            await stream.send_all(conn.send(Challenge(nonce)))
+            auth = await self._await(stream, conn, Auth, pending)
+            if auth is None:
+                return None
+            assert isinstance(auth, Auth)
+            if not same(auth.mac, agent_mac(token, hello.nonce, nonce, hello.job_id, hello.instance)):
+                raise StoreError(ErrorCode.AUTH_FAILED, "authentication failed: wrong token")
+            proof = shadow_proof(token, hello.nonce, nonce)
+        if cn and not self.opts.subjects.allows(cn, hello.job_id):
+            raise StoreError(ErrorCode.AUTH_FAILED, f"certificate CN={cn} may not write job {hello.job_id}")
+        return proof
+
+    async def _serve_connection(
+        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str
+    ) -> None:
+        pending: list[Event] = []
+        with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
+            hello = await self._await(stream, conn, Hello, pending)
+            if hello is None:
+                return
+            assert isinstance(hello, Hello)
+            proof = await self._authenticate(stream, conn, hello, cn, pending)
+            if proof is None:
+                return
         busy = self._busy()
         if busy:
             log.warning("%s: job %s told to come back later: %s", peer, hello.job_id, busy)
@@ -262,19 +352,20 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
-        job = await self._claim(hello, peer)
+        job = await self._claim(hello, peer, identity)
         files = job.files
         session = files.session
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
-                await stream.send_all(conn.send(Welcome(PROTOCOL_VERSION, session, durable, self.opts.idle_timeout)))
+                welcome = Welcome(PROTOCOL_VERSION, session, durable, self.opts.idle_timeout, proof)
+                await stream.send_all(conn.send(welcome))
                 log.info("%s: job %s session %d (%s)", peer, files.job_id, session, hello.host or "?")
                 send_lock = trio.Lock()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
-                    await self._receive(stream, conn, job, send_lock, peer)
+                    await self._receive(stream, conn, job, send_lock, peer, pending)
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 raise Fenced(job.fenced or "stopped")
@@ -296,7 +387,12 @@ class Shadow:
                 return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
         return ""
 
-    async def _claim(self, hello: Hello, peer: str) -> LiveJob:
+    async def _claim(self, hello: Hello, peer: str, identity: str) -> LiveJob:
+        cap = self.opts.max_jobs_per_identity
+        if cap and hello.job_id not in self.live:
+            mine = sum(1 for j in self.live.values() if j.identity == identity)
+            if mine >= cap:
+                raise StoreError(ErrorCode.BUSY, f"{identity} already has {mine} jobs streaming here (the cap is {cap})")
         old = self.live.get(hello.job_id)
         if old is not None:
             # Fence: the older connection writes nothing more (every write
@@ -318,7 +414,7 @@ class Shadow:
             ),
             limiter=self.limiter,
         )
-        job = LiveJob(files)
+        job = LiveJob(files, identity)
         self.live[hello.job_id] = job
         self.stats["accepted"] += 1
         return job
@@ -341,7 +437,7 @@ class Shadow:
                 except Exception as e:  # noqa: BLE001
                     log.error("cannot record job state: %s", e)
 
-    async def _acker(self, stream: trio.SocketStream, conn: Connection, job: LiveJob, lock: trio.Lock) -> None:
+    async def _acker(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock) -> None:
         acked = {sid: sf.durable for sid, sf in job.files.outputs.items()}
         while True:
             for sid, sf in job.files.outputs.items():
@@ -352,12 +448,16 @@ class Shadow:
             await job.durable_changed.wait()
 
     async def _receive(
-        self, stream: trio.SocketStream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str,
+        pending: list[Event],
     ) -> None:
         files = job.files
         while True:
-            with trio.fail_after(self.opts.idle_timeout):
-                events = await self._next_events(stream, conn)
+            if pending:  # what arrived with the handshake
+                events, pending[:] = list(pending), []
+            else:
+                with trio.fail_after(self.opts.idle_timeout):
+                    events = await self._next_events(stream, conn)
             for ev in events:
                 if job.fenced:
                     raise Fenced(job.fenced)
@@ -393,6 +493,11 @@ class Shadow:
         skip = sf.written - ev.offset
         if skip >= len(ev.payload):
             return  # a resend of bytes we hold: trimmed, not written twice
+        quota = self.opts.quota
+        if quota:
+            total = sum(f.written for f in job.files.outputs.values())
+            if total + len(ev.payload) - skip > quota:
+                raise StoreError(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         payload = memoryview(ev.payload)[skip:] if skip else ev.payload
         offset = sf.written
         while payload:
@@ -411,7 +516,7 @@ class Shadow:
         return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
 
     async def _finish(
-        self, stream: trio.SocketStream, conn: Connection, job: LiveJob, ev: Exit, lock: trio.Lock, peer: str
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, ev: Exit, lock: trio.Lock, peer: str
     ) -> None:
         files = job.files
         await self.durability.flush(job)

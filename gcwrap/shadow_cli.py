@@ -65,9 +65,33 @@ def main() -> None:
 @click.option("-v", "--verbose", count=True, help="Debug messages on stderr (it logs each job's start and end).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               envvar="GCSHADOW_LOG_FORMAT", show_envvar=True, help="Log lines on stderr as text or JSON.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              envvar=["GCSHADOW_TOKEN_FILE", "GCWRAP_TOKEN_FILE"], show_envvar=True,
+              help="Require agents to prove this shared secret (the file must be private: chmod 600).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_CERT",
+              show_envvar=True, help="Serve TLS with this certificate.")
+@click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_KEY",
+              show_envvar=True, help="Private key of --tls-cert (if not in the same file).")
+@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_CA",
+              show_envvar=True, help="Require client certificates signed by this CA (mutual TLS).")
+@click.option("--allow-subject", "allow_subjects", multiple=True, metavar="CN:JOB-GLOB",
+              help="With --tls-ca: a client certificate with this CN may write the jobs matching the glob "
+                   "(repeatable; none given: any verified client may write any job).")
+@click.option("--allow", "allow", multiple=True, metavar="HOSTS", envvar="GCSHADOW_ALLOW", show_envvar=True,
+              help="Hosts, .domain suffixes and CIDR ranges that may connect (repeatable or comma-separated); "
+                   "everyone else is refused before a byte is read.")
+@click.option("--quota", type=Size(), default="0", show_default=True, envvar="GCSHADOW_QUOTA", show_envvar=True,
+              help="Bytes one job may write in all (0: no limit).")
+@click.option("--max-jobs-per-identity", type=click.IntRange(min=0), default=0, show_default=True,
+              envvar="GCSHADOW_MAX_JOBS_PER_IDENTITY", show_envvar=True,
+              help="Jobs streaming at once per certificate CN (or per host without one); 0: no limit.")
+@click.option("--insecure", is_flag=True,
+              help="Listen on a non-loopback address without authentication (anyone who can connect may write).")
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
-    max_connections: int, min_free: int, verbose: int, log_format: str,
+    max_connections: int, min_free: int, verbose: int, log_format: str, token_file: Path | None,
+    tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, allow_subjects: tuple[str, ...],
+    allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -82,10 +106,11 @@ def serve(
     from .shadow_store import StoreError
 
     setup_logging("gcshadow", verbose + 1, log_format)
+    security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
         handshake_timeout=handshake_timeout, idle_timeout=idle_timeout, max_connections=max_connections,
-        min_free=min_free,
+        min_free=min_free, quota=quota, max_jobs_per_identity=max_jobs_per_identity, **security,
     )
     try:
         trio.run(run_shadow, opts)
@@ -95,6 +120,43 @@ def serve(
         raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _security(
+    host: str, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None,
+    allow_subjects: tuple[str, ...], allow: tuple[str, ...], insecure: bool,
+) -> dict[str, Any]:
+    """ShadowOptions fields for authentication, and the default posture:
+    without authentication, loopback only unless --insecure says otherwise."""
+    import logging
+
+    from .auth import AllowList, AuthError, SubjectMap, is_loopback, load_token, server_context
+
+    log = logging.getLogger("gcshadow")
+    try:
+        token = load_token(token_file, private=True) if token_file else None
+        if (tls_key or tls_ca) and not tls_cert:
+            raise AuthError("--tls-key and --tls-ca need --tls-cert")
+        if allow_subjects and not tls_ca:
+            raise AuthError("--allow-subject needs --tls-ca (client certificates)")
+        tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert else None
+        subjects = SubjectMap.parse(list(allow_subjects))
+        allowed = AllowList.parse(list(allow))
+    except AuthError as e:
+        raise click.UsageError(str(e)) from None
+    authenticated = token is not None or tls_ca is not None
+    if not authenticated:
+        if not is_loopback(host):
+            if not insecure:
+                raise click.UsageError(
+                    f"refusing to listen on {host} without authentication: anyone who can connect could write "
+                    "files under the root. Use --token-file, or --tls-cert/--tls-key with --tls-ca; "
+                    "or --insecure if that is really what you want"
+                )
+            log.warning("listening on %s WITHOUT authentication (--insecure): anyone who can connect may write", host)
+        else:
+            log.info("no authentication configured: listening on loopback only (%s)", host)
+    return {"token": token, "tls": tls, "subjects": subjects, "allow": allowed}
 
 
 @main.command(context_settings=CONTEXT)

@@ -28,7 +28,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import sqlite_utils
 
@@ -174,8 +174,14 @@ def new_instance() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def default_spool_dir() -> Path:
-    base = os.environ.get("TMPDIR") or "/tmp"
+SCRATCH_VARIABLES = ("_CONDOR_SCRATCH_DIR", "SLURM_TMPDIR", "TMPDIR")
+
+
+def default_spool_dir(env: Mapping[str, str] | None = None) -> Path:
+    """`gcwrap-UID` in the batch system's scratch directory when there is one
+    (HTCondor's, then Slurm's, then $TMPDIR), else in /tmp."""
+    env = os.environ if env is None else env
+    base = next((env[v] for v in SCRATCH_VARIABLES if env.get(v)), "/tmp")
     return Path(base) / f"gcwrap-{os.getuid()}"
 
 

@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.events import (
+    Auth,
+    Challenge,
     PROTOCOL_VERSION,
     STREAM_KINDS,
     Ack,
@@ -150,8 +152,10 @@ HELLO = Hello(
     host="node17.cluster",
     user="alice",
     command=("python3", "-c", "print('héllo wörld ✓')"),
+    nonce="0123456789abcdef" * 2,
 )
-WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5)
+WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5,
+                  proof="fe" * 32)
 EXIT = Exit(
     code=0, signal=None, lengths=((1, 106), (2, 9)), reason="", summary=(("cpu", "1.5 s"), ("rss", "12 MiB"))
 )
@@ -159,6 +163,8 @@ EXIT = Exit(
 # A whole legal conversation using every event type but Error.
 CONVERSATION: list[tuple[Role, Event]] = [
     (A, HELLO),
+    (S, Challenge("9a" * 16)),
+    (A, Auth("5c" * 32)),
     (S, WELCOME),
     (A, Data(1, 100, b"hello\n")),
     (A, Data(2, 0, b"\x00\xffbinary")),
@@ -176,6 +182,9 @@ CONVERSATION: list[tuple[Role, Event]] = [
     (A, StdinRead(0, 11, 1)),
     (S, Done()),
 ]
+
+
+STREAMING_AT = 4  # CONVERSATION[:STREAMING_AT] reaches the streaming state
 
 
 def states_after(script: list[tuple[Role, Event]]) -> tuple[State, State]:
@@ -214,9 +223,11 @@ def test_conversation_round_trips_every_event_type() -> None:
     pair = Pair()
     expected_states = {
         0: (State.AWAIT_WELCOME, State.AWAIT_WELCOME),
-        1: (State.STREAMING, State.STREAMING),
-        13: (State.EXITING, State.EXITING),
-        16: (State.CLOSED, State.CLOSED),
+        1: (State.AWAIT_AUTH, State.AWAIT_AUTH),
+        2: (State.AWAIT_WELCOME, State.AWAIT_WELCOME),
+        3: (State.STREAMING, State.STREAMING),
+        15: (State.EXITING, State.EXITING),
+        18: (State.CLOSED, State.CLOSED),
     }
     for i, (role, event) in enumerate(CONVERSATION):
         received = pair.send(role, event)
@@ -242,7 +253,7 @@ def test_conversation_covers_every_event_class() -> None:
 
 
 @pytest.mark.parametrize("refuser", [A, S])
-@pytest.mark.parametrize("after", [0, 1, 2, 14])
+@pytest.mark.parametrize("after", [0, 1, 2, 3, STREAMING_AT, 16])
 def test_error_round_trips_and_closes(refuser: Role, after: int) -> None:
     pair = Pair()
     pair.run(CONVERSATION[:after])
@@ -283,7 +294,7 @@ def test_welcome_heartbeat_integer_becomes_float() -> None:
 
 def test_largest_payloads_round_trip() -> None:
     pair = Pair()
-    pair.run(CONVERSATION[:2])
+    pair.run(CONVERSATION[:STREAMING_AT])
     big = bytes(range(256)) * (MAX_PAYLOAD // 256)
     assert len(big) == MAX_PAYLOAD
     assert pair.send(A, Data(1, U64 - MAX_PAYLOAD, big)) == [Data(1, U64 - MAX_PAYLOAD, big)]
@@ -357,11 +368,16 @@ def test_whole_agent_side_in_one_buffer() -> None:
     agent_events = [ev for role, ev in CONVERSATION if role is A]
     shadow = Connection(Role.SHADOW)
     hello_end = len(MAGIC) + len(encode(HELLO))
+    auth = CONVERSATION[2][1]
+    auth_end = hello_end + len(encode(auth))
     shadow.receive_data(WIRES[A][:hello_end])
     assert drain(shadow) == [HELLO]
+    shadow.send(CONVERSATION[1][1])  # the CHALLENGE
+    shadow.receive_data(WIRES[A][hello_end:auth_end])
+    assert drain(shadow) == [auth]
     shadow.send(WELCOME)
-    shadow.receive_data(WIRES[A][hello_end:])
-    assert drain(shadow) == agent_events[1:]
+    shadow.receive_data(WIRES[A][auth_end:])
+    assert drain(shadow) == agent_events[2:]
     assert shadow.state is State.EXITING
     assert shadow.buffered == 0
 
@@ -403,6 +419,7 @@ hellos = st.builds(
     user=text(255),
     command=st.lists(st.text(st.characters(codec="utf-8"), max_size=80), max_size=12).map(tuple),
     versions=st.lists(st.integers(1, 65535), min_size=1, max_size=16).map(tuple),
+    nonce=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
 )
 welcomes = st.builds(
     Welcome,
@@ -410,7 +427,10 @@ welcomes = st.builds(
     session=u64,
     durable=pairs,
     heartbeat=st.floats(0, 86400, exclude_min=True, exclude_max=True, allow_nan=False),
+    proof=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
 )
+challenges = st.builds(Challenge, nonce=st.from_regex(r"[0-9a-f]{32,128}", fullmatch=True))
+auths = st.builds(Auth, mac=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True))
 
 
 @st.composite
@@ -454,7 +474,10 @@ shadow_exiting = st.one_of(acks, stdin_datas(), pings, pongs).map(lambda e: (S, 
 @st.composite
 def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
     """A legal conversation of random valid events, ended by DONE or by an ERROR anywhere."""
-    script: list[tuple[Role, Event]] = [(A, draw(hellos)), (S, draw(welcomes))]
+    script: list[tuple[Role, Event]] = [(A, draw(hellos))]
+    if draw(st.booleans()):  # token authentication
+        script += [(S, draw(challenges)), (A, draw(auths))]
+    script.append((S, draw(welcomes)))
     script += draw(st.lists(agent_streaming | shadow_streaming, max_size=8))
     script.append((A, draw(exits)))
     script += draw(st.lists(agent_exiting | shadow_exiting, max_size=4))
@@ -523,7 +546,7 @@ def test_encode_refuses_invalid_fields_with_local_protocol_error(event: Event) -
 @pytest.mark.parametrize("bad", [Data(256, 0, b"x"), Data(1, U64, b"xy"), Ping(-5)], ids=lambda e: repr(e)[:50])
 def test_failed_send_changes_nothing(bad: Event) -> None:
     pair = Pair()
-    pair.run(CONVERSATION[:2])
+    pair.run(CONVERSATION[:STREAMING_AT])
     with pytest.raises(LocalProtocolError):
         pair.agent.send(bad)
     assert pair.states() == (State.STREAMING, State.STREAMING)
@@ -555,7 +578,7 @@ wide_int = st.integers(-2, (1 << 64) + 2) | st.integers(-2, 300) | st.integers((
 )
 def test_whatever_send_accepts_the_peer_decodes_unchanged(event: Event) -> None:
     pair = Pair()
-    pair.run(CONVERSATION[:2])
+    pair.run(CONVERSATION[:STREAMING_AT])
     role = A if isinstance(event, (Data, StdinRead, Ping, Pong)) else S
     try:
         data = pair.conn(role).send(event)
@@ -643,7 +666,7 @@ EXPECTED_CODES = {ErrorCode.BAD_FRAME, ErrorCode.UNEXPECTED, ErrorCode.FRAME_TOO
 
 def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tuple[list[Event], ProtocolError | None]:
     """Feed `data` then EOF to `conn`, answering like the real peer would
-    (WELCOME to HELLO, EXIT to WELCOME, PONG to PING). Returns the events and the
+    (CHALLENGE to HELLO, WELCOME to AUTH, AUTH to CHALLENGE, EXIT to WELCOME, PONG to PING). Returns the events and the
     RemoteProtocolError, if any; any other exception propagates."""
     chunks: list[bytes] = []
     if pieces:
@@ -669,7 +692,11 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tupl
                     assert chunk == b"", "ConnectionClosed before EOF"
                     return events, None
                 if isinstance(ev, Hello) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
+                    conn.send(Challenge("ab" * 16))
+                elif isinstance(ev, Auth) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
                     conn.send(Welcome(PROTOCOL_VERSION, 1, ()))
+                elif isinstance(ev, Challenge) and conn.state is State.AWAIT_AUTH:
+                    conn.send(Auth("cd" * 32))
                 elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
                     conn.send(EXIT)
                 elif isinstance(ev, Ping) and conn.state is not State.CLOSED:
@@ -1050,17 +1077,17 @@ def test_frame_limit_enforced_from_the_header_alone(role: Role, length: int) -> 
 
 
 def test_frame_of_exactly_the_limit_is_accepted() -> None:
-    conn = Connection(Role.SHADOW, max_frame=100)
+    conn = Connection(Role.SHADOW, max_frame=120)
     conn.receive_data(MAGIC)
-    conn.receive_data(HEADER.pack(100, FrameType.PING))
+    conn.receive_data(HEADER.pack(120, FrameType.PING))
     assert conn.next_event() is NEED_DATA  # waits for the body rather than refusing
-    small = Connection(Role.SHADOW, max_frame=100)
+    small = Connection(Role.SHADOW, max_frame=120)
     small.receive_data(MAGIC + encode(Hello("j", "i", ())))
     assert isinstance(small.next_event(), Hello)
     small.send(WELCOME)
-    small.receive_data(encode(Data(1, 0, bytes(90))))  # 1 + 9 + 90 = 100
-    assert small.next_event() == Data(1, 0, bytes(90))
-    small.receive_data(encode(Data(1, 90, bytes(91))))
+    small.receive_data(encode(Data(1, 0, bytes(110))))  # 1 + 9 + 110 = 120
+    assert small.next_event() == Data(1, 0, bytes(110))
+    small.receive_data(encode(Data(1, 110, bytes(111))))
     with pytest.raises(RemoteProtocolError) as info:
         small.next_event()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE
@@ -1134,13 +1161,15 @@ LEGAL: dict[Role, dict[State, dict[type[Event], State | None]]] = {
     A: {
         State.AWAIT_HELLO: {Hello: State.AWAIT_WELCOME, **ALWAYS},
         State.AWAIT_WELCOME: {**ALWAYS},
+        State.AWAIT_AUTH: {Auth: State.AWAIT_WELCOME, **ALWAYS},
         State.STREAMING: {Data: None, StdinRead: None, Exit: State.EXITING, **ALWAYS},
         State.EXITING: {StdinRead: None, **ALWAYS},
         State.CLOSED: {},
     },
     S: {
         State.AWAIT_HELLO: {**ALWAYS},
-        State.AWAIT_WELCOME: {Welcome: State.STREAMING, **ALWAYS},
+        State.AWAIT_WELCOME: {Welcome: State.STREAMING, Challenge: State.AWAIT_AUTH, **ALWAYS},
+        State.AWAIT_AUTH: {**ALWAYS},
         State.STREAMING: {Ack: None, StdinData: None, **ALWAYS},
         State.EXITING: {Ack: None, StdinData: None, Done: State.CLOSED, **ALWAYS},
         State.CLOSED: {},
@@ -1148,6 +1177,8 @@ LEGAL: dict[Role, dict[State, dict[type[Event], State | None]]] = {
 }
 SAMPLES: list[Event] = [
     HELLO,
+    Challenge("ab" * 16),
+    Auth("cd" * 32),
     WELCOME,
     Data(1, 5, b"abc"),
     Ack(1, 3),
@@ -1160,7 +1191,10 @@ SAMPLES: list[Event] = [
     Error(ErrorCode.TIMEOUT, "bye"),
 ]
 # A legal prefix of CONVERSATION that leaves both sides in each state.
-PREFIX = {State.AWAIT_HELLO: 0, State.AWAIT_WELCOME: 1, State.STREAMING: 2, State.EXITING: 14, State.CLOSED: 17}
+PREFIX = {
+    State.AWAIT_HELLO: 0, State.AWAIT_WELCOME: 1, State.AWAIT_AUTH: 2, State.STREAMING: STREAMING_AT,
+    State.EXITING: 16, State.CLOSED: 19,
+}
 
 
 def test_prefixes_reach_their_states() -> None:
@@ -1242,7 +1276,7 @@ def test_welcome_from_the_agent_and_hello_from_the_shadow() -> None:
 def test_ack_crosses_exit() -> None:
     """The shadow acknowledges bytes while the agent's EXIT is in flight."""
     pair = Pair()
-    pair.run(CONVERSATION[:2])
+    pair.run(CONVERSATION[:STREAMING_AT])
     exit_bytes = pair.agent.send(EXIT)
     assert pair.agent.state is State.EXITING
     ack_bytes = pair.shadow.send(Ack(1, 106))  # the shadow has not seen EXIT yet

@@ -1,0 +1,739 @@
+#!/usr/bin/env python3
+"""Fan-in: many agents on one shadow, each scenario against one agent moving the same bytes.
+
+Scenarios (each run --runs times, alternated with its baseline; a fresh
+gcshadow for every run, so its peak RSS is that run's):
+
+  real N     N real gcwrap processes started at once (--real, default 100), each running
+             `cat INPUT_i` (--real-bytes each, default 4MB, distinct random content):
+               gcshadow serve --port 0 --root HOME --port-file F --min-free 0
+               gcwrap --shadow 127.0.0.1:PORT --stdout fanin/real-i.out --spool SPOOL --job-id ID-i -- cat INPUT_i
+             baseline: ONE gcwrap running `cat INPUT_1 ... INPUT_N` (the same bytes, one connection).
+  sim N      N simulated agents (--sim, default 1000,10000) from a load generator in this process (trio, one
+             process, N connections, speaking gcwrap.protocol). Each agent: connect, HELLO, WELCOME; wait
+             until every agent is connected (a barrier, PINGs every 5 s while waiting); then send
+             --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced; with
+             --interval 0 all at once); wait for the ACKs covering them; EXIT; wait for DONE.
+             baseline: ONE simulated agent sending the same frames on the same schedule (N frames per
+             interval) over one connection.
+
+Figures: throughput (payload bytes / time from the first byte sent to the last
+ACK; for real gcwrap: from spawning until the last gcwrap exits), ack latency
+p50/p99/max (sim: from just before send_all of a DATA frame to the ACK
+covering it; real gcwrap: not observable from outside, the per-job wall time
+is given instead), the shadow's CPU-seconds (user+sys of all its threads,
+/proc/PID/stat, over the scenario) and peak RSS (VmHWM), and its largest
+number of open descriptors (sampled every 0.5 s). Every landed file's sha256
+is compared with the bytes sent. RLIMIT_NOFILE is raised to the hard limit in
+this process (the generator) before the shadow is started; the shadow raises
+its own soft limit to its hard limit too (gcwrap.shadow.raise_fd_limit).
+
+Failures are reported, not hidden: every agent that did not finish is counted
+by the phase it failed in and the error, the shadow's warnings and errors
+are summarized, and the run is marked FAILED (exit status 1 at the end) if
+any agent failed or a byte differs.
+
+Usage:
+  python benchmarks/fanin.py                                  # real 100, sim 1000 and 10000, 5 runs each
+  python benchmarks/fanin.py --real 100 --sim 1000 --runs 5
+  python benchmarks/fanin.py --real 10 --real-bytes 1MB --sim 100 --runs 1     # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    MB,
+    BenchError,
+    ShadowProc,
+    fmt,
+    header,
+    install_signal_handlers,
+    parse_size,
+    percentile,
+    proc_times,
+    raise_nofile,
+    render_table,
+    sha256_file,
+    signal_tree,
+    summary,
+    tools,
+)
+
+SEED = 6
+SRC_SPAN = 4 << 20  # agents' payloads are slices of SRC_SPAN + per-agent random bytes
+
+
+# -- watching the shadow ----------------------------------------------------------
+
+
+class ShadowWatch(threading.Thread):
+    """Samples the shadow's open descriptors, RSS and threads every `interval` seconds."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.interval = interval
+        self.max_fds = 0
+        self.max_rss_kib = 0
+        self.max_threads = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                self.max_fds = max(self.max_fds, len(os.listdir(f"/proc/{self.pid}/fd")))
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.max_rss_kib = max(self.max_rss_kib, int(line.split()[1]))
+                        elif line.startswith("Threads:"):
+                            self.max_threads = max(self.max_threads, int(line.split()[1]))
+            except OSError:
+                return
+
+
+def nofile_limit(pid: int) -> str:
+    try:
+        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                soft, hard = line.split()[3:5]
+                return f"{soft}/{hard}"
+    except OSError:
+        pass
+    return "?"
+
+
+def log_problems(text: str, limit: int = 8) -> list[str]:
+    """The shadow's WARNING/ERROR lines, grouped after digits and addresses are blanked out."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in text.splitlines():
+        low = line.lower()
+        if "warning" not in low and "error" not in low and "traceback" not in low and "emfile" not in low:
+            continue
+        key = re.sub(r"\d+", "#", line)
+        key = re.sub(r"^\S+ \S+ ", "", key)  # a timestamp
+        counts[key[:200]] += 1
+    return [f"{n} x {k}" for k, n in counts.most_common(limit)]
+
+
+# -- the scenarios' results ---------------------------------------------------------
+
+
+@dataclass
+class Result:
+    scenario: str  # "real 100", "sim 1000"
+    path: str  # "fan-in" or "baseline"
+    index: int
+    agents: int
+    ok: int
+    nbytes: int  # payload bytes acknowledged (byte-exact checked)
+    seconds: float  # the interval throughput is computed over
+    total_s: float  # from the first connect/spawn to the last DONE/exit
+    shadow_cpu_s: float
+    shadow_hwm_mib: float
+    shadow_max_fds: int
+    latencies_ms: list[float] = field(default_factory=list)  # ack latencies (sim) or per-job wall (real)
+    errors: dict[str, int] = field(default_factory=dict)
+    shadow_problems: list[str] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mb_s(self) -> float:
+        return self.nbytes / self.seconds / MB if self.seconds > 0 else 0.0
+
+
+# -- real gcwrap processes -----------------------------------------------------------
+
+
+def wait_many(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[tuple[float, float, int, bool]]:
+    """Wait for every process (each in a thread, waitid WNOWAIT): (end, own CPU, exit status, timed out)."""
+    ends: dict[int, float] = {}
+
+    def waiter(pid: int) -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        ends[pid] = time.monotonic()
+
+    threads = [threading.Thread(target=waiter, args=(p.pid,), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    timed_out: set[int] = set()
+    for t, p in zip(threads, procs):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            timed_out.add(p.pid)
+            signal_tree(p, 15)
+            t.join(5)
+            if t.is_alive():
+                signal_tree(p, 9)
+                t.join(5)
+    out = []
+    for p in procs:
+        try:
+            cpu = proc_times(p.pid)[0]
+        except (OSError, ValueError, IndexError):
+            cpu = float("nan")
+        _, status, _ = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.append((ends.get(p.pid, time.monotonic()), cpu, p.returncode, p.pid in timed_out))
+    return out
+
+
+class RealBench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.gcwrap, _ = tools()
+        self.inputs: list[Path] = []
+        self.hashes: list[str] = []
+        self.commands: dict[str, str] = {}
+
+    def prepare(self) -> None:
+        rng = random.Random(SEED)
+        indir = self.workdir / "inputs"
+        indir.mkdir()
+        for i in range(self.args.real):
+            data = rng.randbytes(self.args.real_bytes)
+            path = indir / f"in-{i:04d}"
+            path.write_bytes(data)
+            self.inputs.append(path)
+            self.hashes.append(hashlib.sha256(data).hexdigest())
+
+    def run(self, path: str, index: int) -> Result:
+        fan = path == "fan-in"
+        n = self.args.real
+        rundir = self.workdir / f"real-{path}-{index}"
+        home, spool = rundir / "home", rundir / "spool"
+        shadow = ShadowProc(home, rundir)
+        procs: list[subprocess.Popen[bytes]] = []
+        watch: ShadowWatch | None = None
+        try:
+            port = shadow.wait_ready()
+            tag = f"{os.getpid()}-{index}-{'f' if fan else 'b'}"
+            jobs = ([[f"fanin/real-{i:04d}.out", ["cat", str(self.inputs[i])]] for i in range(n)] if fan
+                    else [["fanin/real-all.out", ["cat", *map(str, self.inputs)]]])
+            cmds = [[*self.gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", name, "--spool", str(spool),
+                     "--job-id", f"real-{tag}-{k}", "--", *job] for k, (name, job) in enumerate(jobs)]
+            self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
+            self.commands.setdefault(f"gcwrap ({path}, first of {len(cmds)})",
+                                     shlex.join(cmds[0]) if fan else shlex.join(cmds[0][:-n]) + " ... (all inputs)")
+            watch = ShadowWatch(shadow.pid)
+            watch.start()
+            os.sync()
+            time.sleep(0.2)
+            cpu0 = shadow.cpu()
+            logs = []
+            t0 = time.monotonic()
+            for k, cmd in enumerate(cmds):
+                log = open(rundir / f"gcwrap-{k}.log", "wb")  # noqa: SIM115 - closed below
+                logs.append(log)
+                procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                              start_new_session=True))
+            spawned = time.monotonic() - t0
+            outcomes = wait_many(procs, t0 + self.args.timeout)
+            for log in logs:
+                log.close()
+            end = max(o[0] for o in outcomes)
+            time.sleep(0.25)
+            cpu = shadow.cpu() - cpu0
+            hwm = shadow.hwm_mib()
+            watch.stopping.set()
+            errors: collections.Counter[str] = collections.Counter()
+            ok = 0
+            nbytes = 0
+            for k, (o_end, o_cpu, rc, timed_out) in enumerate(outcomes):
+                if timed_out or rc != 0:
+                    text = (rundir / f"gcwrap-{k}.log").read_text(errors="replace").strip().splitlines()
+                    errors[f"gcwrap exit {rc}{' (timed out)' if timed_out else ''}: "
+                           f"{re.sub(r'[0-9]+', '#', text[-1]) if text else ''}"] += 1
+                    continue
+                name = jobs[k][0]
+                landed = home / name
+                want = self.hashes[k] if fan else None
+                if not fan:
+                    h = hashlib.sha256()
+                    for p in self.inputs:
+                        h.update(p.read_bytes())
+                    want = h.hexdigest()
+                size = self.args.real_bytes * (1 if fan else n)
+                if not landed.exists() or landed.stat().st_size != size or sha256_file(landed) != want:
+                    errors["landed file differs from the job's output"] += 1
+                    continue
+                ok += 1
+                nbytes += size
+            walls = [(o[0] - t0) * 1000 for o in outcomes]
+            own = [o[1] for o in outcomes]
+            return Result(
+                scenario=f"real {n}", path=path, index=index, agents=len(cmds), ok=ok, nbytes=nbytes,
+                seconds=end - t0, total_s=end - t0, shadow_cpu_s=cpu, shadow_hwm_mib=hwm,
+                shadow_max_fds=watch.max_fds, latencies_ms=walls, errors=dict(errors),
+                shadow_problems=log_problems(shadow.log_tail(10**7)),
+                notes={"spawn_s": spawned, "gcwrap_cpu_s_total": sum(own), "shadow_nofile": nofile_limit(shadow.pid)},
+            )
+        finally:
+            if watch is not None:
+                watch.stopping.set()
+            for p in procs:
+                if p.returncode is None:
+                    signal_tree(p, 9)
+                    p.wait(10)
+            shadow.stop()
+            if not self.args.keep:
+                shutil.rmtree(rundir, ignore_errors=True)
+
+
+# -- the load generator ---------------------------------------------------------------
+
+
+def leaf(e: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups that is not a cancellation."""
+    import trio
+
+    while isinstance(e, BaseExceptionGroup):
+        inner = [x for x in e.exceptions if not isinstance(x, trio.Cancelled)] or list(e.exceptions)
+        e = inner[0]
+    return e
+
+
+class Generator:
+    """N simulated agents in one trio run, or one agent sending all of their frames (the baseline)."""
+
+    def __init__(self, args: argparse.Namespace, n: int, src: bytes) -> None:
+        self.args = args
+        self.n = n
+        self.src = memoryview(src)
+        self.frame = args.frame
+        self.frames = args.frames
+        self.per_agent = self.frame * self.frames
+        self.latencies: list[float] = []
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.connected = 0
+        self.failed = 0
+        self.arrived_failed = 0  # agents that failed before their WELCOME
+        self.finished = 0
+        self.acked_bytes = 0
+        self.first_send: float | None = None
+        self.last_ack = 0.0
+        self.connect_s: list[float] = []
+
+    def payload(self, i: int) -> memoryview:
+        start = (i * 7919) % SRC_SPAN
+        return self.src[start:start + self.per_agent]
+
+    def schedule(self, agents: list[int]) -> Iterator[tuple[float, memoryview]]:
+        """(due offset in seconds, frame) in sending order for these agents: frame k of agent i at (i/N + k) x interval."""
+        iv = self.args.interval
+        for k in range(self.frames):
+            for i in agents:
+                yield (i / self.n + k) * iv, self.payload(i)[k * self.frame:(k + 1) * self.frame]
+
+    async def run(self, baseline: bool, port: int, tag: str, home: Path) -> tuple[float, float]:
+        import trio
+
+        self.all_connected = trio.Event()
+        self.expect = 1 if baseline else self.n
+        self.connect_limit = trio.Semaphore(self.args.connect_concurrency)
+        self.t_start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            if baseline:
+                nursery.start_soon(self.agent, 0, list(range(self.n)), port, f"sim-{tag}-all", "fanin/sim-all.out")
+            else:
+                for i in range(self.n):
+                    nursery.start_soon(self.agent, i, [i], port, f"sim-{tag}-{i}", f"fanin/sim-{i:05d}.out")
+            with trio.move_on_after(self.args.barrier_timeout):
+                await self.all_connected.wait()
+            if not self.all_connected.is_set():
+                self.errors[f"barrier: only {self.connected} of {self.expect} agents connected after "
+                            f"{self.args.barrier_timeout:g} s; the others went on anyway"] += 1
+                self.all_connected.set()
+        return self.t_start, trio.current_time()
+
+    def _arrived(self) -> None:
+        if self.connected + self.arrived_failed >= self.expect:
+            self.all_connected.set()
+
+    async def agent(self, i: int, owners: list[int], port: int, job_id: str, name: str) -> None:
+        import trio
+
+        from gcwrap.events import Ack, Done, Error, Exit, Hello, Ping, Pong, StreamSpec, Welcome
+        from gcwrap.events import Data as DataEv
+        from gcwrap.protocol import NEED_DATA, Connection, Role
+
+        phase = "connect"
+        counted = False
+        conn = Connection(Role.AGENT)
+        sent: collections.deque[tuple[int, float]] = collections.deque()  # (end offset, send time)
+        total = self.per_agent * len(owners)
+        try:
+            with trio.fail_after(self.args.timeout):
+                t0 = trio.current_time()
+                async with self.connect_limit:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    async with stream:
+                        phase = "handshake"
+                        hello = Hello(job_id=job_id, instance=f"b{os.getpid()}", host="loadgen", user="bench",
+                                      streams=(StreamSpec(1, "stdout", name),), command=("fanin-sim",))
+                        await stream.send_all(conn.send(hello))
+                        ev = await self._next(stream, conn, NEED_DATA)
+                        if isinstance(ev, Error):
+                            raise BenchError(f"ERROR {ev.code.name}: {ev.message}")
+                        if not isinstance(ev, Welcome):
+                            raise BenchError(f"expected WELCOME, got {type(ev).__name__}")
+                        self.connect_s.append(trio.current_time() - t0)
+                        self.connected += 1
+                        counted = True
+                        self._arrived()
+                        await self._session(stream, conn, owners, sent, total, trio, Ack, Done, Error, Exit, Ping,
+                                            Pong, DataEv, NEED_DATA)
+                        self.finished += 1
+        except BaseException as caught:  # every failure is counted by phase and kind
+            if isinstance(caught, (KeyboardInterrupt, SystemExit, trio.Cancelled)):
+                raise
+            e = leaf(caught)
+            msg = str(e) or type(e).__name__
+            if isinstance(e, trio.TooSlowError):
+                msg = f"no progress within {self.args.timeout:g} s"
+            if isinstance(e, OSError) and e.errno is not None:
+                msg = f"{type(e).__name__} [errno {e.errno}] {os.strerror(e.errno)}"
+            if hasattr(e, "phase"):
+                phase = e.phase
+            self.errors[f"{getattr(e, 'phase', phase)}: {type(e).__name__}: {re.sub(r'[0-9]{3,}', '#', msg)[:160]}"] += 1
+            self.failed += 1
+            if not counted:
+                self.arrived_failed += 1
+                self._arrived()
+
+    async def _next(self, stream: Any, conn: Any, need: Any) -> Any:
+        while True:
+            ev = conn.next_event()
+            if ev is not need:
+                return ev
+            data = await stream.receive_some(65536)
+            conn.receive_data(data)
+            if not data:
+                return conn.next_event()
+
+    async def _session(self, stream: Any, conn: Any, owners: list[int], sent: Any, total: int, trio: Any, Ack: Any,
+                       Done: Any, Error: Any, Exit: Any, Ping: Any, Pong: Any, DataEv: Any, NEED: Any) -> None:
+        acked = 0
+        done = trio.Event()
+        all_acked = trio.Event()
+        send_lock = trio.Lock()
+        phase = {"name": "barrier"}
+
+        async def receiver() -> None:
+            nonlocal acked
+            while True:
+                ev = await self._next(stream, conn, NEED)
+                now = trio.current_time()
+                if isinstance(ev, Ack):
+                    while sent and sent[0][0] <= ev.offset:
+                        self.latencies.append((now - sent.popleft()[1]) * 1000)
+                    self.acked_bytes += ev.offset - acked
+                    acked = ev.offset
+                    self.last_ack = max(self.last_ack, now)
+                    if acked >= total:
+                        all_acked.set()
+                elif isinstance(ev, Done):
+                    done.set()
+                    return
+                elif isinstance(ev, Pong):
+                    continue
+                elif isinstance(ev, Error):
+                    err = BenchError(f"ERROR {ev.code.name}: {re.sub(r'[0-9]{3,}', '#', ev.message)}")
+                    err.phase = phase["name"]  # type: ignore[attr-defined]
+                    raise err
+                else:
+                    err = BenchError(f"unexpected {type(ev).__name__}")
+                    err.phase = phase["name"]  # type: ignore[attr-defined]
+                    raise err
+
+        async def send(frame: bytes) -> None:
+            async with send_lock:
+                await stream.send_all(frame)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receiver)
+            nonce = 0
+            while not self.all_connected.is_set():
+                with trio.move_on_after(5):
+                    await self.all_connected.wait()
+                if not self.all_connected.is_set():
+                    nonce += 1
+                    await send(conn.send(Ping(nonce)))
+            phase["name"] = "data"
+            t0 = trio.current_time()
+            offset = 0
+            for due, payload in self.schedule(owners):
+                if self.args.interval > 0:
+                    await trio.sleep_until(t0 + due)
+                now = trio.current_time()
+                if self.first_send is None:
+                    self.first_send = now
+                frame = conn.send(DataEv(1, offset, bytes(payload)))
+                offset += len(payload)
+                sent.append((offset, now))
+                await send(frame)
+            phase["name"] = "ack wait"
+            await all_acked.wait()
+            phase["name"] = "exit"
+            await send(conn.send(Exit(code=0, signal=None, lengths=((1, total),))))
+            await done.wait()
+
+
+class SimBench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.src = random.Random(SEED + 1).randbytes(SRC_SPAN + args.frame * args.frames)
+        self.commands: dict[str, str] = {}
+
+    def run(self, n: int, path: str, index: int) -> Result:
+        import trio
+
+        baseline = path == "baseline"
+        rundir = self.workdir / f"sim{n}-{path}-{index}"
+        home = rundir / "home"
+        shadow = ShadowProc(home, rundir)
+        watch: ShadowWatch | None = None
+        gen = Generator(self.args, n, self.src)
+        try:
+            port = shadow.wait_ready()
+            self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
+            watch = ShadowWatch(shadow.pid)
+            watch.start()
+            os.sync()
+            time.sleep(0.2)
+            cpu0 = shadow.cpu()
+            tag = f"{os.getpid()}-{n}-{index}-{'b' if baseline else 'f'}"
+            try:
+                t_start, t_end = trio.run(gen.run, baseline, port, tag, home)
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                gen.errors[f"generator crashed: {type(e).__name__}: {e}"[:200]] += 1
+                t_start, t_end = 0.0, 1.0
+            time.sleep(0.25)
+            cpu = shadow.cpu() - cpu0
+            hwm = shadow.hwm_mib()
+            watch.stopping.set()
+            alive = shadow.proc.poll() is None
+            if not alive:
+                gen.errors[f"the shadow exited with status {shadow.proc.returncode}"] += 1
+            # byte-exactness of every finished agent's file
+            ok = 0
+            nbytes = 0
+            mismatch = 0
+            if baseline:
+                h = hashlib.sha256()
+                for _, frame in gen.schedule(list(range(n))):
+                    h.update(frame)
+                landed = home / "fanin/sim-all.out"
+                if gen.finished == 1:
+                    if landed.exists() and landed.stat().st_size == n * gen.per_agent and sha256_file(landed) == h.hexdigest():
+                        ok, nbytes = 1, n * gen.per_agent
+                    else:
+                        mismatch += 1
+            else:
+                for i in range(n):
+                    landed = home / f"fanin/sim-{i:05d}.out"
+                    if not landed.exists():
+                        continue
+                    want = hashlib.sha256(gen.payload(i)).hexdigest()
+                    if landed.stat().st_size == gen.per_agent and sha256_file(landed) == want:
+                        ok += 1
+                        nbytes += gen.per_agent
+                    elif gen.finished == n:
+                        mismatch += 1
+                ok = min(ok, gen.finished)
+            if mismatch:
+                gen.errors[f"{mismatch} landed file(s) differ from the bytes sent"] += 1
+            first = gen.first_send if gen.first_send is not None else t_start
+            data_s = max(1e-9, gen.last_ack - first)
+            return Result(
+                scenario=f"sim {n}", path=path, index=index, agents=1 if baseline else n, ok=ok, nbytes=nbytes,
+                seconds=data_s, total_s=t_end - t_start, shadow_cpu_s=cpu, shadow_hwm_mib=hwm,
+                shadow_max_fds=watch.max_fds, latencies_ms=gen.latencies, errors=dict(gen.errors),
+                shadow_problems=log_problems(shadow.log_tail(10**8)),
+                notes={"connect_p50_ms": percentile(gen.connect_s, 50) * 1000 if gen.connect_s else float("nan"),
+                       "connect_max_ms": max(gen.connect_s) * 1000 if gen.connect_s else float("nan"),
+                       "shadow_nofile": nofile_limit(shadow.pid), "shadow_max_rss_mib": watch.max_rss_kib / 1024,
+                       "shadow_threads": watch.max_threads, "connected": gen.connected,
+                       "generator_nofile": "/".join(map(str, raise_nofile()))},
+            )
+        finally:
+            if watch is not None:
+                watch.stopping.set()
+            shadow.stop()
+            if not self.args.keep:
+                shutil.rmtree(rundir, ignore_errors=True)
+
+
+# -- reporting -------------------------------------------------------------------------
+
+
+def report(results: list[Result], args: argparse.Namespace) -> bool:
+    ok_all = True
+    scenarios = list(dict.fromkeys(r.scenario for r in results))
+    for sc in scenarios:
+        rs = [r for r in results if r.scenario == sc]
+        real = sc.startswith("real")
+        lat_label = "per-job wall (ms)" if real else "ack latency (ms)"
+        print(f"\n== {sc}: fan-in vs one agent moving the same bytes ({len([r for r in rs if r.path == 'fan-in'])} runs) ==")
+        rows = [["figure", "fan-in median", "min", "max", "baseline median", "min", "max", "fan-in/baseline"]]
+
+        def line(label: str, key: Any, rs: list[Result] = rs, rows: list[list[str]] = rows) -> None:
+            vals = {p: summary(key(r) for r in rs if r.path == p) for p in ("fan-in", "baseline")}
+            f, b = vals["fan-in"], vals["baseline"]
+            ratio = f"{f[0] / b[0]:.2f}x" if b[0] and b[0] == b[0] and f[0] == f[0] else "-"
+            rows.append([label, fmt(f[0]), fmt(f[1]), fmt(f[2]), fmt(b[0]), fmt(b[1]), fmt(b[2]), ratio])
+
+        line("agents finished byte-exact", lambda r: r.ok)
+        line("throughput (MB/s)", lambda r: r.mb_s)
+        line("total time (s)", lambda r: r.total_s)
+        line(f"{lat_label} p50", lambda r: percentile(r.latencies_ms, 50))
+        line(f"{lat_label} p99", lambda r: percentile(r.latencies_ms, 99))
+        line(f"{lat_label} max", lambda r: max(r.latencies_ms) if r.latencies_ms else float("nan"))
+        line("shadow CPU (s)", lambda r: r.shadow_cpu_s)
+        line("shadow CPU-s per GB", lambda r: r.shadow_cpu_s / (r.nbytes / 1e9) if r.nbytes else float("nan"))
+        line("shadow peak RSS, VmHWM (MiB)", lambda r: r.shadow_hwm_mib)
+        line("shadow open fds, max sampled", lambda r: r.shadow_max_fds)
+        if real:
+            line("gcwrap CPU, all processes (s)", lambda r: r.notes["gcwrap_cpu_s_total"])
+        else:
+            line("connect+handshake p50 (ms)", lambda r: r.notes["connect_p50_ms"])
+            line("connect+handshake max (ms)", lambda r: r.notes["connect_max_ms"])
+        print(render_table(rows))
+        fan = [r for r in rs if r.path == "fan-in"]
+        print(f"shadow RLIMIT_NOFILE soft/hard: {fan[0].notes.get('shadow_nofile')}"
+              + (f"; generator: {fan[0].notes.get('generator_nofile')}" if not real else ""))
+        failed = [r for r in rs if r.errors or r.ok != r.agents]
+        for r in failed:
+            ok_all = False
+            print(f"  FAILED {r.path} run {r.index}: {r.ok} of {r.agents} agents finished byte-exact")
+            for k, v in sorted(r.errors.items(), key=lambda kv: -kv[1]):
+                print(f"    {v} x {k}")
+            for p in r.shadow_problems:
+                print(f"    shadow log: {p}")
+        if not failed:
+            print("  every agent of every run finished, every landed file byte-exact")
+        if sc == "sim 1000" or (not real and args.check_targets):
+            f_hwm = summary(r.shadow_hwm_mib for r in fan)[0]
+            f_p99 = summary(percentile(r.latencies_ms, 99) for r in fan)[0]
+            exact = all(r.ok == r.agents and not r.errors for r in fan)
+            print(f"  targets ({sc}): byte-exact {'met' if exact else 'NOT met'}; shadow RSS {f_hwm:.0f} MiB <= 200: "
+                  f"{'met' if f_hwm <= 200 else 'NOT met'}; p99 ack {f_p99:.0f} ms <= 250: "
+                  f"{'met' if f_p99 <= 250 else 'NOT met'}")
+    return ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--real", type=int, default=100, help="real gcwrap processes (0: skip; default 100)")
+    parser.add_argument("--real-bytes", type=parse_size, default=4 * MB, help="bytes per real job (default 4MB)")
+    parser.add_argument("--sim", default="1000,10000", help="simulated agent counts, comma-separated ('' to skip)")
+    parser.add_argument("--frame", type=parse_size, default=16 << 10, help="DATA payload bytes (default 16KiB)")
+    parser.add_argument("--frames", type=int, default=8, help="DATA frames per simulated agent (default 8)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between an agent's frames (default 1; 0: all at once)")
+    parser.add_argument("--connect-concurrency", type=int, default=512,
+                        help="simulated agents connecting/handshaking at once (default 512)")
+    parser.add_argument("--barrier-timeout", type=float, default=120.0,
+                        help="seconds to wait for every agent to connect before sending anyway (default 120)")
+    parser.add_argument("--runs", type=int, default=5, help="runs of each scenario and of its baseline (default 5)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run / per agent (600)")
+    parser.add_argument("--check-targets", action="store_true", help="print the targets for every sim scenario")
+    parser.add_argument("--tmpdir", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args(argv)
+    sims = [int(x) for x in args.sim.split(",") if x.strip()]
+    install_signal_handlers()
+    soft, hard = raise_nofile()
+    print(header("fanin"), flush=True)
+    print(f"RLIMIT_NOFILE of this process (the load generator), raised to the hard limit: {soft}/{hard}")
+    workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-fanin-", dir=args.tmpdir))
+    results: list[Result] = []
+    status = 0
+    commands: dict[str, str] = {}
+    try:
+        print(f"real: {args.real} x {args.real_bytes:,} bytes; sim: {sims} agents x {args.frames} frames x "
+              f"{args.frame:,} bytes, one frame per agent every {args.interval:g} s; runs: {args.runs}; "
+              f"work dir {workdir}", flush=True)
+        if args.real:
+            rb = RealBench(args, workdir)
+            rb.prepare()
+            for i in range(1, args.runs + 1):
+                for path in ("fan-in", "baseline"):
+                    r = rb.run(path, i)
+                    results.append(r)
+                    print(f"real {args.real:5} {path:8} run {i}: {r.ok}/{r.agents} ok  {r.mb_s:7.1f} MB/s  "
+                          f"{r.total_s:6.1f} s  per-job wall p50/p99 {percentile(r.latencies_ms, 50):.0f}/"
+                          f"{percentile(r.latencies_ms, 99):.0f} ms  shadow CPU {r.shadow_cpu_s:.2f} s  "
+                          f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}"
+                          + (f"  ERRORS {r.errors}" if r.errors else ""), flush=True)
+            commands.update(rb.commands)
+        if sims:
+            sb = SimBench(args, workdir)
+            for n in sims:
+                offered = n * args.frame / args.interval / MB if args.interval > 0 else float("inf")
+                print(f"sim {n}: {n * args.frame * args.frames / MB:.0f} MB in all, offered "
+                      f"{offered:.1f} MB/s while sending", flush=True)
+                for i in range(1, args.runs + 1):
+                    for path in ("fan-in", "baseline"):
+                        r = sb.run(n, path, i)
+                        results.append(r)
+                        print(f"sim  {n:5} {path:8} run {i}: {r.ok}/{r.agents} ok  {r.mb_s:7.1f} MB/s  "
+                              f"{r.total_s:6.1f} s  ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/"
+                              f"{percentile(r.latencies_ms, 99):.1f}/{max(r.latencies_ms, default=float('nan')):.0f} ms"
+                              f"  shadow CPU {r.shadow_cpu_s:.2f} s  RSS {r.shadow_hwm_mib:.0f} MiB  "
+                              f"fds {r.shadow_max_fds}  connect p50/max {r.notes['connect_p50_ms']:.0f}/"
+                              f"{r.notes['connect_max_ms']:.0f} ms"
+                              + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""), flush=True)
+            commands.update(sb.commands)
+        print("\ncommands (first run):")
+        for name, cmd in commands.items():
+            print(f"  {name}: {cmd}")
+        if sims:
+            print("  load generator: in this process (trio), one TCP connection per simulated agent")
+        print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        if not report(results, args):
+            status = 1
+    except BenchError as e:
+        print(f"fanin: FAILED: {e}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        print("fanin: interrupted", file=sys.stderr)
+        status = 130
+    finally:
+        if args.keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

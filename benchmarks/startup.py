@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Start-up: `gcwrap -- true` against the bare import of its dependencies and an empty Python.
+
+Each round runs these commands once, in a rotating order, and times each from
+spawn to exit (wall clock, time.perf_counter):
+
+    gcwrap -- true                                    pass-through: no shadow, no stream NAME
+    PYTHON -c "import trio, click, rich, sqlite_utils"   the baseline (the target is <= 1.3x this)
+    PYTHON -c pass                                    the interpreter alone
+    gcwrap --shadow 127.0.0.1:PORT --stdout startup-N.out --spool DIR --job-id ID -- true
+                                                      with a live gcshadow (one per benchmark run)
+
+PYTHON is the interpreter of the gcwrap script (its #! line), so both sides
+import the same installed packages. When `gcwrap` on PATH is a pyenv shim
+(a bash script that runs `pyenv exec`), the real script is timed and the
+shim is timed separately, as its own row, for context.
+
+Then `PYTHON -X importtime -m gcwrap -- true` is run a few times and the
+modules with the largest import times (self, and cumulative for the
+packages imported at top level) are listed, averaged over those runs.
+
+Every command has a timeout; a non-zero exit or a timeout fails the
+benchmark (exit status 1). The shadow is stopped by pid in a finally.
+
+Usage:
+  python benchmarks/startup.py --runs 15
+  python benchmarks/startup.py --runs 3 --importtime-runs 1     # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    BenchError,
+    ShadowProc,
+    fmt,
+    header,
+    install_signal_handlers,
+    render_table,
+    summary,
+    tools,
+)
+
+IMPORT_DEPS = "import trio, click, rich, sqlite_utils"
+
+
+def real_script(path: str) -> tuple[str, str | None]:
+    """(the real gcwrap script, the shim in front of it or None) when PATH holds a pyenv shim."""
+    try:
+        head = Path(path).read_bytes()[:4096]
+    except OSError:
+        return path, None
+    if b"pyenv" in head and b"exec" in head:
+        try:
+            found = subprocess.run(["pyenv", "which", Path(path).name], capture_output=True, text=True, timeout=30,
+                                   check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return path, None
+        if found:
+            return found, path
+    return path, None
+
+
+def interpreter_of(script: str) -> str:
+    try:
+        first = Path(script).read_bytes().split(b"\n", 1)[0].decode()
+    except (OSError, UnicodeDecodeError):
+        return sys.executable
+    if first.startswith("#!") and "python" in first:
+        parts = first[2:].split()
+        if parts and parts[0].endswith("/env") and len(parts) > 1:
+            return shutil.which(parts[1]) or sys.executable
+        if parts:
+            return parts[0]
+    return sys.executable
+
+
+def timed(cmd: list[str], timeout: float) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child tree) of one run; BenchError on failure."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{proc.stderr.decode(errors='replace')[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def importtime(python: str, runs: int, timeout: float, env: dict[str, str]) -> tuple[list[tuple[str, float, float]], float]:
+    """Modules by mean self and cumulative import time (ms), and the mean total, over `runs` runs."""
+    selfs: dict[str, float] = defaultdict(float)
+    cums: dict[str, float] = defaultdict(float)
+    depth: dict[str, int] = {}
+    total = 0.0
+    line_re = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
+    for _ in range(runs):
+        proc = subprocess.run([python, "-X", "importtime", "-m", "gcwrap", "--", "true"], check=False,
+                              stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+        if proc.returncode != 0:
+            raise BenchError(f"-X importtime run exited {proc.returncode}: {proc.stderr[-2000:]}")
+        for line in proc.stderr.splitlines():
+            m = line_re.match(line)
+            if not m:
+                continue
+            us_self, us_cum, indent, name = int(m.group(1)), int(m.group(2)), len(m.group(3)), m.group(4)
+            selfs[name] += us_self / 1000 / runs
+            cums[name] += us_cum / 1000 / runs
+            depth[name] = min(depth.get(name, indent), indent)
+            if indent == 1:  # a module imported at top level (the line starts with "import time: ... | name")
+                total += us_cum / 1000 / runs
+    rows = [(name, selfs[name], cums[name]) for name in selfs]
+    top_level = {name for name, d in depth.items() if d == 1}
+    return [r for r in rows if r[0] in top_level] + [("__self__:" + r[0], r[1], r[2]) for r in rows], total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=15, help="timed runs of each command (default 15, at least 10 "
+                                                             "for the README figures)")
+    parser.add_argument("--importtime-runs", type=int, default=5, help="runs of -X importtime averaged (default 5)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per command (default 60)")
+    parser.add_argument("--tmpdir", type=Path, default=None, help="where the shadow's root and spools go")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    install_signal_handlers()
+    print(header("startup"), flush=True)
+
+    found, _ = tools()
+    script, shim = real_script(found[0]) if len(found) == 1 else (found[0], None)
+    gcwrap = [script] if len(found) == 1 else found
+    python = interpreter_of(script) if len(found) == 1 else sys.executable
+    print(f"gcwrap: {' '.join(gcwrap)}" + (f" (PATH has the pyenv shim {shim}; timed separately)" if shim else ""))
+    print(f"python: {python}", flush=True)
+
+    commands: dict[str, list[str]] = {
+        "gcwrap -- true": [*gcwrap, "--", "true"],
+        f'python -c "{IMPORT_DEPS}"': [python, "-c", IMPORT_DEPS],
+        "python -c pass": [python, "-c", "pass"],
+    }
+    if shim:
+        commands["gcwrap -- true (via the pyenv shim)"] = [shim, "--", "true"]
+    shadow_key = "gcwrap --shadow ... --stdout x -- true (live shadow)"
+
+    workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-startup-", dir=args.tmpdir))
+    walls: dict[str, list[float]] = defaultdict(list)
+    cpus: dict[str, list[float]] = defaultdict(list)
+    shadow: ShadowProc | None = None
+    status = 0
+    try:
+        shadow = ShadowProc(workdir / "home", workdir)
+        port = shadow.wait_ready()
+        spool = workdir / "spool"
+        print(f"gcshadow: {' '.join(shadow.cmd)}", flush=True)
+        keys = [*commands, shadow_key]
+
+        def command(key: str, i: int) -> list[str]:
+            if key != shadow_key:
+                return commands[key]
+            return [*gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", f"startup-{i}.out", "--spool", str(spool),
+                    "--job-id", f"startup-{os.getpid()}-{i}", "--", "true"]
+
+        print("example with a live shadow:", " ".join(command(shadow_key, 0)))
+        for key in keys:  # one warm-up run of each (page cache, .pyc), not counted
+            timed(command(key, 0), args.timeout)
+        for i in range(1, args.runs + 1):
+            order = keys[i % len(keys):] + keys[:i % len(keys)]
+            for key in order:
+                wall, cpu = timed(command(key, i), args.timeout)
+                walls[key].append(wall)
+                cpus[key].append(cpu)
+            print(f"round {i:2}: " + "  ".join(f"{walls[k][-1] * 1000:6.0f} ms" for k in keys), flush=True)
+        leftover = sorted(p.name for p in spool.glob("*")) if spool.exists() else []
+        if leftover:
+            print(f"note: spool directory not empty after the runs: {leftover}")
+        landed = sorted(p.name for p in (workdir / "home").glob("startup-*.out"))
+        if len(landed) != args.runs + 1:
+            raise BenchError(f"expected {args.runs + 1} landed files, found {len(landed)}")
+
+        base_key = f'python -c "{IMPORT_DEPS}"'
+        base = summary(walls[base_key])[0]
+        rows = [["command", "wall median (ms)", "min", "max", "CPU median (ms)", "/ bare import", "/ python -c pass"]]
+        for key in keys:
+            med, lo, hi = summary(walls[key])
+            cmed = summary(cpus[key])[0]
+            rows.append([key, fmt(med * 1000), fmt(lo * 1000), fmt(hi * 1000), fmt(cmed * 1000),
+                         f"{med / base:.2f}x", f"{med / summary(walls['python -c pass'])[0]:.1f}x"])
+        print()
+        print(f"{args.runs} runs of each, order rotated each round; load average at the end: "
+              "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        print(render_table(rows))
+        ratio = summary(walls["gcwrap -- true"])[0] / base
+        print(f"\ngcwrap -- true / bare import of its dependencies: {ratio:.2f}x "
+              f"(target <= 1.30x: {'met' if ratio <= 1.3 else 'NOT met'})")
+        extra = summary(walls["gcwrap -- true"])[0] - base
+        print(f"gcwrap -- true costs {extra * 1000:.0f} ms more than importing trio, click, rich and sqlite_utils")
+
+        if args.importtime_runs > 0:
+            env = dict(os.environ)
+            rows_it, total = importtime(python, args.importtime_runs, args.timeout, env)
+            top = sorted((r for r in rows_it if not r[0].startswith("__self__:")), key=lambda r: -r[2])[:12]
+            selfs = sorted((r for r in rows_it if r[0].startswith("__self__:")), key=lambda r: -r[1])[:15]
+            print(f"\n`{python} -X importtime -m gcwrap -- true`, mean of {args.importtime_runs} runs: "
+                  f"{total:.0f} ms of imports in all")
+            print("top-level imports by cumulative time:")
+            print(render_table([["module", "cumulative (ms)", "share"]]
+                               + [[n, f"{c:.1f}", f"{c / total:.0%}"] for n, _, c in top]))
+            print("\nmodules by self time (their own code, without what they import):")
+            print(render_table([["module", "self (ms)", "cumulative (ms)"]]
+                               + [[n.removeprefix("__self__:"), f"{s:.1f}", f"{c:.1f}"] for n, s, c in selfs]))
+            heavy = []
+            for n in ("numpy", "pandas", "sqlite_utils", "rich", "trio", "click", "pluggy", "dateutil"):
+                mods = [r for r in rows_it if r[0] == "__self__:" + n or r[0].startswith(f"__self__:{n}.")]
+                if mods:
+                    heavy.append(f"{n} ({len(mods)} modules, {sum(r[1] for r in mods):.0f} ms self)")
+            print("\nheavy packages imported by `gcwrap -- true`: " + (", ".join(heavy) or "none"))
+    except BenchError as e:
+        print(f"startup: FAILED: {e}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        print("startup: interrupted", file=sys.stderr)
+        status = 130
+    finally:
+        if shadow is not None:
+            shadow.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/bin/bash
+# A PBS/Torque array job wrapped in gcwrap: ten tasks, each streaming home
+# under its own name.
+#
+#   qsub pbs-job.sh
+#
+# Task 3 of job 1234[].server writes sim/1234.3.out and sim/1234.3.err (%j is
+# the job number, %a the array index: $PBS_ARRAYID under Torque,
+# $PBS_ARRAY_INDEX under PBS Pro, which writes `#PBS -J 0-9` instead of -t).
+#PBS -N sim
+#PBS -l walltime=02:00:00
+#PBS -t 0-9
+
+cd "$PBS_O_WORKDIR" || exit 1
+exec gcwrap --shadow home.example.org:50000 \
+    --stdout 'sim/%j.%a.out' --stderr 'sim/%j.%a.err' \
+    -- ./sim --point "${PBS_ARRAYID:-${PBS_ARRAY_INDEX:-0}}"

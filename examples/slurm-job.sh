@@ -1,0 +1,20 @@
+#!/bin/bash
+# A Slurm batch job wrapped in gcwrap: its stdout and stderr stream home while it runs.
+#
+#   sbatch slurm-job.sh
+#
+# At home: gcshadow --host 0.0.0.0 --port 50000 --root ~/results
+# The output lands in ~/results/sim/JOBID.out and sim/JOBID.err; the job is
+# slurm-JOBID in `gcshadow jobs`. If Slurm requeues the job, the new attempt
+# starts both files afresh; write 'sim/%j.%n.out' to keep each attempt's
+# output in a file of its own (%n is $SLURM_RESTART_COUNT).
+#SBATCH --job-name=sim
+#SBATCH --time=02:00:00
+#SBATCH --requeue
+#SBATCH --output=gcwrap-%j.log
+
+# exec: gcwrap is the job step itself, so the job's exit status is Slurm's
+# and Slurm counts the job as running until its output is home.
+exec gcwrap --shadow home.example.org:50000 \
+    --stdout 'sim/%j.out' --stderr 'sim/%j.err' \
+    -- ./sim --steps 1000

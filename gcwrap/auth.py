@@ -1,0 +1,214 @@
+"""Authentication: a shared token proven by challenge-response, TLS contexts,
+and host allow-lists. No I/O here but reading files and name lookups.
+
+Token handshake (the token never crosses the wire; a captured exchange is
+useless because both sides bring a fresh nonce to every connection):
+
+    agent  -> HELLO(nonce_a, job, instance)
+    shadow -> CHALLENGE(nonce_s)
+    agent  -> AUTH(HMAC(token, "gcwrap agent v1" | nonce_a | nonce_s | job | instance))
+    shadow -> WELCOME(proof = HMAC(token, "gcwrap shadow v1" | nonce_a | nonce_s))
+
+The shadow's proof lets the agent refuse an impostor before it sends a byte
+of output. The MACs are bound to the job and attempt, and both nonces.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import socket
+import ssl
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIN_TOKEN = 16  # bytes: shorter secrets are too easy to guess
+_AGENT = b"gcwrap agent v1"
+_SHADOW = b"gcwrap shadow v1"
+
+
+class AuthError(Exception):
+    """A configuration or authentication failure, in plain words."""
+
+
+def load_token(path: Path, *, private: bool) -> bytes:
+    """The token in `path` (surrounding whitespace removed). With `private`,
+    refuse a file that others can read: the shadow's secret must be its own."""
+    try:
+        st = os.stat(path)
+        data = path.read_bytes().strip()
+    except OSError as e:
+        raise AuthError(f"cannot read token file {path}: {e.strerror}") from None
+    if private and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise AuthError(
+            f"token file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}): run chmod 600 {path}"
+        )
+    if len(data) < MIN_TOKEN:
+        raise AuthError(f"token in {path} is too short: use at least {MIN_TOKEN} bytes (e.g. openssl rand -hex 32)")
+    return data
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(32)
+
+
+def _mac(token: bytes, *parts: bytes) -> str:
+    return hmac.new(token, b"\0".join(parts), hashlib.sha256).hexdigest()
+
+
+def agent_mac(token: bytes, nonce_a: str, nonce_s: str, job_id: str, instance: str) -> str:
+    return _mac(token, _AGENT, nonce_a.encode(), nonce_s.encode(), job_id.encode(), instance.encode())
+
+
+def shadow_proof(token: bytes, nonce_a: str, nonce_s: str) -> str:
+    return _mac(token, _SHADOW, nonce_a.encode(), nonce_s.encode())
+
+
+def same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+# -- TLS ------------------------------------------------------------------------
+
+
+def client_context(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSLContext:
+    """The agent's TLS: verify the shadow (against `ca`, or the system's CAs),
+    and present a client certificate when given one."""
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca) if ca else None)
+        if cert:
+            ctx.load_cert_chain(str(cert), str(key) if key else None)
+    except (OSError, ssl.SSLError) as e:
+        raise AuthError(f"cannot set up TLS: {e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def server_context(cert: Path, key: Path | None, client_ca: Path | None) -> ssl.SSLContext:
+    """The shadow's TLS; with `client_ca`, clients must present a certificate
+    signed by it (mutual TLS)."""
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(str(cert), str(key) if key else None)
+        if client_ca:
+            ctx.load_verify_locations(cafile=str(client_ca))
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise AuthError(f"cannot set up TLS: {e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def subject_cn(peercert: dict[str, object] | None) -> str:
+    """The common name of a verified peer certificate ("" if none)."""
+    if not peercert:
+        return ""
+    for rdn in peercert.get("subject", ()):  # type: ignore[union-attr]
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
+
+
+@dataclass
+class SubjectMap:
+    """Which certificate subjects (CN) may write which job ids (globs)."""
+
+    rules: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, entries: list[str]) -> SubjectMap:
+        rules = []
+        for entry in entries:
+            cn, sep, pattern = entry.partition(":")
+            if not sep or not cn or not pattern:
+                raise AuthError(f"--allow-subject {entry!r}: expected CN:JOB-GLOB, e.g. alice:alice-*")
+            rules.append((cn, pattern))
+        return cls(rules)
+
+    def allows(self, cn: str, job_id: str) -> bool:
+        if not self.rules:
+            return True
+        return any(cn == rule_cn and fnmatch.fnmatchcase(job_id, pattern) for rule_cn, pattern in self.rules)
+
+
+# -- allow-lists --------------------------------------------------------------------
+
+
+@dataclass
+class AllowList:
+    """Hosts, domain suffixes (".example.org") and CIDR ranges allowed to connect.
+    Names are checked by reverse-then-forward lookup, so a forged PTR record
+    alone does not get anyone in. Empty: everyone may connect."""
+
+    networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+    suffixes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, entries: list[str]) -> AllowList:
+        out = cls()
+        for raw in entries:
+            for entry in filter(None, (e.strip() for e in raw.split(","))):
+                try:
+                    out.networks.append(ipaddress.ip_network(entry, strict=False))
+                    continue
+                except ValueError:
+                    pass
+                if entry.startswith("."):
+                    out.suffixes.append(entry.lower())
+                elif all(c.isalnum() or c in "-._" for c in entry):
+                    out.hosts.append(entry.lower().rstrip("."))
+                else:
+                    raise AuthError(f"--allow {entry!r} is neither a host, a .domain suffix nor a CIDR range")
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.networks or self.hosts or self.suffixes)
+
+    def check(self, address: str) -> str:
+        """"" if `address` may connect, else why not. Blocking (DNS): run in a thread."""
+        try:
+            ip = ipaddress.ip_address(address.split("%")[0])
+        except ValueError:
+            return f"{address} is not an IP address"
+        if ip.version == 6 and ip.ipv4_mapped:  # type: ignore[union-attr]
+            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if any(ip in net for net in self.networks):
+            return ""
+        for host in self.hosts:
+            if str(ip) in _forward(host):
+                return ""
+        if self.suffixes:
+            name = _reverse(str(ip))
+            if name and any(name.endswith(s) or "." + name == s for s in self.suffixes):
+                if str(ip) in _forward(name):
+                    return ""
+                return f"{ip} claims the name {name}, which does not resolve back to it"
+        return f"{ip} is not in the allow-list"
+
+
+def _forward(name: str) -> set[str]:
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return set()
+
+
+def _reverse(ip: str) -> str:
+    try:
+        return socket.gethostbyaddr(ip)[0].lower().rstrip(".")
+    except OSError:
+        return ""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host in ("localhost", "localhost.localdomain")
