@@ -128,7 +128,8 @@ def log_problems(text: str, limit: int = 8) -> list[str]:
     counts: collections.Counter[str] = collections.Counter()
     for line in text.splitlines():
         low = line.lower()
-        if "warning" not in low and "error" not in low and "traceback" not in low and "emfile" not in low:
+        if not any(w in low for w in ("warning", "error", "traceback", "too many", "refused", "timed out", "lost",
+                                      "busy", "cannot")):
             continue
         key = re.sub(r"\d+", "#", line)
         key = re.sub(r"^\S+ \S+ ", "", key)  # a timestamp
@@ -388,10 +389,13 @@ class Generator:
         total = self.per_agent * len(owners)
         try:
             with trio.fail_after(self.args.timeout):
-                t0 = trio.current_time()
+                # The semaphore bounds the agents connecting and handshaking at once (a SYN
+                # flood would overflow the listen backlog); it is released at WELCOME, so every
+                # agent stays connected at the same time.
                 async with self.connect_limit:
+                    t0 = trio.current_time()
                     stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    async with stream:
+                    try:
                         phase = "handshake"
                         hello = Hello(job_id=job_id, instance=f"b{os.getpid()}", host="loadgen", user="bench",
                                       streams=(StreamSpec(1, "stdout", name),), command=("fanin-sim",))
@@ -401,13 +405,17 @@ class Generator:
                             raise BenchError(f"ERROR {ev.code.name}: {ev.message}")
                         if not isinstance(ev, Welcome):
                             raise BenchError(f"expected WELCOME, got {type(ev).__name__}")
-                        self.connect_s.append(trio.current_time() - t0)
-                        self.connected += 1
-                        counted = True
-                        self._arrived()
-                        await self._session(stream, conn, owners, sent, total, trio, Ack, Done, Error, Exit, Ping,
-                                            Pong, DataEv, NEED_DATA)
-                        self.finished += 1
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
+                    self.connect_s.append(trio.current_time() - t0)
+                async with stream:
+                    self.connected += 1
+                    counted = True
+                    self._arrived()
+                    await self._session(stream, conn, owners, sent, total, trio, Ack, Done, Error, Exit, Ping,
+                                        Pong, DataEv, NEED_DATA)
+                    self.finished += 1
         except BaseException as caught:  # every failure is counted by phase and kind
             if isinstance(caught, (KeyboardInterrupt, SystemExit, trio.Cancelled)):
                 raise

@@ -6,7 +6,7 @@
 #
 # Task 3 of job 1234[].server writes sim/1234.3.out and sim/1234.3.err (%j is
 # the job number, %a the array index: $PBS_ARRAYID under Torque,
-# $PBS_ARRAY_INDEX under PBS Pro, which writes `#PBS -J 0-9` instead of -t).
+# $PBS_ARRAY_INDEX under PBS Pro, which takes `#PBS -J 0-9` instead of -t).
 #PBS -N sim
 #PBS -l walltime=02:00:00
 #PBS -t 0-9

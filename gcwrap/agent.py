@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import logging
 import os
 import signal
@@ -41,7 +42,8 @@ from .sync import Signal, first_error
 
 log = logging.getLogger("gcwrap")
 
-READ_SIZE = 64 << 10
+READ_SIZE = 1 << 20  # a read returns what the pipe holds: large reads cost no latency
+PIPE_SIZE = 1 << 20  # ask the kernel for a pipe this large (F_SETPIPE_SZ), so reads can be
 COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
@@ -169,7 +171,8 @@ class Agent:
 
     # -- the pipe readers ------------------------------------------------
 
-    async def read_pipe(self, out: OutStream, pipe: trio.abc.ReceiveStream) -> None:
+    async def read_pipe(self, out: OutStream, pipe: trio.lowlevel.FdStream) -> None:
+        grow_pipe(pipe.fileno())
         async with pipe:
             while True:
                 if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
@@ -440,6 +443,15 @@ class Agent:
 # -- running a job ------------------------------------------------------------
 
 
+def grow_pipe(fd: int) -> None:
+    """Fewer, larger reads: a 1 MiB pipe instead of the default 64 KiB (the
+    kernel may refuse above /proc/sys/fs/pipe-max-size: then keep its size)."""
+    try:
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_SIZE)
+    except OSError:
+        pass
+
+
 def _interactive() -> bool:
     try:
         return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
@@ -514,14 +526,16 @@ async def run_job(
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )
-    try:
-        await spooler.ensure()
-    except SpoolError as e:
-        # Keep the job running: output goes home from memory, and the spool
-        # is tried again as the job runs.
-        log.warning("%s; the job runs anyway, its output goes home from memory", e)
+    if specs:
+        # The spool exists before the job writes a byte: a wrapper killed in
+        # the first instant must not lose what the job wrote. If the disk
+        # refuses, the job runs anyway and the commit loop keeps trying.
+        try:
+            await spooler.ensure()
+        except SpoolError as e:
+            log.warning("%s; the job runs anyway, its output goes home from memory", e)
     agent = Agent(opts, spooler, job, specs)
-    if spooler.spool is None:
+    if specs and spooler.spool is None:
         agent.disk_error = f"cannot create spool {spool_path}"
     pipe = subprocess.PIPE
     try:
@@ -570,8 +584,9 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
                     await _end_job(proc, KILL_GRACE)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(agent.commit_loop)
-        nursery.start_soon(agent.live_loop)
+        if agent.specs:  # with no stream named there is nothing to spool
+            nursery.start_soon(agent.commit_loop)
+            nursery.start_soon(agent.live_loop)
         nursery.start_soon(_forward_signals, proc, agent)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)

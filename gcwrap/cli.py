@@ -253,7 +253,7 @@ def _run(
 
     from .agent import run_job
     from .identity import default_job_id, hostname, username
-    from .render import Reporter, stderr_console
+    from .render import Reporter
     from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
 
     job_id = job_id or default_job_id()
@@ -267,7 +267,7 @@ def _run(
         shadow=f"{address[0]}:{address[1]}" if address else "", started=time.time(), wrapper_pid=os.getpid(),
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
-    say = Reporter(stderr_console(), log_format)
+    say = Reporter(fmt=log_format)
     if not quiet and address is not None and outcome.job_status is not None:
         say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
@@ -346,7 +346,7 @@ def resume(
     from .status import in_use
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
-    say = Reporter(stderr_console(), log_format)
+    say = Reporter(fmt=log_format)
     scanning = not spools
     paths = list(spools) or spool_files(spool_dir or default_spool_dir())
     if not paths:
@@ -380,7 +380,7 @@ def resume(
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
                             **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
-        with resume_progress(say.console, job.job_id, quiet or log_format == "json") as progress:
+        with resume_progress(stderr_console(), job.job_id, quiet or log_format == "json") as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:
             say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")

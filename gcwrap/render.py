@@ -10,13 +10,16 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Iterable
+from typing import IO, TYPE_CHECKING, Any, Iterable
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
+    from rich.console import Console
+    from rich.table import Table
 
 
 def stderr_console() -> Console:
+    from rich.console import Console
+
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
@@ -82,6 +85,8 @@ def exit_text(code: int | None, signal: int | None) -> str:
 def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> Table:
     """`gcwrap status`: one row per stream of every spool; the long fields
     (shadow, retries, spool size, last error) go in `status_details`."""
+    from rich.table import Table
+
     table = Table(title="gcwrap spools")
     for col in ("job", "state", "stream", "written", "acked", "pending", "oldest"):
         table.add_column(col, overflow="fold")
@@ -147,6 +152,8 @@ def jobs_table(
 ) -> Table:
     """`gcshadow jobs`: one row per job the shadow knows. `rates` (bytes/s)
     come from --watch; without them the rate is the average since the start."""
+    from rich.table import Table
+
     table = Table(title="gcshadow jobs")
     for col in ("job", "host", "state", "bytes", "rate", "last seen", "streams"):
         table.add_column(col, overflow="fold")
@@ -171,6 +178,8 @@ def jobs_table(
 
 def job_detail(console: Console, job: dict[str, Any]) -> None:
     """`gcshadow jobs JOB`: everything the shadow knows of one job."""
+    from rich.table import Table
+
     table = Table(title=f"job {job['job_id']}", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
@@ -208,16 +217,18 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
 class Reporter:
     """gcwrap's closing words on stderr: text lines, or JSON lines with --log-format json."""
 
-    def __init__(self, console: Console, fmt: str = "text") -> None:
-        self.console = console
+    def __init__(self, out: IO[str] | None = None, fmt: str = "text") -> None:
+        self.out = out or sys.stderr
         self.fmt = fmt
 
     def say(self, message: str, level: str = "error", **fields: Any) -> None:
         if self.fmt == "json":
             record = {"time": round(time.time(), 3), "level": level, "logger": "gcwrap", "message": message, **fields}
-            self.console.print(json.dumps(record), markup=False, highlight=False, soft_wrap=True)
+            line = json.dumps(record)
         else:
-            self.console.print(f"gcwrap: {message}", markup=False, highlight=False)
+            line = f"gcwrap: {message}"
+        self.out.write(line + "\n")
+        self.out.flush()
 
     def summary(self, job_id: str, job_status: int | None, summary: dict[str, Any]) -> None:
         if self.fmt == "json":

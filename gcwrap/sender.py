@@ -43,7 +43,7 @@ from .events import (
     Welcome,
 )
 from .outbox import MAX_ROW
-from .protocol import NEED_DATA, Connection, ProtocolError, Role
+from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role
 from .retry import HeartbeatTimeout, ShadowRefused
 from .sync import first_error
 
@@ -270,14 +270,14 @@ class Session:
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
-                chunk = out.from_memory(offset, MAX_ROW)
+                chunk = out.from_memory(offset, MAX_PAYLOAD)
                 chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, 4 * MAX_ROW)
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
                         raise RuntimeError(f"spool lost bytes {self.sent[sid]}..{c.start} of {out.kind}")
-                    payload = c.data[start - c.start :]
-                    if payload:
+                    payload = c.data[start - c.start :] if start > c.start else c.data
+                    if payload:  # at most MAX_PAYLOAD: pipe reads and spool rows are no larger
                         await self._send(stream, Data(sid, start, payload))
                         self.sent[sid] = start + len(payload)
                 progressed = True

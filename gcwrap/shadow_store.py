@@ -22,13 +22,14 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .events import StreamSpec
+
+if TYPE_CHECKING:
+    import sqlite_utils
 from .names import STATE_DIR, NameError_, split_name
-from .spool import transaction
+from .spool import _database, transaction
 
 
 class StoreError(Exception):
@@ -81,13 +82,13 @@ def open_state(root: Path, *, readonly: bool = False) -> sqlite_utils.Database:
     if readonly:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout = 10000")
-        return sqlite_utils.Database(conn)
+        return _database(conn)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA busy_timeout = 10000")
-    db = sqlite_utils.Database(conn)
+    db = _database(conn)
     migrate(db)
     return db
 

@@ -28,9 +28,20 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
-import sqlite_utils
+from .segments import Segments
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+
+def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:
+    # Imported here: sqlite-utils costs a quarter of a second to import, which
+    # a job that starts should not wait for (the spool is made in a thread).
+    import sqlite_utils
+
+    return sqlite_utils.Database(conn)
 
 SPOOL_SUFFIX = ".spool"
 PAGE_SIZE = 65536  # 64 KiB pages: a 64 KiB pipe read is one page and its overflow, not 16
@@ -133,9 +144,17 @@ def _m002_chunk_time(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE chunks ADD COLUMN t REAL")
 
 
+def _m003_segments(db: sqlite_utils.Database) -> None:
+    # Bytes move to segment files (gcwrap.segments): a row names its segment
+    # and position; `data` stays for the chunks of older spools (and in memory).
+    db.execute("ALTER TABLE chunks ADD COLUMN seg INTEGER")
+    db.execute("ALTER TABLE chunks ADD COLUMN pos INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
+    (3, "segments", _m003_segments),
 ]
 
 
@@ -206,9 +225,11 @@ class SpoolError(Exception):
 class Spool:
     """Read and write one job's spool. Not thread-safe: one owner thread."""
 
-    def __init__(self, db: sqlite_utils.Database, path: Path | None = None) -> None:
+    def __init__(self, db: sqlite_utils.Database, path: Path | None = None, *, readonly: bool = False) -> None:
         self.db = db
         self.path = path
+        # On disk the bytes live in segment files; in memory (tests) in the rows.
+        self.segments = Segments(Path(f"{path}.seg"), readonly=readonly) if path is not None else None
 
     # -- opening ---------------------------------------------------------
 
@@ -217,18 +238,44 @@ class Spool:
         cls, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
     ) -> Spool:
         """A new spool for one run of a job. `path=None` makes one in memory.
-        Raises SpoolError (disk full, unwritable...) with the reason."""
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            except OSError as e:
-                raise SpoolError(f"cannot create the spool directory {path.parent}: {e.strerror}") from None
-            if path.exists():
-                raise SpoolError(f"spool {path} already exists")
-        conn = sqlite3.connect(str(path) if path else ":memory:", isolation_level=None, check_same_thread=False)
+        On disk it appears whole or not at all: built under a temporary name
+        and renamed into place, so a wrapper killed meanwhile leaves no
+        half-made spool. Raises SpoolError (disk full, unwritable...)."""
+        if path is None:
+            return cls._build(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False),
+                              None, job, streams)
         try:
-            configure(conn, new=True)
-            db = sqlite_utils.Database(conn)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise SpoolError(f"cannot create the spool directory {path.parent}: {e.strerror}") from None
+        if path.exists():
+            raise SpoolError(f"spool {path} already exists")
+        draft = path.with_name(path.name + ".new")
+        for suffix in ("", "-journal"):
+            Path(f"{draft}{suffix}").unlink(missing_ok=True)
+        try:
+            conn = sqlite3.connect(str(draft), isolation_level=None, check_same_thread=False)
+            cls._build(conn, None, job, streams).close()
+            os.rename(draft, path)
+        except OSError as e:
+            for suffix in ("", "-journal"):
+                Path(f"{draft}{suffix}").unlink(missing_ok=True)
+            raise SpoolError(describe_os_error(e, path)) from None
+        except SpoolError:
+            for suffix in ("", "-journal"):
+                Path(f"{draft}{suffix}").unlink(missing_ok=True)
+            raise
+        return cls.open(path)
+
+    @classmethod
+    def _build(
+        cls, conn: sqlite3.Connection, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
+    ) -> Spool:
+        """Schema, job record and streams, in a fresh database (rollback
+        journal until the spool is in place; `open` switches to WAL)."""
+        try:
+            conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
+            db = _database(conn)
             migrate(db)
             spool = cls(db, path)
             with transaction(db.conn):
@@ -239,11 +286,10 @@ class Spool:
                 )
                 for sid, kind, name in streams:
                     db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
+            if path is None:
+                configure(conn, new=False)
         except sqlite3.Error as e:
             conn.close()
-            if path is not None:  # leave no half-made spool behind
-                for suffix in ("", "-wal", "-shm"):
-                    Path(f"{path}{suffix}").unlink(missing_ok=True)
             raise SpoolError(describe_sqlite_error(e, path)) from None
         return spool
 
@@ -260,16 +306,35 @@ class Spool:
                 configure(conn, new=False)
             else:
                 conn.execute("PRAGMA busy_timeout = 10000")
-            db = sqlite_utils.Database(conn)
+            db = _database(conn)
             if not readonly:
                 migrate(db)
             conn.execute("SELECT 1 FROM job").fetchall()
         except sqlite3.DatabaseError as e:
             raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
-        return cls(db, path)
+        spool = cls(db, path, readonly=readonly)
+        spool._resume_segments()
+        return spool
+
+    def _resume_segments(self) -> None:
+        """Where each stream's committed bytes end in its newest segment."""
+        if self.segments is None:
+            return
+        self.segments.scan()
+        try:
+            rows = self.db.execute(
+                'SELECT stream, seg, max(pos + "end" - start) FROM chunks WHERE seg IS NOT NULL '
+                "GROUP BY stream HAVING seg = max(seg)"
+            ).fetchall()
+        except sqlite3.OperationalError:
+            return  # a spool from before segments, opened read-only
+        for stream, seg, end in rows:
+            self.segments.resume(stream, seg, end)
 
     def close(self) -> None:
         self.db.conn.close()
+        if self.segments is not None:
+            self.segments.close()
 
     # -- job and streams -------------------------------------------------
 
@@ -318,21 +383,32 @@ class Spool:
         job fields. Group commit: callers batch many pipe reads into one call.
         Raises SpoolError (with the OS reason) when the disk refuses."""
         conn = self.db.conn
+        segments = self.segments
+        ends: dict[int, int] = {}
+        rows = []
+        now = time.time()
+        try:
+            for c in chunks:
+                if not c.data:
+                    # Nothing to keep, and a row would take (stream, start)
+                    # from the chunk that really holds the bytes there.
+                    continue
+                if segments is not None:
+                    # The bytes first; they count once their row is committed.
+                    seg, pos = segments.place(c.stream, c.data)
+                    rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
+                else:
+                    rows.append((c.stream, c.start, c.end, c.data, now, None, None))
+                ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+        except OSError as e:
+            segments.rollback()  # type: ignore[union-attr]
+            raise SpoolError(describe_os_error(e, self.path)) from None
         try:
             with transaction(conn):
-                ends: dict[int, int] = {}
-                rows = []
-                now = time.time()
-                for c in chunks:
-                    if not c.data:
-                        # Nothing to keep, and a row would take (stream, start)
-                        # from the chunk that really holds the bytes there.
-                        continue
-                    rows.append((c.stream, c.start, c.end, c.data, now))
-                    ends[c.stream] = max(ends.get(c.stream, 0), c.end)
                 if rows:
                     conn.executemany(
-                        'INSERT INTO chunks (stream, start, "end", data, t) VALUES (?, ?, ?, ?, ?)', rows
+                        'INSERT INTO chunks (stream, start, "end", data, t, seg, pos) VALUES (?, ?, ?, ?, ?, ?, ?)',
+                        rows,
                     )
                 for sid, end in ends.items():
                     conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
@@ -361,30 +437,45 @@ class Spool:
                     sets = ", ".join(f"{k} = ?" for k in values)
                     conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(values.values()))
         except sqlite3.Error as e:
+            if segments is not None:
+                segments.rollback()
             raise SpoolError(describe_sqlite_error(e, self.path)) from e
+        if segments is not None:
+            segments.commit()
+            for sid in acked or {}:
+                (oldest,) = conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
+                segments.release(sid, oldest)
+
+    def _bytes(self, stream: int, start: int, end: int, data: bytes, seg: int | None, pos: int | None) -> bytes:
+        if seg is None or self.segments is None:
+            return bytes(data)
+        try:
+            return self.segments.read(stream, seg, pos or 0, end - start)
+        except OSError as e:
+            raise SpoolError(f"spool {self.path}: cannot read bytes {start}..{end} of stream {stream}: {e}") from None
 
     def read(self, stream: int, offset: int, max_bytes: int) -> list[Chunk]:
         """Chunks of `stream` holding bytes at or after `offset`, in order,
         about `max_bytes` in all (at least one chunk if any)."""
         cur = self.db.conn.execute(
-            'SELECT start, data FROM chunks WHERE stream = ? AND "end" > ? ORDER BY start',
+            'SELECT start, "end", data, seg, pos FROM chunks WHERE stream = ? AND "end" > ? ORDER BY start',
             (stream, offset),
         )
         out: list[Chunk] = []
         total = 0
-        for start, data in cur:
-            out.append(Chunk(stream, start, bytes(data)))
-            total += len(data)
+        for start, end, data, seg, pos in cur:
+            out.append(Chunk(stream, start, self._bytes(stream, start, end, data, seg, pos)))
+            total += end - start
             if total >= max_bytes:
                 break
         cur.close()
         return out
 
     def iter_all(self) -> Iterator[Chunk]:
-        for stream, start, data in self.db.conn.execute(
-            "SELECT stream, start, data FROM chunks ORDER BY seq"
-        ):
-            yield Chunk(stream, start, bytes(data))
+        for stream, start, end, data, seg, pos in self.db.conn.execute(
+            'SELECT stream, start, "end", data, seg, pos FROM chunks ORDER BY seq'
+        ).fetchall():
+            yield Chunk(stream, start, self._bytes(stream, start, end, data, seg, pos))
 
     def oldest_pending(self) -> dict[int, float]:
         """Per stream, when its oldest chunk still in the spool was spooled."""
@@ -407,7 +498,7 @@ class Spool:
                 total += os.stat(f"{self.path}{suffix}").st_size
             except FileNotFoundError:
                 pass
-        return total
+        return total + (self.segments.size() if self.segments is not None else 0)
 
     def checkpoint(self) -> None:
         try:
@@ -424,6 +515,19 @@ class Spool:
                     os.unlink(f"{self.path}{suffix}")
                 except FileNotFoundError:
                     pass
+        if self.segments is not None:
+            self.segments.remove()
+
+
+def describe_os_error(e: OSError, path: Path | None) -> str:
+    where = f"spool {path}" if path else "spool"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{where}: disk full ({e.strerror})"
+    if e.errno == errno.EROFS:
+        return f"{where}: not writable ({e.strerror})"
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return f"{where}: out of file descriptors (raise `ulimit -n`)"
+    return f"{where}: {e.strerror or e}"
 
 
 def describe_sqlite_error(e: sqlite3.Error, path: Path | None) -> str:

@@ -21,6 +21,7 @@ import trio
 
 log = logging.getLogger("gcwrap")
 
+from .segments import DEFAULT_SEGMENT
 from .spool import PAGE_SIZE, Chunk, JobRecord, Spool, SpoolError
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
@@ -83,6 +84,9 @@ class Spooler:
             st = os.statvfs(self.path.parent)
             pages = max(4, min(256, st.f_blocks * st.f_frsize // (16 * PAGE_SIZE)))
             spool.db.conn.execute(f"PRAGMA wal_autocheckpoint = {pages}")
+            # Segments small enough that a delivered one is freed long before the disk fills.
+            if spool.segments is not None:
+                spool.segments.segment_size = max(64 << 10, min(DEFAULT_SEGMENT, st.f_blocks * st.f_frsize // 16))
             self.lock_fd = lock_spool(self.path)
         except OSError as e:
             spool.remove()

@@ -19,12 +19,6 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-
-from gcwrap import identity, templates
-from gcwrap.cli import main as gcwrap_main
-from gcwrap.identity import BatchIdentity, detect
-from gcwrap.spool import default_spool_dir
-from gcwrap.templates import TemplateError, expand, values_for
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -37,6 +31,13 @@ from helpers import (
     tool,
     wait_until,
 )
+
+from gcwrap import identity, templates
+from gcwrap.cli import main as gcwrap_main
+from gcwrap.identity import BatchIdentity, detect
+from gcwrap.names import normalize
+from gcwrap.spool import default_spool_dir
+from gcwrap.templates import TemplateError, expand, values_for
 
 UID = os.getuid()
 
@@ -153,8 +154,8 @@ def test_every_key_expands() -> None:
 
 @pytest.mark.parametrize(
     ("template", "name"),
-    [("100%%/%j%%", "100%/4242%"), ("%%j", "%j"), ("%%%j", "%4242"), ("a%%%%b", "a%%b"), ("plain/name.5", "plain/name.5"),
-     ("", "")],
+    [("100%%/%j%%", "100%/4242%"), ("%%j", "%j"), ("%%%j", "%4242"), ("a%%%%b", "a%%b"),
+     ("plain/name.5", "plain/name.5"), ("", "")],
 )
 def test_percent_percent_is_a_literal_percent(template: str, name: str) -> None:
     assert expand(template, VALUES) == name
@@ -318,7 +319,7 @@ def test_new_attempt_replaces_the_old_one_and_the_old_spool_is_refused(
 
     # The old attempt's leftover spool cannot reach the files any more.
     resumed = subprocess.run([*tool("gcwrap"), "resume", "--retry-timeout", "1", str(left)], capture_output=True,
-                             timeout=60)
+                             check=False, timeout=60)
     assert resumed.returncode == 123, resumed.stderr.decode()
     assert b"newer attempt" in resumed.stderr and b"STALE_ATTEMPT" in resumed.stderr, resumed.stderr.decode()
     assert sha256_file(home / "rq/77.out") == out_sum and sha256_file(home / "rq/77.err") == err_sum
@@ -332,7 +333,7 @@ def test_concurrent_attempts_never_share_a_file(shadow: ShadowProc, home: Path, 
     the new attempt fences the old one off, the old one is refused, the file holds the new attempt alone."""
     args = ["--shadow", shadow.address, "--job-id", "condor-5.0", "--retry-timeout", "1", "--stdout", "cc.out"]
     a = Wrapper([*args, "--spool", str(tmp_path / "spool-a"), "--",
-                 *genjob(3_000_000, 0, seed=30, rate=300_000)])
+                 *genjob(1_500_000, 0, seed=30, rate=300_000)])
     wait_until(lambda: file_size(home / "cc.out") > 0, 30, "the old attempt's bytes at home")
     b = Wrapper([*args, "--spool", str(tmp_path / "spool-b"), "--", *genjob(1_000_000, 0, seed=40, rate=500_000)])
     assert a.wait(60) == 123, a.err.decode()
@@ -365,3 +366,24 @@ def test_batch_system_sigterm_after_the_job_died_still_delivers(home: Path, tmp_
     assert sha256_file(home / "sig.out") == expected(500_000, 50)
     rec = shadow_jobs(home)["slurm-88"]
     assert rec["state"] == "finished" and rec["exit_signal"] == signal.SIGTERM
+
+
+# -- the examples ------------------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("name", ["slurm-job.sh", "slurm-array.sh", "htcondor.sub", "pbs-job.sh"])
+def test_examples_are_shown_in_the_readme_and_their_names_are_valid(name: str) -> None:
+    text = (EXAMPLES / name).read_text()
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert f"```{'text' if name.endswith('.sub') else 'sh'}\n{text}```" in readme, f"README shows examples/{name}"
+    names = re.findall(r"--std(?:out|err|in) '?([^'\s\"]+)", text)
+    assert len(names) == 2, names
+    for template in names:
+        assert normalize(expand(template, VALUES)) == expand(template, VALUES)
+    assert "%j" in names[0] and "gcwrap" in text
+    if name.endswith(".sh"):
+        done = subprocess.run(["bash", "-n", str(EXAMPLES / name)], capture_output=True, text=True,
+                              timeout=30, check=False)
+        assert done.returncode == 0, done.stderr

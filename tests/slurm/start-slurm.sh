@@ -71,7 +71,9 @@ if ! alive "$PIDDIR/munged.pid"; then
 fi
 munge -S "$MUNGE_SOCKET" -n | unmunge -S "$MUNGE_SOCKET" >/dev/null || { echo "munge self-test failed" >&2; exit 1; }
 
-# 3. slurm.conf (the node line from `slurmd -C`, so CPUs and memory match the machine)
+# 3. slurm.conf (the node line from `slurmd -C`, so CPUs and memory match the machine).
+#    cred_expire=5 (default 120) is how long a requeued job waits before it may
+#    start again; sched_interval=1 (default 60) lets the scheduler start it then.
 HOST=$(hostname -s)
 NODELINE=$(slurmd -C | head -1)            # "NodeName=<host> CPUs=2 Boards=1 ... RealMemory=N"
 mkdir -p "$(dirname "$SLURM_CONF_FILE")"
@@ -83,7 +85,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${MUNGE_SOCKET}
+AuthInfo=socket=${MUNGE_SOCKET},cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -94,7 +96,7 @@ MailProg=/bin/true
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 ReturnToService=2
 JobRequeue=1
 KillWait=30
