@@ -6,7 +6,10 @@ Two scenarios, each run --runs times:
   flat     A job writes --size bytes (5 GB by default) to stdout as fast as gcwrap takes them:
              gcshadow serve --port 0 --root HOME --port-file F --min-free 0
              gcwrap --shadow 127.0.0.1:PORT --stdout spool.out --spool SPOOL --job-id ID -- python -c JOB SIZE 0
-           The spool must stay flat: its largest size is compared with the bytes streamed.
+           The spool holds what is not acknowledged yet: when the job writes faster than the
+           shadow acknowledges, that backlog (and the spool) grows; its largest size is compared
+           with the bytes streamed and with the backlog gcwrap reports in its live status file.
+  paced    As flat, but the job writes at --paced-rate (50 MB/s), below what delivery sustains here.
   outage   A job writes --outage-size bytes (1 GB) at --outage-rate (50 MB/s). --outage-at seconds
            (5) after gcwrap starts, the shadow is stopped (SIGTERM by pid); --outage-seconds (5)
            later a new shadow starts on the same port and root. The spool grows by the backlog
@@ -15,9 +18,10 @@ Two scenarios, each run --runs times:
 
 A thread samples every --interval seconds (0.5) the spool directory: the
 database (*.spool), its WAL (*.spool-wal) and shared memory (*.spool-shm),
-as allocated on disk (st_blocks x 512) and as apparent size, plus gcwrap's
-other files there (ballast, live status), and the length of the landed file.
-"spool size" below is db + wal + shm, allocated.
+and the segment files (*.spool.seg/*) where newer gcwrap versions keep the
+bytes, as allocated on disk (st_blocks x 512) and as apparent size, plus
+gcwrap's other files there (ballast, live status), and the length of the
+landed file. "spool size" below is db + wal + shm + segments, allocated.
 
 The job's bytes are SIZE bytes of a 64 MiB block from random.Random(SEED)
 repeated; the landed file is compared with them byte for byte after each run
@@ -32,6 +36,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shlex
@@ -91,16 +96,18 @@ while done < size:
 @dataclass
 class Sample:
     t: float  # seconds since gcwrap was spawned
-    db: int  # allocated bytes: database, WAL, shared memory
+    db: int  # allocated bytes: database, WAL, shared memory, segment files (SPOOL.seg/*)
     wal: int
     shm: int
-    apparent: int  # st_size of db + wal + shm
+    seg: int
+    apparent: int  # st_size of db + wal + shm + segments
     other: int  # allocated bytes of gcwrap's other files in the spool directory (ballast, live status)
     landed: int  # length of the landed file at home
+    backlog: int | None = None  # written - acked, from gcwrap's live status file (SPOOL.live, every 0.5 s)
 
     @property
     def spool(self) -> int:
-        return self.db + self.wal + self.shm
+        return self.db + self.wal + self.shm + self.seg
 
 
 class Sampler(threading.Thread):
@@ -114,17 +121,34 @@ class Sampler(threading.Thread):
         self.stopping = threading.Event()
 
     def sample(self) -> Sample:
-        db = wal = shm = apparent = other = 0
+        db = wal = shm = seg = apparent = other = 0
+        backlog: int | None = None
         try:
             entries = list(os.scandir(self.spool_dir))
         except FileNotFoundError:
             entries = []
         for e in entries:
+            if e.name.endswith(".spool.seg") and e.is_dir(follow_symlinks=False):
+                # gcwrap may keep a spool's bytes in segment files beside the database
+                try:
+                    segs = list(os.scandir(e.path))
+                except FileNotFoundError:
+                    segs = []
+                for f in segs:
+                    try:
+                        st = f.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    seg += st.st_blocks * 512
+                    apparent += st.st_size
+                continue
             try:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             alloc = st.st_blocks * 512
+            if e.name.endswith(".spool.live"):
+                backlog = self._backlog(e.path)
             if e.name.endswith(".spool"):
                 db += alloc
                 apparent += st.st_size
@@ -140,7 +164,17 @@ class Sampler(threading.Thread):
             landed = self.landed.stat().st_size
         except FileNotFoundError:
             landed = 0
-        return Sample(time.monotonic() - self.t0, db, wal, shm, apparent, other, landed)
+        return Sample(time.monotonic() - self.t0, db, wal, shm, seg, apparent, other, landed, backlog)
+
+    @staticmethod
+    def _backlog(path: str) -> int | None:
+        """Bytes the job wrote that the shadow has not acknowledged, as gcwrap last reported them."""
+        try:
+            with open(path, "rb") as f:
+                live = json.loads(f.read().strip(b" \0") or b"{}")
+            return sum(int(st["written"]) - int(st["acked"]) for st in live.get("streams", {}).values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
     def run(self) -> None:
         next_t = time.monotonic()
@@ -198,7 +232,7 @@ class Bench:
     def run(self, scenario: str, index: int) -> Result:
         outage = scenario == "outage"
         size = self.args.outage_size if outage else self.args.size
-        rate = self.args.outage_rate if outage else 0.0
+        rate = {"outage": self.args.outage_rate, "paced": self.args.paced_rate}.get(scenario, 0.0)
         rundir = self.workdir / f"{scenario}-{index}"
         home, spool = rundir / "home", rundir / "spool"
         shadows = [ShadowProc(home, rundir)]
@@ -211,7 +245,7 @@ class Bench:
                    "--job-id", f"spool-{os.getpid()}-{scenario}-{index}", "--", *self.job(size, rate)]
             self.commands.setdefault("gcshadow", shlex.join(shadows[0].cmd))
             self.commands.setdefault(f"gcwrap ({scenario})", shlex.join(cmd).replace(shlex.quote(JOB), "JOB"))
-            timeout = 120 + size / 20e6 + (self.args.outage_seconds if outage else 0)
+            timeout = 120 + size / min(20e6, rate or 20e6) * 1.5 + (self.args.outage_seconds if outage else 0)
             os.sync()
             time.sleep(0.2)
             log = rundir / "gcwrap.log"
@@ -268,10 +302,13 @@ def timeline(result: Result, rows: int = 24) -> str:
     picked = samples[::step]
     if samples and picked[-1] is not samples[-1]:
         picked.append(samples[-1])
-    table = [["t (s)", "landed (MB)", "spool db+wal+shm (MiB)", "db", "wal", "shm", "apparent (MiB)", "other (KiB)"]]
+    table = [["t (s)", "landed (MB)", "backlog (MiB)", "spool (MiB)", "db", "wal", "shm", "segments",
+              "apparent (MiB)", "other (KiB)"]]
     for s in picked:
-        table.append([f"{s.t:.1f}", f"{s.landed / MB:.0f}", f"{s.spool / MiB:.1f}", f"{s.db / MiB:.1f}",
-                      f"{s.wal / MiB:.1f}", f"{s.shm / MiB:.2f}", f"{s.apparent / MiB:.1f}", f"{s.other / 1024:.0f}"])
+        table.append([f"{s.t:.1f}", f"{s.landed / MB:.0f}", "-" if s.backlog is None else f"{s.backlog / MiB:.1f}",
+                      f"{s.spool / MiB:.1f}", f"{s.db / MiB:.1f}",
+                      f"{s.wal / MiB:.1f}", f"{s.shm / MiB:.2f}", f"{s.seg / MiB:.1f}", f"{s.apparent / MiB:.1f}",
+                      f"{s.other / 1024:.0f}"])
     return render_table(table)
 
 
@@ -286,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                         "bytes/s (default 50MB)")
     parser.add_argument("--outage-at", type=float, default=5.0, help="seconds after spawn the shadow stops (5)")
     parser.add_argument("--outage-seconds", type=float, default=5.0, help="seconds without a shadow (5)")
-    parser.add_argument("--scenarios", default="flat,outage", help="flat, outage or both (default)")
+    parser.add_argument("--paced-rate", type=parse_size, default=50 * MB,
+                        help="job's rate in the paced run, bytes/s (default 50MB): --size bytes at this rate")
+    parser.add_argument("--scenarios", default="flat,outage,paced",
+                        help="comma-separated: flat (full speed), outage, paced (default: all three)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -340,8 +380,15 @@ def main(argv: list[str] | None = None) -> int:
                 [statistics.median(s.spool for s in r.streaming() or r.samples) for r in rs], MiB)
             add("spool size: max over the run (MiB)", [max(s.spool for s in r.samples) for r in rs], MiB)
             add("  of which WAL at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).wal for r in rs], MiB)
+            add("  of which segment files at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).seg for r in rs],
+                MiB)
             add("max spool size / bytes streamed (%)", [100 * max(s.spool for s in r.samples) / r.size for r in rs])
             add("other spool-dir files: max (KiB)", [max(s.other for s in r.samples) for r in rs], 1024)
+            add("backlog (written - acked): max (MiB)",
+                [max((s.backlog for s in r.samples if s.backlog is not None), default=float("nan")) for r in rs], MiB)
+            add("spool - backlog: max over samples (MiB)",
+                [max((s.spool - s.backlog for s in r.samples if s.backlog is not None), default=float("nan"))
+                 for r in rs], MiB)
             add("spool size in the last sample (MiB)", [r.samples[-1].spool for r in rs], MiB)
             if scenario == "outage":
                 def before(r: Result) -> list[Sample]:
