@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import sqlite_utils
 from .names import STATE_DIR, NameError_, split_name
 from .spool import _database, transaction
+from .spool import migrate as spool_migrate
 
 
 class StoreError(Exception):
@@ -68,13 +69,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
 
 
 def migrate(db: sqlite_utils.Database) -> None:
-    db.execute("CREATE TABLE IF NOT EXISTS _migrations (id INTEGER PRIMARY KEY, name TEXT, applied REAL)")
-    done = {r[0] for r in db.execute("SELECT id FROM _migrations").fetchall()}
-    for number, name, fn in MIGRATIONS:
-        if number not in done:
-            with transaction(db.conn):
-                fn(db)
-                db.execute("INSERT INTO _migrations VALUES (?, ?, ?)", [number, name, time.time()])
+    spool_migrate(db, MIGRATIONS)
 
 
 def open_state(root: Path, *, readonly: bool = False) -> sqlite_utils.Database:

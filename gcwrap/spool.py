@@ -158,13 +158,17 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
 ]
 
 
-def migrate(db: sqlite_utils.Database) -> None:
-    """Apply every migration not yet recorded, each in its own transaction."""
+Migrations = list[tuple[int, str, Callable[["sqlite_utils.Database"], None]]]
+
+
+def migrate(db: sqlite_utils.Database, migrations: Migrations | None = None) -> None:
+    """Apply every migration not yet recorded, each in its own transaction
+    (the spool's by default; the shadow's state passes its own)."""
     db.execute(
         "CREATE TABLE IF NOT EXISTS _migrations (id INTEGER PRIMARY KEY, name TEXT, applied REAL)"
     )
     done = {row[0] for row in db.execute("SELECT id FROM _migrations").fetchall()}
-    for number, name, fn in MIGRATIONS:
+    for number, name, fn in MIGRATIONS if migrations is None else migrations:
         if number in done:
             continue
         with transaction(db.conn):
@@ -366,9 +370,6 @@ class Spool:
         rows = self.db.execute("SELECT id, kind, name, appended, acked, eof FROM streams ORDER BY id")
         return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows.fetchall()}
 
-    def update_job(self, **fields: Any) -> None:
-        self.commit(job=fields)
-
     # -- the hot path ----------------------------------------------------
 
     def commit(
@@ -499,12 +500,6 @@ class Spool:
             except FileNotFoundError:
                 pass
         return total + (self.segments.size() if self.segments is not None else 0)
-
-    def checkpoint(self) -> None:
-        try:
-            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as e:
-            raise SpoolError(describe_sqlite_error(e, self.path)) from e
 
     def remove(self) -> None:
         """Close and delete the spool files (everything was delivered)."""

@@ -218,8 +218,8 @@ def test_job_record_round_trips() -> None:
     )
     s = Spool.create(None, record, [])
     assert s.job() == record
-    s.update_job(ended=1700000100.5, exit_code=None, exit_signal=9, reason="killed", retries=3, delivered=True,
-                 last_error="connection refused", command=["x", "y"])
+    s.commit(job=dict(ended=1700000100.5, exit_code=None, exit_signal=9, reason="killed", retries=3, delivered=True,
+                             last_error="connection refused", command=["x", "y"]))
     got = s.job()
     assert (got.ended, got.exit_code, got.exit_signal, got.reason, got.retries, got.delivered) == (
         1700000100.5, None, 9, "killed", 3, True)
@@ -299,7 +299,7 @@ def test_remove_deletes_every_file(tmp_path: Path) -> None:
     s.commit([Chunk(OUT, 0, os.urandom(200_000))])
     assert s.file_size() >= 200_000
     assert spool_files(tmp_path) == [path]
-    s.checkpoint()
+    s.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert os.path.getsize(f"{path}-wal") == 0
     s.remove()
     assert list(tmp_path.iterdir()) == []
