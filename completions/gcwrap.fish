@@ -24,7 +24,7 @@ function __gcwrap_command_start --description 'Where the wrapped COMMAND starts,
     set -l value_options
     switch $sub
         case run
-            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --retry-limit --retry-timeout --heartbeat --log-format --token-file --tls-ca --tls-cert --tls-key
+            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat --log-format --token-file --tls-ca --tls-cert --tls-key
         case '*'
             return 1
     end
@@ -88,6 +88,7 @@ complete -c gcwrap -n '__gcwrap_using run' -l spool -x -a '(__fish_complete_dire
 complete -c gcwrap -n '__gcwrap_using run' -l spool-limit -x -d 'Most bytes the spool may hold (0: only free disk space limits it)'
 complete -c gcwrap -n '__gcwrap_using run' -l min-free -x -d 'Free disk space the spool leaves to the job'
 complete -c gcwrap -n '__gcwrap_using run' -l memory-limit -x -d 'Output held only in memory (disk failing) before the job is paused...'
+complete -c gcwrap -n '__gcwrap_using run' -l write-behind -x -d 'Relaxed mode: spool only output that home has not acknowledged...'
 complete -c gcwrap -n '__gcwrap_using run' -l retry-limit -x -d 'Consecutive failed attempts, while the output can go nowhere, before...'
 complete -c gcwrap -n '__gcwrap_using run' -l retry-timeout -x -d 'Longest wait in seconds between two attempts (exponential backoff...'
 complete -c gcwrap -n '__gcwrap_using run' -l heartbeat -x -d 'Seconds between heartbeats; a connection silent for 3 heartbeats is...'

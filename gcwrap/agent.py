@@ -45,6 +45,13 @@ log = logging.getLogger("gcwrap")
 READ_SIZE = 1 << 20  # a read returns what the pipe holds: large reads cost no latency
 PIPE_SIZE = 1 << 20  # ask the kernel for a pipe this large (F_SETPIPE_SZ), so reads can be
 COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
+# Bulk output: a reader that wakes for every write of a fast job reads a few
+# KiB at a time, and every wake-up costs a trip through the event loop, the
+# spool and the sender. After a large read, let the pipe fill for a moment.
+BULK_READ = 64 << 10  # a read at least this large means the job writes in bulk...
+BULK_NAP = 0.002  # ...so wait this long (seconds) before reading again
+BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
+ACK_COMMIT_INTERVAL = 0.2  # seconds an acknowledgement alone may wait to be recorded in the spool
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 
@@ -66,6 +73,7 @@ class AgentOptions:
     cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
     token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
+    write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
 
 
 @dataclass
@@ -121,6 +129,7 @@ class Agent:
         self.connected_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
         self.child_exited = False
+        self.streaming = False  # a session is welcomed and running
 
     # -- shared state helpers ---------------------------------------------
 
@@ -172,7 +181,8 @@ class Agent:
     # -- the pipe readers ------------------------------------------------
 
     async def read_pipe(self, out: OutStream, pipe: trio.lowlevel.FdStream) -> None:
-        grow_pipe(pipe.fileno())
+        capacity = grow_pipe(pipe.fileno())
+        nap = BULK_NAP if capacity >= BULK_MIN_PIPE else 0.0
         async with pipe:
             while True:
                 if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
@@ -180,8 +190,11 @@ class Agent:
                 data = await pipe.receive_some(READ_SIZE)
                 if not data:
                     break
-                out.append(data)
+                out.append(data, trio.current_time())
                 self.changed.fire()
+                if nap and len(data) >= BULK_READ:
+                    # Line-by-line output never gets here: its latency is untouched.
+                    await trio.sleep(nap)
         out.eof = True
         self.changed.fire()
 
@@ -233,7 +246,18 @@ class Agent:
         I/O error) they stay in memory and go home from there."""
         backoff = Backoff(base=0.1, cap=5.0)
         spooler = self.spooler
+        last_acks = -ACK_COMMIT_INTERVAL
         while True:
+            behind = self.opts.write_behind
+            if behind and self.streaming and self.unsafe_bytes < self.opts.mem_limit // 2:
+                # Write-behind: what home acknowledges within `behind` seconds
+                # never touches the disk. Spool only what is older.
+                times = [t for t in (o.oldest_unsafe() for o in self.out.values()) if t is not None]
+                due = min(times) + behind - trio.current_time() if times else 0.0
+                if due > 0:
+                    with trio.move_on_after(due):
+                        await self.changed.wait()
+                    continue
             room = min(COMMIT_BATCH, spooler.room(self.spooled_pending)) if spooler.spool else COMMIT_BATCH
             chunks = self._unspooled(room)
             waiting = any(o.unsafe_bytes for o in self.out.values())
@@ -241,12 +265,23 @@ class Agent:
                 self._disk_failed(spooler.full_reason or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > self.committed_acked.get(s, 0)}
             eof = [s for s, o in self.out.items() if o.eof and s not in self.committed_eof and o.safe_end >= o.read_end]
+            if acked and not (chunks or eof or self.job_updates):
+                # Acknowledgements alone can wait: recorded late, they only
+                # mean a resume resends bytes the shadow then trims. Unless
+                # the disk is tight: recording them frees the spool's space.
+                due = last_acks + ACK_COMMIT_INTERVAL - trio.current_time()
+                if due > 0 and not (spooler.full_reason or self.disk_error):
+                    with trio.move_on_after(due):
+                        await self.changed.wait()
+                    continue
             updates, self.job_updates = self.job_updates, {}
             if not (chunks or acked or eof or updates):
                 # A full disk frees up by itself (the job deletes files): look again soon.
                 with trio.move_on_after(1.0 if waiting else float("inf")):
                     await self.changed.wait()
                 continue
+            if acked:
+                last_acks = trio.current_time()
             try:
                 await spooler.commit(chunks, acked, eof, updates)
             except BaseException as e:
@@ -340,6 +375,7 @@ class Agent:
                 try:
                     await session.run(stream, tcp.socket)
                 finally:
+                    self.streaming = False
                     self.stats["connected_s"] += time.monotonic() - self.connected_since
                     self.connected_since = None
                     with trio.CancelScope(shield=True):
@@ -437,19 +473,25 @@ class Agent:
             self.outage_reported = False
         self.net_error = ""
         self.refusal = None
+        self.streaming = True
         self.note(connected=True, last_error="")
 
 
 # -- running a job ------------------------------------------------------------
 
 
-def grow_pipe(fd: int) -> None:
+def grow_pipe(fd: int) -> int:
     """Fewer, larger reads: a 1 MiB pipe instead of the default 64 KiB (the
-    kernel may refuse above /proc/sys/fs/pipe-max-size: then keep its size)."""
+    kernel may refuse above /proc/sys/fs/pipe-max-size: then keep its size).
+    Returns the pipe's capacity in bytes (0 if unknown)."""
     try:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_SIZE)
     except OSError:
         pass
+    try:
+        return fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+    except OSError:
+        return 0
 
 
 def _interactive() -> bool:

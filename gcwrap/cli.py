@@ -193,12 +193,17 @@ def main() -> None:
 @click.option("--memory-limit", type=Size(), default="32MiB", show_default=True, envvar="GCWRAP_MEMORY_LIMIT",
               show_envvar=True,
               help="Output held only in memory (disk failing) before the job is paused by backpressure.")
+@click.option("--write-behind", type=click.FloatRange(min=0, max=60), default=0.0, show_default=True,
+              metavar="SECONDS", envvar="GCWRAP_WRITE_BEHIND", show_envvar=True,
+              help="Relaxed mode: spool only output that home has not acknowledged within SECONDS "
+                   "(0: spool every byte at once). Saves the disk and CPU while the network keeps up; "
+                   "a wrapper killed with kill -9 loses up to SECONDS of output not yet home.")
 @common_delivery_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
-    retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
+    write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -238,7 +243,7 @@ def run(
         shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
-        **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
+        write_behind=write_behind, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
 

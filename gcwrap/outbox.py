@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .spool import Chunk
 
 MAX_ROW = 256 << 10  # coalesce small pipe reads into spool rows / DATA frames up to this
+JOIN_BELOW = MAX_ROW  # from memory, chunks smaller than this are joined into one frame
 
 
 @dataclass
@@ -37,6 +38,7 @@ class OutStream:
     eof: bool = False
     mem: deque[Chunk] = field(default_factory=deque)
     mem_bytes: int = 0
+    arrivals: deque[tuple[int, float]] = field(default_factory=deque)  # (end offset, when read)
 
     @property
     def safe_end(self) -> int:
@@ -53,12 +55,21 @@ class OutStream:
 
     # -- mutations -------------------------------------------------------
 
-    def append(self, data: bytes) -> Chunk:
+    def append(self, data: bytes, now: float = 0.0) -> Chunk:
         chunk = Chunk(self.id, self.read_end, data)
         self.mem.append(chunk)
         self.mem_bytes += len(data)
         self.read_end += len(data)
+        self.arrivals.append((self.read_end, now))
         return chunk
+
+    def oldest_unsafe(self) -> float | None:
+        """When the oldest byte held only in memory was read (None: there is none)."""
+        safe = self.safe_end
+        arrivals = self.arrivals
+        while arrivals and arrivals[0][0] <= safe:
+            arrivals.popleft()
+        return arrivals[0][1] if arrivals else None
 
     def ack(self, offset: int) -> bool:
         """Record the shadow's durable offset; True if it moved forward."""
@@ -97,23 +108,30 @@ class OutStream:
             self.mem_bytes -= len(self.mem.popleft().data)
 
     def from_memory(self, offset: int, limit: int) -> Chunk | None:
-        """Bytes from `offset` on, if memory holds them, coalesced up to `limit`."""
+        """Bytes from `offset` on, if memory holds them, up to `limit`. A large
+        chunk is returned as a view of itself (no copy); only small ones are
+        joined, so a job writing lines still makes frames of a useful size."""
         if not self.mem or self.mem[0].start > offset or offset >= self.read_end:
             return None
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         total = 0
         for chunk in self.mem:
             if chunk.end <= offset:
                 continue
-            data = chunk.data if chunk.start >= offset else chunk.data[offset - chunk.start :]
+            data: bytes | memoryview = chunk.data
+            if chunk.start < offset:
+                data = memoryview(data)[offset - chunk.start :]
+            if len(data) > limit - total:
+                data = memoryview(data)[: limit - total]
+            if parts and len(data) >= JOIN_BELOW:
+                break  # send the small ones gathered so far; this one goes whole next
             parts.append(data)
             total += len(data)
-            if total >= limit:
+            if total >= limit or total >= JOIN_BELOW:
                 break
         if not parts:
             return None
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        return Chunk(self.id, offset, data[:limit] if len(data) > limit else data)
+        return Chunk(self.id, offset, parts[0] if len(parts) == 1 else b"".join(parts))  # type: ignore[arg-type]
 
 
 def coalesce(chunks: list[Chunk], limit: int) -> list[Chunk]:

@@ -265,6 +265,15 @@ class Connection:
 # -- codec -----------------------------------------------------------------
 
 
+_DATA_HEADER = struct.Struct("!IBBQ")  # _HEADER then _DATA: a DATA frame up to its payload
+
+
+def data_header(stream: int, offset: int, size: int) -> bytes:
+    """The bytes of a DATA frame that come before its `size`-byte payload
+    (a sender may write the payload after it without joining the two)."""
+    return _DATA_HEADER.pack(1 + _DATA.size + size, FrameType.DATA, stream, offset)
+
+
 def _frame(ftype: FrameType, body: bytes) -> bytes:
     return _HEADER.pack(len(body) + 1, ftype) + body
 
@@ -316,7 +325,8 @@ def _encode(event: Event) -> bytes:
         _check_u64(event.offset + len(event.payload), "end offset")
         if len(event.payload) > MAX_PAYLOAD:
             raise LocalProtocolError("DATA payload too large")
-        return _frame(FrameType.DATA, _DATA.pack(event.stream, event.offset) + event.payload)
+        # One copy of the payload, not two (header + body, then frame + body).
+        return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
     if isinstance(event, Ack):
         _check_u64(event.offset, "offset")
         return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))

@@ -43,7 +43,7 @@ from .events import (
     Welcome,
 )
 from .outbox import MAX_ROW
-from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role
+from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
 from .retry import HeartbeatTimeout, ShadowRefused
 from .sync import first_error
 
@@ -115,6 +115,26 @@ class Session:
         async with self.send_lock:
             data = self.conn.send(event)
             await stream.send_all(data)
+
+    async def _send_data(self, stream: trio.abc.Stream, sid: int, offset: int, payload: bytes | memoryview) -> None:
+        """DATA without joining header and payload: with plain TCP one
+        sendmsg gathers both (the payload is never copied in user space)."""
+        if self.conn.state is not State.STREAMING or len(payload) > MAX_PAYLOAD or isinstance(stream, trio.SSLStream):
+            await self._send(stream, Data(sid, offset, bytes(payload)))
+            return
+        async with self.send_lock:
+            header = data_header(sid, offset, len(payload))
+            sock = self.sock
+            parts: list[bytes | memoryview] = [header, payload]
+            while parts:
+                try:
+                    sent = await sock.sendmsg(parts)  # type: ignore[union-attr]
+                except OSError as e:  # as SocketStream.send_all reports it
+                    raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+                while parts and sent >= len(parts[0]):
+                    sent -= len(parts.pop(0))
+                if sent:
+                    parts[0] = memoryview(parts[0])[sent:]
 
 
     async def run(self, stream: trio.abc.Stream, sock: socket.socket | trio.socket.SocketType) -> None:
@@ -276,9 +296,9 @@ class Session:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
                         raise RuntimeError(f"spool lost bytes {self.sent[sid]}..{c.start} of {out.kind}")
-                    payload = c.data[start - c.start :] if start > c.start else c.data
+                    payload = memoryview(c.data)[start - c.start :] if start > c.start else c.data
                     if payload:  # at most MAX_PAYLOAD: pipe reads and spool rows are no larger
-                        await self._send(stream, Data(sid, start, payload))
+                        await self._send_data(stream, sid, start, payload)
                         self.sent[sid] = start + len(payload)
                 progressed = True
             feeder = agent.stdin

@@ -5,7 +5,8 @@ each stream's appended and acknowledged offsets, and the chunks not yet
 acknowledged by the shadow. Acknowledged chunks are deleted, so its size
 tracks the undelivered backlog.
 
-Storage code here is synchronous and takes a `sqlite_utils.Database`: the
+Storage code here is synchronous and takes a `Database` (plain sqlite3; an
+`sqlite_utils.Database` does as well): the
 agent calls it from one worker thread, tests call it directly (in memory too).
 Schema changes are numbered migrations recorded in `_migrations`.
 
@@ -28,7 +29,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Union
 
 from .segments import Segments
 
@@ -36,12 +37,25 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 
-def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:
-    # Imported here: sqlite-utils costs a quarter of a second to import, which
-    # a job that starts should not wait for (the spool is made in a thread).
-    import sqlite_utils
+class Database:
+    """What the spool needs of a database: `execute` and `conn` (the subset
+    of `sqlite_utils.Database` it uses, so migrations take either). Plain
+    sqlite3: importing sqlite-utils costs a quarter of a second of CPU, which
+    every job would pay; the operator's commands use sqlite-utils itself."""
 
-    return sqlite_utils.Database(conn)
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, parameters: Any = None) -> sqlite3.Cursor:
+        return self.conn.execute(sql, parameters) if parameters is not None else self.conn.execute(sql)
+
+
+AnyDatabase = Union[Database, "sqlite_utils.Database"]
+
+
+def _database(conn: sqlite3.Connection) -> Database:
+    return Database(conn)
+
 
 SPOOL_SUFFIX = ".spool"
 PAGE_SIZE = 65536  # 64 KiB pages: a 64 KiB pipe read is one page and its overflow, not 16
@@ -111,7 +125,7 @@ def transaction(conn: sqlite3.Connection) -> Iterator[None]:
 # -- migrations --------------------------------------------------------------
 
 
-def _m001_initial(db: sqlite_utils.Database) -> None:
+def _m001_initial(db: AnyDatabase) -> None:
     db.execute(
         """CREATE TABLE job (
             id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -139,29 +153,29 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
-def _m002_chunk_time(db: sqlite_utils.Database) -> None:
+def _m002_chunk_time(db: AnyDatabase) -> None:
     # When each chunk was spooled: `gcwrap status` shows the oldest pending age.
     db.execute("ALTER TABLE chunks ADD COLUMN t REAL")
 
 
-def _m003_segments(db: sqlite_utils.Database) -> None:
+def _m003_segments(db: AnyDatabase) -> None:
     # Bytes move to segment files (gcwrap.segments): a row names its segment
     # and position; `data` stays for the chunks of older spools (and in memory).
     db.execute("ALTER TABLE chunks ADD COLUMN seg INTEGER")
     db.execute("ALTER TABLE chunks ADD COLUMN pos INTEGER")
 
 
-MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
+MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
 ]
 
 
-Migrations = list[tuple[int, str, Callable[["sqlite_utils.Database"], None]]]
+Migrations = list[tuple[int, str, Callable[[Any], None]]]
 
 
-def migrate(db: sqlite_utils.Database, migrations: Migrations | None = None) -> None:
+def migrate(db: AnyDatabase, migrations: Migrations | None = None) -> None:
     """Apply every migration not yet recorded, each in its own transaction
     (the spool's by default; the shadow's state passes its own)."""
     db.execute(
@@ -229,7 +243,7 @@ class SpoolError(Exception):
 class Spool:
     """Read and write one job's spool. Not thread-safe: one owner thread."""
 
-    def __init__(self, db: sqlite_utils.Database, path: Path | None = None, *, readonly: bool = False) -> None:
+    def __init__(self, db: AnyDatabase, path: Path | None = None, *, readonly: bool = False) -> None:
         self.db = db
         self.path = path
         # On disk the bytes live in segment files; in memory (tests) in the rows.

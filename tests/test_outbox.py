@@ -125,6 +125,37 @@ def test_from_memory_edges() -> None:
     assert make().from_memory(0, 10) is None
 
 
+def test_from_memory_sends_a_large_chunk_without_copying_it() -> None:
+    big = bytes(range(256)) * 2048  # 512 KiB
+    out = make(big, b"tail")
+    assert out.from_memory(0, 1 << 20).data is big  # the chunk itself, whole: the small one goes next
+    part = out.from_memory(1000, 1 << 20)
+    assert isinstance(part.data, memoryview) and part.data.obj is big and part.data == big[1000:]
+    assert out.from_memory(0, 100).data == big[:100]
+
+
+def test_from_memory_joins_small_chunks_up_to_max_row() -> None:
+    lines = [b"line %06d\n" % i for i in range(40_000)]
+    out = make(*lines)
+    got = out.from_memory(0, 1 << 20)
+    assert MAX_ROW <= len(got.data) < MAX_ROW + 20 and got.data == b"".join(lines)[: len(got.data)]
+
+
+def test_oldest_unsafe_is_the_read_time_of_the_oldest_byte_only_in_memory() -> None:
+    out = OutStream(1, "stdout", "out.log")
+    assert out.oldest_unsafe() is None
+    out.append(b"a" * 10, now=1.0)
+    out.append(b"b" * 10, now=2.0)
+    out.append(b"c" * 10, now=3.0)
+    assert out.oldest_unsafe() == 1.0
+    out.ack(5)  # part of the first chunk is still only in memory
+    assert out.oldest_unsafe() == 1.0
+    out.mark_spooled(10)
+    assert out.oldest_unsafe() == 2.0
+    out.ack(30)
+    assert out.oldest_unsafe() is None
+
+
 # -- OutStream, against a model ---------------------------------------------------
 
 
