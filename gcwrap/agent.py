@@ -49,7 +49,8 @@ COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
 # KiB at a time, and every wake-up costs a trip through the event loop, the
 # spool and the sender. After a large read, let the pipe fill for a moment.
 BULK_READ = 64 << 10  # a read at least this large means the job writes in bulk...
-BULK_NAP = 0.002  # ...so wait this long (seconds) before reading again
+BULK_NAP_MAX = 0.02  # ...so wait up to this long (seconds) before reading again,
+BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
 ACK_COMMIT_INTERVAL = 0.2  # seconds an acknowledgement alone may wait to be recorded in the spool
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
@@ -182,7 +183,8 @@ class Agent:
 
     async def read_pipe(self, out: OutStream, pipe: trio.lowlevel.FdStream) -> None:
         capacity = grow_pipe(pipe.fileno())
-        nap = BULK_NAP if capacity >= BULK_MIN_PIPE else 0.0
+        fill = BULK_FILL * capacity if capacity >= BULK_MIN_PIPE else 0
+        last = trio.current_time()
         async with pipe:
             while True:
                 if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
@@ -190,11 +192,18 @@ class Agent:
                 data = await pipe.receive_some(READ_SIZE)
                 if not data:
                     break
-                out.append(data, trio.current_time())
+                now = trio.current_time()
+                out.append(data, now)
                 self.changed.fire()
-                if nap and len(data) >= BULK_READ:
-                    # Line-by-line output never gets here: its latency is untouched.
-                    await trio.sleep(nap)
+                if fill and BULK_READ <= len(data) < 1.5 * fill:  # (a full pipe: read again at once)
+                    # Bulk output: let the pipe fill to about `fill` at the
+                    # job's recent rate (a fast job: a fraction of a ms; a
+                    # slow one: BULK_NAP_MAX), so each read, commit and frame
+                    # carries more. The job never waits for it: the pipe has
+                    # room for twice that. Line output never gets here.
+                    rate = len(data) / max(now - last, 1e-6)
+                    await trio.sleep(min(BULK_NAP_MAX, fill / rate))
+                last = now
         out.eof = True
         self.changed.fire()
 

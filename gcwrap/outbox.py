@@ -88,15 +88,32 @@ class OutStream:
         """Chunks holding bytes at or past safe_end, coalesced, about `limit` bytes."""
         out: list[Chunk] = []
         total = 0
-        start = self.safe_end
-        for chunk in self.mem:
-            if chunk.end <= start:
-                continue
+        mem = self.mem
+        for i in range(self._first_after(self.safe_end), len(mem)):
+            chunk = mem[i]
             out.append(chunk)
             total += len(chunk.data)
             if total >= limit:
                 break
         return coalesce(out, MAX_ROW)
+
+    def _first_after(self, offset: int) -> int:
+        """Index in `mem` of the first chunk that ends past `offset`, found
+        from whichever end is nearer: the spooler and the sender mostly want
+        the newest chunks, a sender catching up the oldest ones."""
+        mem = self.mem
+        n = len(mem)
+        if not n or mem[0].end > offset:
+            return 0
+        if offset - mem[0].start < mem[-1].end - offset:
+            i = 1
+            while i < n and mem[i].end <= offset:
+                i += 1
+            return i
+        i = n
+        while i > 0 and mem[i - 1].end > offset:
+            i -= 1
+        return i
 
     def mark_spooled(self, end: int) -> None:
         self.spooled_end = max(self.spooled_end, end)
@@ -115,9 +132,9 @@ class OutStream:
             return None
         parts: list[bytes | memoryview] = []
         total = 0
-        for chunk in self.mem:
-            if chunk.end <= offset:
-                continue
+        mem = self.mem
+        for i in range(self._first_after(offset), len(mem)):
+            chunk = mem[i]
             data: bytes | memoryview = chunk.data
             if chunk.start < offset:
                 data = memoryview(data)[offset - chunk.start :]

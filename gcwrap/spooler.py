@@ -26,7 +26,8 @@ from .spool import PAGE_SIZE, Chunk, JobRecord, Spool, SpoolError
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
-BALLAST = 4 * PAGE_SIZE  # space held back so the last commit (exit status, state) fits on a full disk
+BALLAST = 256 << 10  # space held back so the last commit (exit status, state) fits on a full disk
+WAL_MAX = 16 << 20  # checkpoint before the WAL grows past this (or 1/16 of a small file system)
 LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so it works on a full disk
 
 
@@ -80,9 +81,9 @@ class Spooler:
         spool = Spool.create(self.path, self.job, self.streams)
         try:
             # Checkpoint often enough that the WAL stays a small part of the
-            # file system (the default, 1000 pages, is 64 MiB at our page size).
+            # file system (WAL_MAX, or a 16th of a small one).
             st = os.statvfs(self.path.parent)
-            pages = max(4, min(256, st.f_blocks * st.f_frsize // (16 * PAGE_SIZE)))
+            pages = max(16, min(WAL_MAX, st.f_blocks * st.f_frsize // 16) // PAGE_SIZE)
             spool.db.conn.execute(f"PRAGMA wal_autocheckpoint = {pages}")
             # Segments small enough that a delivered one is freed long before the disk fills.
             if spool.segments is not None:
