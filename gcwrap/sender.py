@@ -42,7 +42,6 @@ from .events import (
     StdinRead,
     Welcome,
 )
-from .outbox import MAX_ROW
 from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
 from .retry import HeartbeatTimeout, ShadowRefused
 from .sync import first_error
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 STDIN_PREFETCH = 1 << 20  # bytes of stdin fetched ahead of the job
+READ_BACK = 8 << 20  # bytes read back from the spool per worker-thread call (a backlog, a resume)
 STDIN_REQUEST = 256 << 10
 
 
@@ -291,7 +291,7 @@ class Session:
                 if offset >= out.read_end:
                     continue
                 chunk = out.from_memory(offset, MAX_PAYLOAD)
-                chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, 4 * MAX_ROW)
+                chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, READ_BACK)
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
