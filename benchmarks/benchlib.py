@@ -116,7 +116,15 @@ def header(name: str) -> str:
         "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
         f"code: {version}; git HEAD {head}; `git status --porcelain gcwrap` "
         + ("empty (gcwrap/ as committed)" if clean else "NOT empty (uncommitted changes in gcwrap/)"),
+        settings_line(),
     ])
+
+
+def settings_line() -> str:
+    """The GCWRAP_* variables in the environment: they reach every gcwrap the
+    benchmark runs (GCWRAP_WRITE_BEHIND=0.05 measures the relaxed mode)."""
+    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))}
+    return "settings: " + (" ".join(f"{k}={v}" for k, v in found.items()) if found else "defaults (no GCWRAP_* variables)")
 
 
 def install_signal_handlers() -> None:

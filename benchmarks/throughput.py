@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         print("machine:", describe_machine(bench))
+        from benchlib import settings_line
+
+        print(settings_line())
         print(f"size: {args.size:,} bytes ({args.size / GiB:.3f} GiB); runs: {args.runs} of each; "
               f"timeout per run: {args.timeout:.0f} s; work dir: {workdir}", flush=True)
         bench.prepare()
