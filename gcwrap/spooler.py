@@ -26,7 +26,7 @@ from .spool import PAGE_SIZE, Chunk, JobRecord, Spool, SpoolError
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
-BALLAST = 256 << 10  # space held back so the last commit (exit status, state) fits on a full disk
+BALLAST = 64 << 10  # space held back so the last commit (exit status, state: a few 4 KiB pages) fits on a full disk
 WAL_MAX = 16 << 20  # checkpoint before the WAL grows past this (or 1/16 of a small file system)
 LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so it works on a full disk
 

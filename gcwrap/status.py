@@ -27,6 +27,9 @@ def in_use(path: Path) -> bool:
         os.close(fd)
 
 
+FINAL_STATES = ("exited", "delivered", "gave-up", "refused")
+
+
 def state_text(state: str, exit_code: int | None, exit_signal: int | None, active: bool) -> str:
     """running / paused / exited N / killed by signal N / gave-up, job ... / wrapper gone."""
     if not active and state in ("running", "paused", "starting"):
@@ -76,10 +79,20 @@ def read_spool(path: Path) -> dict[str, Any]:
         spool.close()
     active = in_use(path)
     live = read_live(path) if active else None
+    final = None
+    if not active and job.state in ("running", "paused", "starting"):
+        # The wrapper is gone without its final commit: on a full disk it may
+        # have been refused. The live file (rewritten in place, no new blocks)
+        # got the final state just before: trust it when it has one.
+        last = read_live(path)
+        if last and last.get("state") in FINAL_STATES:
+            final = last
     # A live wrapper's view is newer than its last commit (which a full disk may refuse).
-    exit_code = job.exit_code if job.exit_code is not None else (live or {}).get("exit_code")
-    exit_signal = job.exit_signal or (live or {}).get("exit_signal")
-    state = state_text(live.get("state", job.state) if live else job.state, exit_code, exit_signal, active)
+    newer = live or final or {}
+    exit_code = job.exit_code if job.exit_code is not None else newer.get("exit_code")
+    exit_signal = job.exit_signal or newer.get("exit_signal")
+    shown = newer.get("state", job.state) if newer else job.state
+    state = state_text(shown, exit_code, exit_signal, active)
     now = time.time()
     try:
         st = os.statvfs(path.parent)
@@ -102,9 +115,9 @@ def read_spool(path: Path) -> dict[str, Any]:
         "exit_code": exit_code,
         "exit_signal": exit_signal,
         "connected": job.connected and active,
-        "last_error": job.last_error,
-        "retries": job.retries,
-        "reason": job.reason,
+        "last_error": (final or {}).get("last_error") or job.last_error,
+        "retries": max(job.retries, int((final or {}).get("retries") or 0)),
+        "reason": (final or {}).get("reason") or job.reason,
         "spool_bytes": size,
         "disk_free": free,
         "streams": [

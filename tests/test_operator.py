@@ -43,6 +43,24 @@ def row_of(text: str, key: str) -> list[str]:
 
 
 @pytest.mark.timeout(120)
+def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home: Path, tmp_path: Path) -> None:
+    """64 KiB free: the spool is made, but there is no room for its ballast or
+    its final commit. The live file (preallocated, rewritten in place) still
+    gets the final state, and `gcwrap status` reports it, not "wrapper gone"."""
+    need_root()
+    with Tmpfs(tmp_path / "tiny", "4m") as fs:
+        fs.fill(leave=64 << 10)
+        w = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(fs.path), "--job-id", "lastword",
+                     "--retry-limit", "3", "--retry-timeout", "0.1", "--memory-limit", "1MiB",
+                     "--stdout", "k.out", "--", *genjob(20 * MB, 0, seed=5)])
+        assert w.wait(60) == 124, w.err.decode()
+        (st,) = spool_status(fs.path)
+        assert st["job_id"] == "lastword" and not st["active"]
+        assert st["state"] == "gave-up, job killed by signal 15", st
+        assert "retry limit" in str(st["reason"]) and "retry limit" in str(st["last_error"])
+
+
+@pytest.mark.timeout(120)
 def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
     need_root()
     logs = tmp_path / "logs"
@@ -61,7 +79,8 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
                        "--retry-limit", "0", "--retry-timeout", "0.2", "--stdout", "r.out", "--", "sh", "-c",
                        "printf abc; sleep 60"])
     with Tmpfs(tmp_path / "small", "4m") as fs:
-        fs.fill(leave=64 << 10)
+        # Room for both jobs' spool skeletons (live file, ballast, database, WAL), not for their output.
+        fs.fill(leave=512 << 10)
         # paused: the disk is full and home is down, so backpressure holds the job
         paused = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "paused",
                           "--retry-limit", "0", "--retry-timeout", "0.2", "--memory-limit", "1MiB",
