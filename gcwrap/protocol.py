@@ -32,7 +32,7 @@ import enum
 import json
 import re
 import struct
-from typing import Any
+from typing import Any, cast
 
 from .events import (
     PROTOCOL_VERSION,
@@ -70,6 +70,8 @@ _ACK = struct.Struct("!BQ")
 _STDIN_READ = struct.Struct("!BQI")
 _STDIN_DATA = struct.Struct("!BQB")
 _NONCE = struct.Struct("!Q")
+_DATA_TYPE = 3  # FrameType.DATA, as the int the header holds
+_SMALL = 4096  # received pieces shorter than this are copied together, not kept one by one
 
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _MAX_JOB_ID = 256
@@ -179,7 +181,13 @@ class Connection:
         self.peer_role = Role.SHADOW if role is Role.AGENT else Role.AGENT
         self.state = State.AWAIT_HELLO
         self.max_frame = max_frame
-        self._buffer = bytearray()
+        # Received bytes not yet turned into events: `_parts` (the start of a
+        # frame that spans reads, `_parts_len` bytes) then `_data[_pos:]`, the
+        # latest chunk, which frames are cut from without copying.
+        self._parts: list[bytes | bytearray | memoryview] = []
+        self._parts_len = 0
+        self._data = b""
+        self._pos = 0
         self._eof = False
         self._magic_seen = role is Role.AGENT  # only the shadow expects the magic
         self._magic_sent = role is Role.SHADOW
@@ -207,38 +215,118 @@ class Connection:
         """Feed bytes from the peer; b"" means the peer closed (EOF)."""
         if self._eof and data:
             raise LocalProtocolError("data received after EOF")
-        if data:
-            self._buffer += data
-        else:
+        if not data:
             self._eof = True
+            return
+        if type(data) is not bytes:
+            data = bytes(data)  # the caller may reuse its buffer: frames are cut from ours
+        if self._pos < len(self._data):
+            self._stash(memoryview(self._data)[self._pos :])
+        self._data = data
+        self._pos = 0
+
+    def _stash(self, piece: memoryview) -> None:
+        """Keep `piece` of the latest chunk (the start of a frame that goes on
+        in a later read). Without copying if it is most of the chunk; a small
+        piece is copied, so that it does not keep a large chunk alive (memory
+        per idle connection) and a peer sending tiny reads costs no per-read
+        objects: small pieces are gathered in one bytearray."""
+        n = len(piece)
+        if n >= _SMALL and 2 * n >= len(self._data):
+            self._parts.append(piece)
+        else:
+            last = self._parts[-1] if self._parts else None
+            if isinstance(last, bytearray):
+                last += piece
+            elif n >= _SMALL:
+                self._parts.append(bytes(piece))
+            else:
+                self._parts.append(bytearray(piece))
+        self._parts_len += n
+
+    def _take(self, n: int) -> None:
+        """Move up to n bytes from the latest chunk to the frame being gathered."""
+        take = min(n, len(self._data) - self._pos)
+        if take > 0:
+            self._stash(memoryview(self._data)[self._pos : self._pos + take])
+            self._advance(take)
+
+    def _advance(self, n: int) -> None:
+        self._pos += n
+        if self._pos >= len(self._data):
+            self._data = b""
+            self._pos = 0
+
+    def _gathered(self, n: int) -> bytes:
+        """The first n bytes gathered in `_parts` (n <= _parts_len)."""
+        first = self._parts[0]
+        if len(first) >= n:
+            return bytes(first[:n])
+        return b"".join(self._parts)[:n]
+
+    def _check_magic(self) -> bool:
+        """Consume the magic once it is whole; False while it is not."""
+        self._take(len(MAGIC) - self._parts_len)
+        have = self._gathered(min(len(MAGIC), self._parts_len)) if self._parts_len else b""
+        if not MAGIC.startswith(have):
+            raise RemoteProtocolError("not a gcwrap agent (bad magic)", ErrorCode.BAD_FRAME)
+        if len(have) < len(MAGIC):
+            return False
+        self._keep_after(b"".join(self._parts), len(MAGIC))
+        self._magic_seen = True
+        return True
+
+    def _keep_after(self, gathered: bytes, n: int) -> None:
+        """`gathered` (all of `_parts`) has been used up to byte n: keep the rest."""
+        self._parts.clear()
+        self._parts_len = len(gathered) - n
+        if self._parts_len:
+            self._parts.append(memoryview(gathered)[n:])
 
     def next_event(self) -> Event | NeedData:
-        """The next complete event, NEED_DATA, or RemoteProtocolError."""
-        if self.state is State.CLOSED and not self._buffer and not self._eof:
+        """The next complete event, NEED_DATA, or RemoteProtocolError.
+
+        A DATA event's payload received here is a read-only memoryview into
+        the received bytes (no copy): bytes-like, equal to the bytes sent."""
+        if self.state is State.CLOSED and not self._eof and not self.buffered:
             return NEED_DATA
-        if not self._magic_seen:
-            have = bytes(self._buffer[: len(MAGIC)])
-            if not MAGIC.startswith(have):
-                raise RemoteProtocolError("not a gcwrap agent (bad magic)", ErrorCode.BAD_FRAME)
-            if len(have) < len(MAGIC):
+        if not self._magic_seen and not self._check_magic():
+            return self._need_data()
+        body: bytes | memoryview
+        if not self._parts_len:
+            data, pos = self._data, self._pos
+            if len(data) - pos < _HEADER.size:
+                self._take(_HEADER.size)
                 return self._need_data()
-            del self._buffer[: len(MAGIC)]
-            self._magic_seen = True
-        if len(self._buffer) < _HEADER.size:
-            return self._need_data()
-        length, ftype = _HEADER.unpack_from(self._buffer)
-        if length < 1:
-            raise RemoteProtocolError("frame length 0", ErrorCode.BAD_FRAME)
-        if length > self.max_frame:
-            raise RemoteProtocolError(
-                f"frame of {length} bytes exceeds the limit of {self.max_frame}",
-                ErrorCode.FRAME_TOO_LARGE,
-            )
-        end = 4 + length
-        if len(self._buffer) < end:
-            return self._need_data()
-        body = bytes(self._buffer[5:end])
-        del self._buffer[:end]
+            length, ftype = _HEADER.unpack_from(data, pos)
+            self._check_length(length)
+            end = pos + 4 + length
+            if end > len(data):
+                self._take(end - pos)
+                return self._need_data()
+            body = memoryview(data)[pos + 5 : end]
+            if end < len(data):
+                self._pos = end
+            else:
+                self._data = b""
+                self._pos = 0
+        else:
+            if self._parts_len < _HEADER.size:
+                self._take(_HEADER.size - self._parts_len)
+                if self._parts_len < _HEADER.size:
+                    return self._need_data()
+            length, ftype = _HEADER.unpack(self._gathered(_HEADER.size))
+            self._check_length(length)
+            total = 4 + length
+            if self._parts_len < total:
+                self._take(total - self._parts_len)
+                if self._parts_len < total:
+                    return self._need_data()
+            frame = b"".join(self._parts)  # the one copy of a frame that spans reads
+            self._keep_after(frame, total)  # more than one frame if receive_data ran twice
+            body = memoryview(frame)[5:total]
+        if ftype == _DATA_TYPE and self.state is State.STREAMING and self.role is Role.SHADOW:
+            return _decode_data(body)  # the hot path: legal here, and the state stays
         event = decode(ftype, body)
         new_state = _next_state(self.state, self.peer_role, event)
         if new_state is None:
@@ -249,9 +337,18 @@ class Connection:
         self.state = new_state
         return event
 
+    def _check_length(self, length: int) -> None:
+        if length < 1:
+            raise RemoteProtocolError("frame length 0", ErrorCode.BAD_FRAME)
+        if length > self.max_frame:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+
     def _need_data(self) -> Event | NeedData:
         if self._eof:
-            if self._buffer:
+            if self.buffered:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
             return ConnectionClosed()
         return NEED_DATA
@@ -259,7 +356,7 @@ class Connection:
     @property
     def buffered(self) -> int:
         """Bytes received but not yet turned into events."""
-        return len(self._buffer)
+        return self._parts_len + len(self._data) - self._pos
 
 
 # -- codec -----------------------------------------------------------------
@@ -271,7 +368,7 @@ _DATA_HEADER = struct.Struct("!IBBQ")  # _HEADER then _DATA: a DATA frame up to 
 def data_header(stream: int, offset: int, size: int) -> bytes:
     """The bytes of a DATA frame that come before its `size`-byte payload
     (a sender may write the payload after it without joining the two)."""
-    return _DATA_HEADER.pack(1 + _DATA.size + size, FrameType.DATA, stream, offset)
+    return _DATA_HEADER.pack(1 + _DATA.size + size, _DATA_TYPE, stream, offset)
 
 
 def _frame(ftype: FrameType, body: bytes) -> bytes:
@@ -409,11 +506,11 @@ def _bad(message: str) -> RemoteProtocolError:
     return RemoteProtocolError(message, ErrorCode.BAD_FRAME)
 
 
-def _load_json(body: bytes, ftype: FrameType) -> dict[str, Any]:
+def _load_json(body: bytes | memoryview, ftype: FrameType) -> dict[str, Any]:
     if len(body) > MAX_CONTROL:
         raise RemoteProtocolError(f"{ftype.name} frame too large", ErrorCode.FRAME_TOO_LARGE)
     try:
-        obj = json.loads(body.decode("utf-8"))
+        obj = json.loads(str(body, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _bad(f"{ftype.name} frame is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
@@ -535,7 +632,7 @@ def _decode_exit(obj: dict[str, Any]) -> Exit:
     )
 
 
-def _decode_json_frame(ftype: FrameType, body: bytes) -> Event:
+def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
     obj = _load_json(body, ftype)
     if ftype is FrameType.HELLO:
         return _decode_hello(obj)
@@ -574,21 +671,27 @@ def _decode_json_frame(ftype: FrameType, body: bytes) -> Event:
     return Error(code, _text(obj.get("message", ""), MAX_CONTROL, ftype, "message"), float(retry_after))
 
 
-def _fixed(st: struct.Struct, body: bytes, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
+def _fixed(st: struct.Struct, body: bytes | memoryview, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
     if len(body) < st.size or exact and len(body) != st.size:
         raise _bad(f"{ftype.name} frame has the wrong length ({len(body)} bytes)")
     return st.unpack_from(body)
 
 
-def _decode_binary(ftype: FrameType, body: bytes) -> Event:
+def _decode_data(body: bytes | memoryview) -> Data:
+    if len(body) < _DATA.size:
+        raise _bad(f"DATA frame has the wrong length ({len(body)} bytes)")
+    stream, offset = _DATA.unpack_from(body)
+    payload = body[_DATA.size :]
+    if len(payload) > MAX_PAYLOAD:
+        raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
+    if offset + len(payload) > _U64:
+        raise _bad("DATA runs past the largest offset")
+    return Data(stream, offset, cast(bytes, payload))  # a memoryview when `body` is one: bytes-like, no copy
+
+
+def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
     if ftype is FrameType.DATA:
-        stream, offset = _fixed(_DATA, body, ftype, exact=False)
-        payload = body[_DATA.size :]
-        if len(payload) > MAX_PAYLOAD:
-            raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
-        if offset + len(payload) > _U64:
-            raise _bad("DATA runs past the largest offset")
-        return Data(stream, offset, payload)
+        return _decode_data(body)
     if ftype is FrameType.ACK:
         return Ack(*_fixed(_ACK, body, ftype, exact=True))
     if ftype is FrameType.STDIN_READ:
@@ -600,7 +703,7 @@ def _decode_binary(ftype: FrameType, body: bytes) -> Event:
         stream, offset, eof = _fixed(_STDIN_DATA, body, ftype, exact=False)
         if eof not in (0, 1):
             raise _bad("STDIN_DATA: eof flag must be 0 or 1")
-        payload = body[_STDIN_DATA.size :]
+        payload = bytes(body[_STDIN_DATA.size :])  # the agent gets bytes it may keep
         if len(payload) > MAX_PAYLOAD:
             raise RemoteProtocolError("STDIN_DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
         return StdinData(stream, offset, payload, bool(eof))
@@ -614,8 +717,9 @@ _JSON_FRAMES = {
 }
 
 
-def decode(raw_type: int, body: bytes) -> Event:
-    """The event of one frame body, or RemoteProtocolError."""
+def decode(raw_type: int, body: bytes | memoryview) -> Event:
+    """The event of one frame body, or RemoteProtocolError. A DATA payload
+    is a slice of `body` (a memoryview if `body` is one: no copy)."""
     try:
         ftype = FrameType(raw_type)
     except ValueError:

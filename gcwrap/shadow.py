@@ -2,10 +2,21 @@
 
 One trio task per connection (no process per job). A connection's handler
 writes DATA inline with pwrite at the frame's offset (a page-cache write is
-cheaper than a thread hop), trims bytes it already has and refuses gaps. One
-`Durability` task makes the bytes of every job durable in groups: fdatasync
-each dirty file, record the new lengths in the state database, then wake the
-handlers so they send ACKs. Nothing is acknowledged before that.
+cheaper than a thread hop), trims bytes it already has and refuses gaps.
+`Durability` makes the bytes of every job durable in groups, in a thread of
+its own: sync the dirty files (one syncfs of the root's file system when
+that is cheaper than their fdatasyncs), record the new lengths in the state
+database, then wake the handlers so they send ACKs. Nothing is acknowledged
+before both.
+
+Descriptors are budgeted from RLIMIT_NOFILE: one socket per connection, and
+a bounded cache of open files (`FileCache`) shares what is left. Connections
+beyond what the budget allows are told BUSY (with a retry_after) before a
+byte is read, and when no descriptor is left at all the shadow stops
+accepting until one is freed: an agent is never refused with EMFILE.
+
+Job handshakes and state updates run in one worker thread and durability
+batches in another, so neither waits behind the other.
 
 A job id has one active connection at a time: a newer connection of the same
 job fences the older one off (it writes nothing more, its handler is
@@ -15,12 +26,15 @@ durable length), so two sessions never write one file.
 
 from __future__ import annotations
 
+import collections
 import errno
-import functools
 import logging
+import math
 import os
+import random
 import resource
 import ssl
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +62,21 @@ from .events import (
     Welcome,
 )
 from .protocol import NEED_DATA, PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .shadow_store import JobFiles, Store, StoreError, StreamFile, sync_files
+from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile
 from .sync import Signal, first_error
 
 log = logging.getLogger("gcshadow")
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
+
+# Descriptors kept for the shadow itself on top of those open when it starts
+# serving: listeners, name lookups, SQLite's temporary files, and the files
+# a job handshake opens before the cache can make room (up to 16 streams and
+# two directories).
+FD_MARGIN = 48
+ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
 
 
 @dataclass
@@ -99,62 +121,140 @@ class LiveJob:
 
 
 class Durability:
-    """Group commit for every job: sync dirty files, record, then wake ackers."""
+    """Group commit for every job: sync dirty files, record, then wake ackers.
 
-    def __init__(self, store: Store, limiter: trio.CapacityLimiter) -> None:
+    A thread of its own loops over batches: take every file marked dirty
+    since the last batch, sync them (`Store.make_durable`: syncfs or
+    fdatasync), commit their new lengths to the state database, hand the
+    results to the event loop, and start the next batch at once, while the
+    loop applies the results: the lengths become `durable`, which is what
+    the ackers send. Nothing is acknowledged before both sync and commit.
+
+    `mutex` guards `pending` and every file's `pins` (a pinned file is in a
+    batch: its descriptor must not be closed, so its number is not reused
+    under a sync). A file whose sync failed is never synced or recorded
+    again in its session: after a reported writeback error a later sync can
+    succeed although the bytes are gone."""
+
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.limiter = limiter
-        self.dirty: dict[tuple[str, int], StreamFile] = {}
-        self.waiters: dict[str, LiveJob] = {}
-        self.wake = Signal()
-        self.lock = trio.Lock()  # held while a sync runs: no fd may close under it
+        self.mutex = threading.Lock()
+        self.cond = threading.Condition(self.mutex)
+        self.pending: dict[tuple[str, int], tuple[StreamFile, LiveJob]] = {}
+        self.thread_idle = False
+        self.stopping = False
+        self.inbox: collections.deque[Any] = collections.deque()
+        self.arrived = Signal()
+        self.done = Signal()  # fired after every batch is applied: files became clean, pins dropped
         self.batches = 0
+        self.token: trio.lowlevel.TrioToken | None = None
 
     def mark(self, sf: StreamFile, job: LiveJob) -> None:
-        self.dirty[(sf.job_id, sf.stream)] = sf
-        self.waiters[sf.job_id] = job
-        self.wake.fire()
+        with self.mutex:
+            self.pending[(sf.job_id, sf.stream)] = (sf, job)
+            if self.thread_idle:
+                self.thread_idle = False
+                self.cond.notify()
+
+    def drop(self, job_id: str) -> None:
+        """Forget a job's files that wait for a batch (the job is leaving)."""
+        with self.mutex:
+            for key in [k for k in self.pending if k[0] == job_id]:
+                del self.pending[key]
+
+    # -- the durability thread ---------------------------------------------------
+
+    def _thread(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.pending and not self.stopping:
+                        self.thread_idle = True
+                        self.cond.wait()
+                    self.thread_idle = False
+                    if self.stopping:
+                        return
+                    batch, self.pending = self.pending, {}
+                    snapshot = []
+                    for sf, _ in batch.values():
+                        sf.pins += 1
+                        snapshot.append((sf, sf.written))  # bytes pwritten before this are covered
+                try:
+                    todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
+                    results, db_error = self.store.make_durable(todo) if todo else ([], "")
+                    failed = OSError(errno.EIO, "an earlier sync of this file failed")
+                    results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
+                    for sf, _, err in results:
+                        if err is not None:
+                            sf.sync_failed = True  # before the next batch can pick it up
+                finally:
+                    with self.mutex:
+                        for sf, _ in snapshot:
+                            sf.pins -= 1
+                self._post((batch, results, db_error))
+        except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
+            self._post(e)
+
+    def _post(self, item: Any) -> None:
+        self.inbox.append(item)
+        assert self.token is not None
+        try:
+            self.token.run_sync_soon(self.arrived.fire)
+        except trio.RunFinishedError:
+            pass
+
+    # -- in the event loop -------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            if not self.dirty:
-                await self.wake.wait()
-                continue
-            batch, self.dirty = self.dirty, {}
-            jobs, self.waiters = self.waiters, {}
-            snapshot = [(sf, sf.written) for sf in batch.values()]
-            async with self.lock:
-                results = await trio.to_thread.run_sync(sync_files, snapshot, limiter=self.limiter)
-                good = [(sf, n) for sf, n, err in results if err is None]
-                try:
-                    await trio.to_thread.run_sync(
-                        self.store.record_durable,
-                        [(sf.job_id, sf.stream, n) for sf, n in good],
-                        limiter=self.limiter,
-                    )
-                except Exception as e:  # noqa: BLE001 - the state disk failed: acknowledge nothing
-                    log.error("cannot record durable lengths in the state database: %s", e)
-                    good = []
-                    results = [(sf, n, OSError(errno.EIO, str(e))) for sf, n, _ in results]
-            self.batches += 1
-            for sf, n in good:
+        self.token = trio.lowlevel.current_trio_token()
+        thread = threading.Thread(target=self._thread, name="gcshadow-durability", daemon=True)
+        thread.start()
+        try:
+            while True:
+                while not self.inbox:
+                    await self.arrived.wait()
+                item = self.inbox.popleft()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("the durability thread failed") from item  # noqa: TRY004
+                self._apply(*item)
+        finally:
+            with self.cond:
+                self.stopping = True
+                self.cond.notify()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+
+    def _apply(
+        self, batch: dict[tuple[str, int], tuple[StreamFile, LiveJob]],
+        results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
+    ) -> None:
+        if db_error:
+            log.error("cannot record durable lengths in the state database: %s", db_error)
+        self.batches += 1
+        jobs = {sf.job_id: job for sf, job in batch.values()}
+        for sf, n, err in results:
+            if err is None:
                 sf.durable = max(sf.durable, n)
-            for sf, n, err in results:
-                if err is not None:
-                    # After a failed fsync the kernel may have dropped the dirty
-                    # pages: nothing past `durable` can be trusted. Cut back and
-                    # make the agent resend from there.
-                    log.error("cannot sync %s: %s", sf.name, err.strerror)
-                    sf.written = sf.durable
-                    try:
-                        os.ftruncate(sf.fd, sf.durable)
-                    except OSError:
-                        pass
-                    job = jobs.get(sf.job_id)
-                    if job:
-                        job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
-            for job in jobs.values():
-                job.durable_changed.fire()
+                continue
+            if sf.cut_back:
+                continue
+            # After a failed fsync the kernel may have dropped the dirty
+            # pages: nothing past `durable` can be trusted. Cut back and
+            # make the agent resend from there (in a new session).
+            sf.cut_back = True
+            log.error("cannot sync %s: %s", sf.name, err.strerror)
+            sf.written = sf.durable
+            if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
+                try:
+                    os.ftruncate(sf.fd, sf.durable)
+                except OSError:
+                    pass
+            job = jobs.get(sf.job_id)
+            if job:
+                job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
+        for job in jobs.values():
+            job.durable_changed.fire()
+        self.done.fire()
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable."""
@@ -162,24 +262,55 @@ class Durability:
             await job.durable_changed.wait()
 
 
+class FdBudget:
+    """How many connections and open files RLIMIT_NOFILE allows.
+
+    `avail` descriptors (the limit, less those open at start and a margin)
+    are shared by sockets and cached files. Up to `max_served` connections
+    are served; the next `headroom` ones are accepted only to be told BUSY;
+    beyond that the shadow stops accepting until a descriptor is freed. The
+    file cache always keeps at least `min_files`."""
+
+    def __init__(self, limit: int, in_use: int, max_connections: int) -> None:
+        self.limit = limit
+        self.avail = max(limit - in_use - FD_MARGIN, 4)
+        self.min_files = min(max(self.avail // 8, 16), 1024)
+        self.headroom = min(max(self.avail // 16, 4), 512)
+        self.max_served = max(1, min(max_connections, self.avail - self.min_files - self.headroom))
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
 class Shadow:
     def __init__(self, opts: ShadowOptions, store: Store) -> None:
         self.opts = opts
         self.store = store
-        self.limiter = trio.CapacityLimiter(1)
-        self.durability = Durability(store, self.limiter)
+        self.limiter = trio.CapacityLimiter(1)  # job handshakes and state records
+        self.durability = Durability(store)  # a thread of its own
+        self.files = FileCache(store.root_fd, self.durability.mutex)
+        self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
+        self.budget = FdBudget(_nofile(), _open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}
         self.connections = 0
-        self.stats = {"accepted": 0, "refused": 0, "bytes": 0}
+        self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
         await trio.to_thread.run_sync(self.store.mark_disconnected, limiter=self.limiter)
+        listeners = await trio.open_tcp_listeners(self.opts.port, host=self.opts.host)
+        self.budget = FdBudget(_nofile(), _open_fds(), self.opts.max_connections)
+        b = self.budget
+        log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
+                  "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.durability.run)
-            listeners = await nursery.start(
-                functools.partial(trio.serve_tcp, self._handle, self.opts.port, host=self.opts.host)
-            )
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
             port = listeners[0].socket.getsockname()[1]
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
             if self.opts.port_file is not None:
@@ -187,6 +318,53 @@ class Shadow:
                 tmp.write_text(f"{port}\n")
                 tmp.replace(self.opts.port_file)
             task_status.started(port)
+
+    # -- descriptors -------------------------------------------------------
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept connections while a descriptor is free for each."""
+        warned = 0.0
+        async with listener:
+            while True:
+                await self._room(1)
+                try:
+                    tcp = await listener.accept()
+                except OSError as e:
+                    if e.errno not in ACCEPT_ERRNOS:
+                        raise
+                    if time.monotonic() - warned > 10:  # outside our budget: other processes, or the kernel
+                        log.warning("cannot accept connections for now: %s; retrying", e.strerror)
+                        warned = time.monotonic()
+                    await trio.sleep(0.1)
+                    continue
+                self.connections += 1
+                nursery.start_soon(self._handle, tcp)
+
+    def _free_fds(self) -> int:
+        return self.budget.avail - self.connections - len(self.files)
+
+    async def _room(self, n: int) -> None:
+        """Wait until n more descriptors fit in the budget, closing clean
+        cached files first. Dirty ones become clean with the next batch."""
+        while self._free_fds() < n:
+            self.files.trim(self.budget.avail - self.connections - n)
+            if self._free_fds() >= n:
+                return
+            await self.fds_freed.wait()
+
+    def _trim_files(self) -> None:
+        b = self.budget
+        self.files.trim(max(b.min_files, b.avail - self.connections - b.headroom))
+
+    async def _open(self, sf: StreamFile) -> int:
+        """The descriptor of a connected job's file, reopened if the cache closed it."""
+        if sf.fd < 0:
+            await self._room(1)
+            self.files.use(sf)
+            self._trim_files()
+        else:
+            self.files.use(sf)
+        return sf.fd
 
     # -- one connection ----------------------------------------------------
 
@@ -226,13 +404,14 @@ class Shadow:
         except OSError:
             ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
-        self.connections += 1
         stream: trio.abc.Stream = tcp
         try:
-            if self.connections > self.opts.max_connections:
-                log.warning("%s: too many connections (%d)", peer, self.connections)
+            if self.connections > self.budget.max_served:
+                self.stats["busy"] += 1
+                log.warning("%s: too many connections (%d; this shadow serves %d at once)", peer, self.connections,
+                            self.budget.max_served)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
-                                   retry_after=5)
+                                   retry_after=_retry_after())
                 return
             admitted = await self._admit(tcp, conn, peer, ip)
             if admitted is None:
@@ -256,16 +435,22 @@ class Shadow:
             log.info("%s: connection stopped: %s", peer, e)
             await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
         except OSError as e:
-            log.error("%s: I/O error: %s", peer, e)
-            await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
+            if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
+                log.warning("%s: out of descriptors: %s", peer, e.strerror)
+                await self._refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors", peer,
+                                   retry_after=_retry_after())
+            else:
+                log.error("%s: I/O error: %s", peer, e)
+                await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
         except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
             log.exception("%s: internal error", peer)
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
         finally:
-            self.connections -= 1
             await trio.aclose_forcefully(stream)
             if stream is not tcp:
                 await trio.aclose_forcefully(tcp)
+            self.connections -= 1
+            self.fds_freed.fire()
 
     async def _refuse(
         self, stream: trio.abc.Stream, conn: Connection, code: ErrorCode, message: str, peer: str,
@@ -401,6 +586,7 @@ class Shadow:
             old.fence("a newer connection of this job took over")
             with trio.fail_after(10):
                 await old.gone.wait()
+        await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         files = await trio.to_thread.run_sync(
             lambda: self.store.open_job(
                 job_id=hello.job_id,
@@ -414,6 +600,9 @@ class Shadow:
             ),
             limiter=self.limiter,
         )
+        for sf in files.all():
+            self.files.add(sf)
+        self._trim_files()
         job = LiveJob(files, identity)
         self.live[hello.job_id] = job
         self.stats["accepted"] += 1
@@ -422,13 +611,25 @@ class Shadow:
     async def _release(self, job: LiveJob) -> None:
         """Close a job's files once nothing can sync them any more."""
         with trio.CancelScope(shield=True):
-            async with self.durability.lock:
-                self.durability.dirty = {
-                    k: v for k, v in self.durability.dirty.items() if v.job_id != job.files.job_id
-                }
-                state = "finished" if job.finished else "disconnected"
-                job.files.close()
-            if state == "disconnected":
+            durability = self.durability
+            durability.drop(job.files.job_id)
+            files = job.files.all()
+            while True:
+                with durability.mutex:
+                    if not any(sf.pins for sf in files):  # no batch in flight uses them
+                        for sf in files:
+                            self.files.forget(sf)
+                        job.files.close()
+                        break
+                await durability.done.wait()
+            self.fds_freed.fire()
+            if log.isEnabledFor(logging.DEBUG):
+                sync = self.store.syncer.stats
+                log.debug("job %s: files closed; %d connections, %d files open (budget %d); the cache reopened %d, "
+                          "closed %d; %d batches: %d syncfs, %d fdatasync", job.files.job_id, self.connections,
+                          len(self.files), self.budget.avail, self.files.reopened, self.files.evicted,
+                          self.durability.batches, sync["syncfs"], sync["fdatasync"])
+            if not job.finished:
                 try:
                     await trio.to_thread.run_sync(
                         lambda: self.store.record_state(job.files.job_id, state="disconnected", last_seen=time.time()),
@@ -440,46 +641,74 @@ class Shadow:
     async def _acker(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock) -> None:
         acked = {sid: sf.durable for sid, sf in job.files.outputs.items()}
         while True:
+            sent = False
             for sid, sf in job.files.outputs.items():
                 if sf.durable > acked[sid]:
-                    acked[sid] = sf.durable
+                    acked[sid] = durable = sf.durable
                     async with lock:
-                        await stream.send_all(conn.send(Ack(sid, sf.durable)))
-            await job.durable_changed.wait()
+                        await stream.send_all(conn.send(Ack(sid, durable)))
+                    sent = True
+            if not sent:
+                # Only after a pass that did not await: a batch applied while
+                # an ACK was being sent fired the signal then, not now.
+                await job.durable_changed.wait()
 
     async def _receive(
         self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str,
         pending: list[Event],
     ) -> None:
-        files = job.files
-        while True:
-            if pending:  # what arrived with the handshake
-                events, pending[:] = list(pending), []
-            else:
-                with trio.fail_after(self.opts.idle_timeout):
+        with trio.CancelScope() as idle:  # one scope, its deadline moved per read: cheaper than fail_after
+            while True:
+                if pending:  # what arrived with the handshake
+                    events, pending[:] = list(pending), []
+                else:
+                    idle.deadline = trio.current_time() + self.opts.idle_timeout
                     events = await self._next_events(stream, conn)
-            for ev in events:
-                if job.fenced:
-                    raise Fenced(job.fenced)
-                if isinstance(ev, Data):
-                    self._write(job, ev)
-                elif isinstance(ev, StdinRead):
-                    reply = self._read_stdin(files, ev)
-                    async with lock:
-                        await stream.send_all(conn.send(reply))
-                elif isinstance(ev, Ping):
-                    async with lock:
-                        await stream.send_all(conn.send(Pong(ev.nonce)))
-                elif isinstance(ev, Exit):
-                    await self._finish(stream, conn, job, ev, lock, peer)
+                    idle.deadline = math.inf
+                over = await self._process(stream, conn, job, lock, peer, events)
+                # DATA payloads are views of the received bytes: keep none of
+                # them while waiting for the next read (memory per connection).
+                del events
+                if over:
                     return
-                elif isinstance(ev, Error):
-                    log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
-                    return
-                elif isinstance(ev, ConnectionClosed):
-                    return
-                elif isinstance(ev, Pong):
-                    pass
+        if idle.cancelled_caught:
+            raise trio.TooSlowError
+
+    async def _process(
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str, events: list[Event],
+    ) -> bool:
+        """Act on the events of one read; True when the session is over."""
+        files = job.files
+        for ev in events:
+            if job.fenced:
+                raise Fenced(job.fenced)
+            if isinstance(ev, Data):
+                sf = files.outputs.get(ev.stream)
+                if sf is not None and sf.fd < 0:
+                    await self._open(sf)
+                    if job.fenced:
+                        raise Fenced(job.fenced)
+                self._write(job, ev)
+            elif isinstance(ev, StdinRead):
+                if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
+                    await self._open(files.stdin)
+                reply = self._read_stdin(files, ev)
+                async with lock:
+                    await stream.send_all(conn.send(reply))
+            elif isinstance(ev, Ping):
+                async with lock:
+                    await stream.send_all(conn.send(Pong(ev.nonce)))
+            elif isinstance(ev, Exit):
+                await self._finish(stream, conn, job, ev, lock, peer)
+                return True
+            elif isinstance(ev, Error):
+                log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
+                return True
+            elif isinstance(ev, ConnectionClosed):
+                return True
+            elif isinstance(ev, Pong):
+                pass
+        return False
 
     def _write(self, job: LiveJob, ev: Data) -> None:
         sf = job.files.outputs.get(ev.stream)
@@ -500,6 +729,7 @@ class Shadow:
                 raise StoreError(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         payload = memoryview(ev.payload)[skip:] if skip else ev.payload
         offset = sf.written
+        self.files.use(sf)
         while payload:
             n = os.pwrite(sf.fd, payload, offset)
             offset += n
@@ -509,10 +739,11 @@ class Shadow:
         self.durability.mark(sf, job)
 
     def _read_stdin(self, files: JobFiles, ev: StdinRead) -> StdinData:
-        if files.stdin_fd is None or ev.stream != files.stdin_stream:
+        if files.stdin is None or ev.stream != files.stdin_stream:
             raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin", ErrorCode.UNKNOWN_STREAM)
-        data = os.pread(files.stdin_fd, ev.max_bytes, ev.offset)
-        size = os.fstat(files.stdin_fd).st_size
+        fd = self.files.use(files.stdin)
+        data = os.pread(fd, ev.max_bytes, ev.offset)
+        size = os.fstat(fd).st_size
         return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
 
     async def _finish(
@@ -540,6 +771,19 @@ class Shadow:
         job.finished = True
         async with lock:
             await stream.send_all(conn.send(Done()))
+
+
+def _retry_after() -> float:
+    """When a refused agent should come back: spread, so they do not return together."""
+    return round(random.uniform(1.0, 4.0), 2)
+
+
+def _nofile() -> int:
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ValueError, OSError):
+        return 1024
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def raise_fd_limit() -> None:

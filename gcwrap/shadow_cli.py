@@ -59,7 +59,8 @@ def main() -> None:
               help="Seconds of silence after which a connection is dropped.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=20000, show_default=True,
               envvar="GCSHADOW_MAX_CONNECTIONS", show_envvar=True,
-              help="Connections served at once; more are told BUSY and come back later.")
+              help="Connections served at once; more are told BUSY and come back later. "
+                   "The descriptor limit (ulimit -n, raised to its hard limit) caps it too.")
 @click.option("--min-free", type=Size(), default="64MiB", show_default=True, envvar="GCSHADOW_MIN_FREE",
               show_envvar=True, help="Free space at home below which new sessions are told BUSY (0: never).")
 @click.option("-v", "--verbose", count=True, help="Debug messages on stderr (it logs each job's start and end).")

@@ -41,7 +41,7 @@ class Database:
     """What the spool needs of a database: `execute` and `conn` (the subset
     of `sqlite_utils.Database` it uses, so migrations take either). Plain
     sqlite3: importing sqlite-utils costs a quarter of a second of CPU, which
-    every job would pay; the operator's commands use sqlite-utils itself."""
+    every job would pay; the shadow's state database uses sqlite-utils."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
@@ -403,7 +403,7 @@ class Spool:
         conn = self.db.conn
         segments = self.segments
         ends: dict[int, int] = {}
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         now = time.time()
         try:
             for c in chunks:

@@ -1,0 +1,567 @@
+"""The shadow under fan-in: descriptor budget, file cache, group sync, receive path.
+
+Real gcshadow processes under a low RLIMIT_NOFILE, spoken to by simulated
+agents over loopback (and one real gcwrap), plus in-process checks of the
+pieces: the file cache reopening files (and refusing files replaced behind
+its back), syncfs against fdatasync, the rule that nothing is recorded or
+acknowledged before it is synced, and the zero-copy frame parser.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import resource
+import sqlite3
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import Wrapper, tool, wait_until
+
+from gcwrap import shadow_store
+from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
+from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
+from gcwrap.shadow_store import FileCache, Store, StoreError, StreamFile, Syncer, open_confined
+
+NOFILE = 96  # the shadow's descriptor limit in the fan-in tests: far fewer than 2 per job
+
+
+class LimitedShadow:
+    """A real gcshadow whose RLIMIT_NOFILE (soft and hard) is `nofile`."""
+
+    def __init__(self, root: Path, logdir: Path, nofile: int, extra: list[str] | None = None) -> None:
+        self.root, self.logdir, self.nofile = root, logdir, nofile
+        port_file = logdir / "port"
+        self.log_path = logdir / "shadow.log"
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*tool("gcshadow"), "serve", "--port", "0", "--root", str(root), "--port-file", str(port_file),
+                 "--min-free", "0", "-v", *(extra or [])],
+                stdout=log, stderr=log, start_new_session=True, preexec_fn=limit,  # noqa: PLW1509 - no threads yet
+            )
+
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.log()
+            return port_file.exists()
+
+        wait_until(ready, 30, "gcshadow to listen")
+        self.port = int(port_file.read_text())
+        self.max_fds = 0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def sample_fds(self) -> None:
+        try:
+            self.max_fds = max(self.max_fds, len(os.listdir(f"/proc/{self.proc.pid}/fd")))
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def limited(home: Path, tmp_path: Path) -> Iterator[LimitedShadow]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = LimitedShadow(home, logs, NOFILE)
+    try:
+        yield sh
+    finally:
+        sh.stop()
+
+
+def budget(text: str) -> dict[str, int]:
+    m = re.search(r"descriptors: limit (\d+), (\d+) for sockets and files; up to (\d+) connections served", text)
+    assert m, text
+    return {"limit": int(m[1]), "avail": int(m[2]), "served": int(m[3])}
+
+
+def payload(job: int, sid: int, n: int) -> bytes:
+    return random.Random(job * 1000 + sid).randbytes(n)
+
+
+class SimAgent:
+    """One job over the wire protocol: two output streams, written in a few
+    frames with pauses (so many jobs are connected at once); on BUSY it comes
+    back after retry_after, as gcwrap does."""
+
+    def __init__(self, port: int, job: int, size: int, frames: int, pause: float) -> None:
+        self.port, self.job, self.size, self.frames, self.pause = port, job, size, frames, pause
+        self.busy = 0
+        self.data = {sid: payload(job, sid, size) for sid in (1, 2)}
+
+    async def run(self) -> None:
+        while True:
+            stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+            async with stream:
+                conn = Connection(Role.AGENT)
+                hello = Hello(job_id=f"fan-{self.job}", instance="i1", host="test",
+                              streams=(StreamSpec(1, "stdout", f"fan/{self.job}.out"),
+                                       StreamSpec(2, "stderr", f"fan/{self.job}.err")))
+                await stream.send_all(conn.send(hello))
+                ev = await self._next(stream, conn)
+                if isinstance(ev, Error) and ev.code is ErrorCode.BUSY:
+                    assert ev.retry_after > 0, ev
+                    self.busy += 1
+                    await trio.sleep(min(ev.retry_after, 2.0))
+                    continue
+                assert isinstance(ev, Welcome), ev
+                await self._session(stream, conn, dict(ev.durable))
+                return
+
+    async def _next(self, stream: trio.SocketStream, conn: Connection) -> Any:
+        while True:
+            ev = conn.next_event()
+            if ev is not NEED_DATA:
+                return ev
+            conn.receive_data(await stream.receive_some(65536))
+
+    async def _session(self, stream: trio.SocketStream, conn: Connection, durable: dict[int, int]) -> None:
+        acked = dict(durable)
+        step = -(-self.size // self.frames)
+        for k in range(self.frames):
+            for sid, data in self.data.items():
+                lo = max(k * step, durable.get(sid, 0))
+                if lo < min((k + 1) * step, self.size):
+                    await stream.send_all(conn.send(Data(sid, lo, data[lo:(k + 1) * step])))
+            await trio.sleep(self.pause)
+        while any(acked.get(sid, 0) < self.size for sid in self.data):
+            ev = await self._next(stream, conn)
+            assert isinstance(ev, Ack), ev
+            assert ev.offset >= acked.get(ev.stream, 0)
+            acked[ev.stream] = ev.offset
+        await stream.send_all(conn.send(Exit(0, None, tuple((sid, self.size) for sid in self.data))))
+        ev = await self._next(stream, conn)
+        assert isinstance(ev, Done), ev
+
+
+def no_descriptor_trouble(text: str) -> None:
+    for bad in ("Too many open files", "EMFILE", "IO_ERROR", "I/O error", "internal error", "Traceback",
+                "cannot accept"):
+        assert bad not in text, f"{bad!r} in the shadow's log:\n{text[-3000:]}"
+
+
+# -- a shadow with far fewer descriptors than its jobs need ---------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_more_jobs_than_descriptors_all_land_the_excess_is_told_busy(limited: LimitedShadow, home: Path) -> None:
+    b = budget(limited.log())
+    jobs = 48  # 48 sockets + 96 files at once would need 1.5x the limit
+    assert jobs > b["served"] and jobs * 3 > NOFILE, b
+    agents = [SimAgent(limited.port, j, size=48 << 10, frames=6, pause=0.15) for j in range(jobs)]
+
+    async def main() -> None:
+        with trio.fail_after(150):
+            async with trio.open_nursery() as nursery:
+                for a in agents:
+                    nursery.start_soon(a.run)
+                while any(True for _ in nursery.child_tasks):
+                    limited.sample_fds()
+                    await trio.sleep(0.05)
+
+    trio.run(main)
+    for a in agents:
+        for sid, data in a.data.items():
+            landed = (home / "fan" / f"{a.job}.{'out' if sid == 1 else 'err'}").read_bytes()
+            assert landed == data, f"job {a.job} stream {sid}: {len(landed)} bytes landed, {len(data)} sent"
+    text = limited.log()
+    assert sum(a.busy for a in agents) > 0, "no job was told BUSY: the test did not exceed the budget"
+    assert "too many connections" in text
+    no_descriptor_trouble(text)
+    assert limited.max_fds <= NOFILE
+    reopened = [int(m) for m in re.findall(r"the cache reopened (\d+)", text)]
+    assert reopened and max(reopened) > 0, "files were never closed and reopened: the cache was not exercised"
+
+
+@pytest.mark.timeout(180)
+def test_a_real_gcwrap_told_busy_comes_back_and_lands(limited: LimitedShadow, home: Path, spool_dir: Path) -> None:
+    """Hold every served connection with simulated jobs; a real gcwrap arriving
+    then is told BUSY, retries, and lands once they have gone."""
+    b = budget(limited.log())
+    holders = [SimAgent(limited.port, j, size=8 << 10, frames=4, pause=1.0) for j in range(b["served"] + 2)]
+    done = threading.Event()
+
+    def hold() -> None:
+        async def main() -> None:
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for a in holders:
+                        nursery.start_soon(a.run)
+        try:
+            trio.run(main)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    wait_until(lambda: limited.log().count("session 1") >= b["served"], 60, "the holders to connect")
+    data = os.urandom(200_000)
+    src = home.parent / "real-src"
+    src.write_bytes(data)
+    w = Wrapper(["--shadow", f"127.0.0.1:{limited.port}", "--spool", str(spool_dir), "--job-id", "real-1",
+                 "--retry-timeout", "2", "--stdout", "real/out", "--", "cat", str(src)])
+    assert w.wait(120) == 0, w.err.decode(errors="replace")
+    t.join(130)
+    assert done.is_set()
+    assert (home / "real" / "out").read_bytes() == data
+    text = limited.log()
+    assert re.search(r"too many connections", text), text[-3000:]
+    no_descriptor_trouble(text)
+    for a in holders:
+        assert (home / "fan" / f"{a.job}.out").read_bytes() == a.data[1]
+
+
+# -- the file cache ------------------------------------------------------------------------------------
+
+
+def _output(root_fd: int, name: str) -> StreamFile:
+    fd = open_confined(root_fd, name, write=True)
+    sf = StreamFile("job", 1, name, fd, 0, 0)
+    sf.identify()
+    return sf
+
+
+def _write(sf: StreamFile, data: bytes) -> None:
+    os.pwrite(sf.fd, data, sf.written)
+    sf.written += len(data)
+
+
+@pytest.mark.timeout(30)
+def test_cache_closes_only_clean_unpinned_files_and_reopens_them(tmp_path: Path) -> None:
+    root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        cache = FileCache(root_fd)
+        files = [_output(root_fd, f"d/f{i}") for i in range(10)]
+        for sf in files:
+            cache.add(sf)
+            _write(sf, b"a" * 10)
+        files[0].durable = files[0].written  # clean
+        files[1].durable = files[1].written
+        files[1].pins = 1  # clean but in a sync batch
+        cache.trim(0)
+        assert files[0].fd < 0, "a clean file is closed"
+        assert files[1].fd >= 0, "a pinned file is never closed"
+        assert all(sf.fd >= 0 for sf in files[2:]), "dirty files are never closed"
+        assert len(cache) == 9
+        for sf in files:
+            sf.durable, sf.pins = sf.written, 0
+        cache.trim(3)
+        assert len(cache) == 3 and sum(sf.fd >= 0 for sf in files) == 3
+        # a closed file reopens where it was, confined, and goes on growing
+        for sf in files:
+            fd = cache.use(sf)
+            assert fd >= 0 and os.fstat(fd).st_ino == sf.ino
+            _write(sf, b"b" * 5)
+            sf.durable = sf.written
+            cache.trim(3)
+        assert cache.reopened >= 7
+        for i in range(10):
+            assert (tmp_path / "d" / f"f{i}").read_bytes() == b"a" * 10 + b"b" * 5
+    finally:
+        os.close(root_fd)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("change", ["removed", "replaced", "truncated", "symlinked"])
+def test_cache_refuses_a_file_changed_while_closed(tmp_path: Path, change: str) -> None:
+    root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        cache = FileCache(root_fd)
+        sf = _output(root_fd, "d/out")
+        cache.add(sf)
+        _write(sf, b"0123456789")
+        sf.durable = sf.written
+        cache.trim(0)
+        assert sf.fd < 0
+        path = tmp_path / "d" / "out"
+        if change == "removed":
+            path.unlink()
+        elif change == "replaced":
+            (tmp_path / "d" / "new").write_bytes(b"0123456789")
+            (tmp_path / "d" / "new").replace(path)
+        elif change == "truncated":
+            os.truncate(path, 4)
+        else:
+            (tmp_path / "d").rename(tmp_path / "elsewhere")
+            (tmp_path / "d").symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(StoreError) as info:
+            cache.use(sf)
+        want = ErrorCode.PATH_FORBIDDEN if change == "symlinked" else ErrorCode.LENGTH_MISMATCH
+        assert info.value.code is want, info.value
+        assert sf.fd < 0
+        assert not (change == "removed" and path.exists()), "a removed file is never created again"
+    finally:
+        os.close(root_fd)
+
+
+# -- syncfs and fdatasync: nothing recorded that was not synced ----------------------------------------------
+
+
+class Spy:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, syncer: Syncer, fail: int | None = None) -> None:
+        self.syncfs = 0
+        self.fdatasync = 0
+        real_fdatasync = os.fdatasync
+
+        def fdatasync(fd: int) -> None:
+            self.fdatasync += 1
+            if fail is not None:
+                raise OSError(fail, os.strerror(fail))
+            real_fdatasync(fd)
+
+        def syncfs(fd: int) -> None:
+            self.syncfs += 1
+            if fail is not None:
+                raise OSError(fail, os.strerror(fail))
+
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        syncer.syncfs = syncfs
+
+
+def _job(store: Store, name: str, n: int) -> list[StreamFile]:
+    files = store.open_job(job_id=name, instance="i", host="h", user="u", command=[], peer="p", codes=ErrorCode,
+                           streams=[StreamSpec(i, "stdout", f"{name}/{i}") for i in range(n)])
+    return list(files.outputs.values())
+
+
+def _db_durable(root: Path) -> dict[tuple[str, int], int]:
+    db = sqlite3.connect(f"file:{root / '.gcshadow' / 'state.db'}?mode=ro", uri=True)
+    try:
+        return {(j, s): d for j, s, d in db.execute("SELECT job_id, stream, durable FROM streams")}
+    finally:
+        db.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nfiles", [1, shadow_store.SYNCFS_MIN - 1, shadow_store.SYNCFS_MIN, 40])
+def test_make_durable_syncs_then_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nfiles: int) -> None:
+    store = Store(tmp_path)
+    try:
+        spy = Spy(monkeypatch, store.syncer)
+        files = _job(store, "j", nfiles)
+        for sf in files:
+            _write(sf, b"x" * 100)
+        results, db_error = store.make_durable([(sf, sf.written) for sf in files])
+        assert db_error == "" and all(err is None for _, _, err in results)
+        if nfiles >= shadow_store.SYNCFS_MIN:
+            assert (spy.syncfs, spy.fdatasync) == (1, 0), "many dirty files: one syncfs"
+        else:
+            assert (spy.syncfs, spy.fdatasync) == (0, nfiles), "few dirty files: fdatasync each"
+        assert _db_durable(tmp_path) == {("j", sf.stream): 100 for sf in files}
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nfiles", [1, 40])
+def test_a_failed_sync_records_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nfiles: int) -> None:
+    store = Store(tmp_path)
+    try:
+        files = _job(store, "j", nfiles)
+        Spy(monkeypatch, store.syncer, fail=errno.EIO)
+        for sf in files:
+            _write(sf, b"x" * 100)
+        results, _ = store.make_durable([(sf, sf.written) for sf in files])
+        assert len(results) == nfiles and all(isinstance(err, OSError) for _, _, err in results)
+        assert set(_db_durable(tmp_path).values()) == {0}
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_file_on_another_file_system_is_fdatasynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(tmp_path)
+    try:
+        spy = Spy(monkeypatch, store.syncer)
+        files = _job(store, "j", 6)
+        files[0].dev = store.syncer.root_dev + 1  # as if a mount below the root held it
+        for sf in files:
+            _write(sf, b"y")
+        store.make_durable([(sf, sf.written) for sf in files])
+        assert (spy.syncfs, spy.fdatasync) == (1, 1)
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) -> None:
+    """The durability thread starts the next batch before the event loop has
+    seen the previous one fail. After a reported writeback error a later
+    fdatasync can succeed although the bytes are gone: the file must not be
+    synced or recorded again, and its job must be fenced."""
+    from gcwrap.shadow import Durability, LiveJob
+
+    store = Store(tmp_path)
+    calls: list[int] = []
+    first_started, release_first = threading.Event(), threading.Event()
+    real_sync = store.syncer.sync
+
+    def sync(files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
+        calls.append(len(files))
+        if len(calls) == 1:
+            first_started.set()
+            release_first.wait(10)
+            return [(sf, n, OSError(errno.EIO, "Input/output error")) for sf, n in files]
+        return real_sync(files)
+
+    store.syncer.sync = sync  # type: ignore[method-assign]
+    try:
+        files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p", codes=ErrorCode,
+                               streams=[StreamSpec(1, "stdout", "out")])
+        sf = files.outputs[1]
+
+        async def main() -> None:
+            with trio.fail_after(30):
+                durability = Durability(store)
+                job = LiveJob(files)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(durability.run)
+                    _write(sf, b"first")
+                    durability.mark(sf, job)
+                    await trio.to_thread.run_sync(first_started.wait, 10)
+                    _write(sf, b"second")  # marked while the failing batch is in flight
+                    durability.mark(sf, job)
+                    release_first.set()
+                    while durability.batches < 2:
+                        await durability.done.wait()
+                    assert job.fenced and "could not sync" in job.fenced
+                    assert sf.durable == 0
+                    nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert calls == [1], "the failed file was synced again"
+        assert _db_durable(tmp_path) == {("j", 1): 0}
+        assert (tmp_path / "out").stat().st_size == 0, "cut back to the durable length"
+    finally:
+        files.close()
+        store.close()
+
+
+# -- acknowledgements never run ahead of the state database, on either sync path -------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("jobs", [1, 12])
+def test_every_ack_is_recorded_and_on_disk_when_it_arrives(
+        limited: LimitedShadow, home: Path, jobs: int) -> None:
+    """One job: fdatasync batches; twelve at once: syncfs batches. Whenever an
+    ACK arrives, the state database already holds at least that length."""
+    lag: list[tuple[int, int, int]] = []
+
+    async def agent(j: int) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", limited.port)
+        async with stream:
+            conn = Connection(Role.AGENT)
+            await stream.send_all(conn.send(Hello(job_id=f"ack-{j}", instance="i", host="t",
+                                                  streams=(StreamSpec(1, "stdout", f"ack/{j}"),))))
+            conn.receive_data(await stream.receive_some(65536))
+            assert isinstance(conn.next_event(), Welcome)
+            connected.append(j)
+            if len(connected) == jobs:
+                start.set()
+            data = payload(j, 1, 64 << 10)
+            await start.wait()  # all connected: their frames overlap, so batches hold many files
+            for k in range(0, len(data), 4096):
+                await stream.send_all(conn.send(Data(1, k, data[k:k + 4096])))
+                await trio.sleep(0.01)
+            acked = 0
+            while acked < len(data):
+                ev = conn.next_event()
+                if ev is NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                    continue
+                assert isinstance(ev, Ack), ev
+                acked = ev.offset
+                recorded = _db_durable(home).get((f"ack-{j}", 1), 0)
+                size = (home / "ack" / str(j)).stat().st_size
+                if recorded < acked or size < acked:
+                    lag.append((acked, recorded, size))
+            await stream.send_all(conn.send(Exit(0, None, ((1, len(data)),))))
+
+    async def main() -> None:
+        with trio.fail_after(100):
+            async with trio.open_nursery() as nursery:
+                for j in range(jobs):
+                    nursery.start_soon(agent, j)
+
+    connected: list[int] = []
+    start = trio.Event()
+    trio.run(main)
+    assert not lag, f"ACKs ahead of the state database or the file: {lag[:5]}"
+    wait_until(lambda: len(re.findall(r"job ack-\d+: files closed", limited.log())) == jobs, 10, "the shadow's log")
+    counts = re.findall(r"(\d+) syncfs, (\d+) fdatasync", limited.log())
+    syncfs, fdatasync = map(int, counts[-1])
+    if jobs == 1:
+        assert fdatasync > 0 and syncfs == 0, counts
+    elif shadow_store._load_syncfs() is not None:
+        assert syncfs > 0, counts
+    no_descriptor_trouble(limited.log())
+
+
+# -- the receive path ------------------------------------------------------------------------------------
+
+
+def _streaming_shadow() -> Connection:
+    shadow = Connection(Role.SHADOW)
+    shadow.receive_data(MAGIC + encode(Hello("j", "i", (StreamSpec(1, "stdout", "o"),))))
+    assert isinstance(shadow.next_event(), Hello)
+    shadow.send(Welcome(1, 1, ((1, 0),), 10.0))
+    return shadow
+
+
+@pytest.mark.timeout(30)
+def test_data_payloads_are_views_of_the_received_bytes() -> None:
+    shadow = _streaming_shadow()
+    frames = [encode(Data(1, i * 1000, bytes([i]) * 1000)) for i in range(5)]
+    chunk = b"".join(frames)
+    shadow.receive_data(chunk)
+    events = [shadow.next_event() for _ in range(5)]
+    assert shadow.next_event() is NEED_DATA and shadow.buffered == 0
+    for i, ev in enumerate(events):
+        assert isinstance(ev, Data) and ev == Data(1, i * 1000, bytes([i]) * 1000)
+        assert isinstance(ev.payload, memoryview) and ev.payload.readonly and ev.payload.obj is chunk
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_across_reads_is_copied_once_and_small_tails_do_not_pin_chunks() -> None:
+    shadow = _streaming_shadow()
+    big = os.urandom(1 << 20)
+    wire = encode(Data(1, 0, big)) + encode(Data(1, len(big), b"tail"))
+    reads = [wire[i:i + 120_000] for i in range(0, len(wire), 120_000)]
+    got = []
+    for r in reads:
+        shadow.receive_data(r)
+        while (ev := shadow.next_event()) is not NEED_DATA:
+            got.append(ev)
+        # what waits for the next read never keeps a whole chunk for a small piece of it
+        for part in shadow._parts:
+            if isinstance(part, memoryview):
+                assert 2 * len(part) >= memoryview(part.obj).nbytes, "a small tail keeps its whole chunk alive"
+    assert got == [Data(1, 0, big), Data(1, len(big), b"tail")]
+    assert shadow.buffered == 0
+
+    # a header and a frame split into a tiny piece then a large one
+    shadow.receive_data(encode(Data(1, len(big) + 4, b"z" * 10_000))[:3])
+    assert shadow.next_event() is NEED_DATA
+    shadow.receive_data(encode(Data(1, len(big) + 4, b"z" * 10_000))[3:])
+    assert shadow.next_event() == Data(1, len(big) + 4, b"z" * 10_000)
