@@ -65,11 +65,15 @@ class OutStream:
 
     def oldest_unsafe(self) -> float | None:
         """When the oldest byte held only in memory was read (None: there is none)."""
+        return self.arrivals[0][1] if self.arrivals else None
+
+    def _forget_safe(self) -> None:
+        """Drop the read times of chunks now safe: `arrivals` holds only the
+        unsafe ones, so it is bounded by the memory limit, not the job's life."""
         safe = self.safe_end
         arrivals = self.arrivals
         while arrivals and arrivals[0][0] <= safe:
             arrivals.popleft()
-        return arrivals[0][1] if arrivals else None
 
     def ack(self, offset: int) -> bool:
         """Record the shadow's durable offset; True if it moved forward."""
@@ -82,6 +86,7 @@ class OutStream:
         self.acked = offset
         while self.mem and self.mem[0].end <= offset:
             self.mem_bytes -= len(self.mem.popleft().data)
+        self._forget_safe()
         return True
 
     def unspooled(self, limit: int) -> list[Chunk]:
@@ -117,6 +122,7 @@ class OutStream:
 
     def mark_spooled(self, end: int) -> None:
         self.spooled_end = max(self.spooled_end, end)
+        self._forget_safe()
 
     def evict(self, keep: int) -> None:
         """Drop cached (already safe) chunks from memory down to `keep` bytes."""

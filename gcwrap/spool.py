@@ -53,10 +53,6 @@ class Database:
 AnyDatabase = Union[Database, "sqlite_utils.Database"]
 
 
-def _database(conn: sqlite3.Connection) -> Database:
-    return Database(conn)
-
-
 SPOOL_SUFFIX = ".spool"
 # The bytes live in segment files: the database holds only small rows, and a
 # commit writes every page it touches to the WAL. With the 64 KiB pages of
@@ -296,7 +292,7 @@ class Spool:
         journal until the spool is in place; `open` switches to WAL)."""
         try:
             conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
-            db = _database(conn)
+            db = Database(conn)
             migrate(db)
             spool = cls(db, path)
             with transaction(db.conn):
@@ -327,7 +323,7 @@ class Spool:
                 configure(conn, new=False)
             else:
                 conn.execute("PRAGMA busy_timeout = 10000")
-            db = _database(conn)
+            db = Database(conn)
             if not readonly:
                 migrate(db)
             conn.execute("SELECT 1 FROM job").fetchall()

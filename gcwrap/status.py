@@ -34,7 +34,7 @@ def state_text(state: str, exit_code: int | None, exit_signal: int | None, activ
     """running / paused / exited N / killed by signal N / gave-up, job ... / wrapper gone."""
     if not active and state in ("running", "paused", "starting"):
         return "wrapper gone"
-    if state in ("exited", "delivered", "gave-up", "refused") and (exit_code is not None or exit_signal):
+    if state in FINAL_STATES and (exit_code is not None or exit_signal):
         how = f"killed by signal {exit_signal}" if exit_signal else f"exited {exit_code}"
         return how if state in ("exited", "delivered") else f"{state}, job {how}"
     return state

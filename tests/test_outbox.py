@@ -154,6 +154,19 @@ def test_oldest_unsafe_is_the_read_time_of_the_oldest_byte_only_in_memory() -> N
     assert out.oldest_unsafe() == 2.0
     out.ack(30)
     assert out.oldest_unsafe() is None
+    assert not out.arrivals  # the times of safe bytes are not kept: bounded by what is unsafe
+
+
+def test_read_times_stay_bounded_without_write_behind() -> None:
+    """In the default mode nobody asks for oldest_unsafe(): spooling and
+    acknowledging alone must keep the read times from piling up."""
+    out = OutStream(1, "stdout", "out.log")
+    for i in range(10_000):
+        out.append(b"x" * 10, now=float(i))
+        out.mark_spooled(out.read_end if i % 2 else out.spooled_end)
+        if i % 100 == 0:
+            out.ack(out.read_end)
+    assert len(out.arrivals) <= 1
 
 
 # -- OutStream, against a model ---------------------------------------------------
