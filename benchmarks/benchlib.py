@@ -29,12 +29,15 @@ from throughput import (
     MB,
     BenchError,
     GiB,
+    Outcome,
     PeakRss,
     Reaped,
     free_port,
+    guarded,
     listening,
     parse_size,
     proc_times,
+    settings_line,
     sha256_file,
     signal_tree,
     stop,
@@ -48,16 +51,19 @@ __all__ = [
     "REPO",
     "BenchError",
     "GiB",
+    "Outcome",
     "PeakRss",
     "Reaped",
     "ShadowProc",
     "fmt",
     "free_port",
+    "guarded",
     "header",
     "install_signal_handlers",
     "listening",
     "parse_size",
     "percentile",
+    "settings_line",
     "proc_times",
     "raise_nofile",
     "render_table",
@@ -119,12 +125,6 @@ def header(name: str) -> str:
         settings_line(),
     ])
 
-
-def settings_line() -> str:
-    """The GCWRAP_* variables in the environment: they reach every gcwrap the
-    benchmark runs (GCWRAP_WRITE_BEHIND=0.05 measures the relaxed mode)."""
-    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))}
-    return "settings: " + (" ".join(f"{k}={v}" for k, v in found.items()) if found else "defaults (no GCWRAP_* variables)")
 
 
 def install_signal_handlers() -> None:

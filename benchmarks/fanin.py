@@ -62,6 +62,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    guarded,
     MB,
     BenchError,
     ShadowProc,
@@ -684,9 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RLIMIT_NOFILE of this process (the load generator), raised to the hard limit: {soft}/{hard}")
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-fanin-", dir=args.tmpdir))
     results: list[Result] = []
-    status = 0
     commands: dict[str, str] = {}
-    try:
+    with guarded("fanin", workdir, args.keep) as outcome:
         print(f"real: {args.real} x {args.real_bytes:,} bytes; sim: {sims} agents x {args.frames} frames x "
               f"{args.frame:,} bytes, one frame per agent every {args.interval:g} s; runs: {args.runs}; "
               f"work dir {workdir}", flush=True)
@@ -728,19 +728,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  load generator: in this process (trio), one TCP connection per simulated agent")
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         if not report(results, args):
-            status = 1
-    except BenchError as e:
-        print(f"fanin: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("fanin: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return status
+            outcome.status = 1
+    return outcome.status
 
 
 if __name__ == "__main__":

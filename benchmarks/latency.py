@@ -61,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    guarded,
     BenchError,
     ShadowProc,
     free_port,
@@ -589,8 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     # per (rate, path): list of per-run (p50, p99, max) and pooled latencies
     per_run: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
     pooled: dict[tuple[float, str], list[int]] = {}
-    status = 0
-    try:
+    with guarded("latency", workdir, args.keep) as outcome:
         print(f"rates: {', '.join(f'{r:g}' for r in rates)} lines/s; lines per rate: "
               + ", ".join(f"{bench.count(r)} ({bench.seconds(r):g} s)" for r in rates)
               + f"; runs: {args.runs}; work dir {workdir}", flush=True)
@@ -657,18 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 p99 = summary(s[1] for s in per_run[(1000.0, key)])[0]
                 ok = "met" if p50 <= 5 and p99 <= 50 else "NOT met"
                 print(f"  {dict(PATHS)[key]}: p50 {p50:.2f} ms, p99 {p99:.2f} ms: {ok}")
-    except BenchError as e:
-        print(f"latency: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("latency: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return status
+    return outcome.status
 
 
 if __name__ == "__main__":

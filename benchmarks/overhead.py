@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    guarded,
     MB,
     BenchError,
     GiB,
@@ -223,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-overhead-", dir=args.tmpdir))
     bench = Bench(args, workdir, work)
     runs: list[Run] = []
-    status = 0
-    try:
+    with guarded("overhead", workdir, args.keep) as outcome:
         print(f"job: {bench.blocks} blocks of 64 KiB = {bench.size:,} bytes; {work} sha256 per block "
               f"({'calibrated for ~' + str(args.target_seconds) + ' s of compute' if not args.work else '--work'}); "
               f"runs: {args.runs} of each; work dir {workdir}", flush=True)
@@ -262,18 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = summary(vals("wrapped", "wall_s"))[0] / summary(vals("unwrapped", "wall_s"))[0]
         print(f"\noverhead on the job (wall, median wrapped / median unwrapped): {ratio:.3f}x "
               f"(target <= 1.05x: {'met' if ratio <= 1.05 else 'NOT met'})")
-    except BenchError as e:
-        print(f"overhead: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("overhead: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return status
+    return outcome.status
 
 
 def vals_runs(runs: list[Run], path: str) -> list[Run]:

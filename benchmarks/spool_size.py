@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    guarded,
     MB,
     BenchError,
     ShadowProc,
@@ -337,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(workdir).free
     need = max(args.size, args.outage_size) * 1.2
     results: list[Result] = []
-    status = 0
-    try:
+    with guarded("spool_size", workdir, args.keep) as outcome:
         if free < need:
             raise BenchError(f"{free / 1e9:.1f} GB free in {workdir}, about {need / 1e9:.1f} GB needed")
         bench = Bench(args, workdir)
@@ -414,18 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntimeline of {scenario} run {best.index}"
                   + "".join(f"; {k} at t={v:.1f} s" for k, v in best.events.items()) + ":")
             print(timeline(best))
-    except BenchError as e:
-        print(f"spool_size: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("spool_size: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return status
+    return outcome.status
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    guarded,
     BenchError,
     ShadowProc,
     fmt,
@@ -167,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     walls: dict[str, list[float]] = defaultdict(list)
     cpus: dict[str, list[float]] = defaultdict(list)
     shadow: ShadowProc | None = None
-    status = 0
-    try:
+
+    def stop_shadow() -> None:
+        if shadow is not None:
+            shadow.stop()
+
+    with guarded("startup", workdir, cleanup=stop_shadow) as outcome:
         shadow = ShadowProc(workdir / "home", workdir)
         port = shadow.wait_ready()
         spool = workdir / "spool"
@@ -236,17 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mods:
                     heavy.append(f"{n} ({len(mods)} modules, {sum(r[1] for r in mods):.0f} ms self)")
             print("\nheavy packages imported by `gcwrap -- true`: " + (", ".join(heavy) or "none"))
-    except BenchError as e:
-        print(f"startup: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("startup: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        if shadow is not None:
-            shadow.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    return status
+    return outcome.status
 
 
 if __name__ == "__main__":

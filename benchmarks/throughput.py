@@ -34,6 +34,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,42 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": MB, "mb": M
 
 class BenchError(Exception):
     """A run failed: wrong bytes, a bad exit status, a timeout."""
+
+
+@dataclass
+class Outcome:
+    status: int = 0  # the script's exit status
+
+
+@contextlib.contextmanager
+def guarded(name: str, workdir: Path, keep: bool = False,
+            cleanup: Callable[[], object] | None = None) -> Iterator[Outcome]:
+    """A benchmark's body: a BenchError (exit status 1) or Ctrl-C (130) is
+    reported in one line; then `cleanup`, and the work directory is deleted
+    (kept with --keep)."""
+    outcome = Outcome()
+    try:
+        yield outcome
+    except BenchError as e:
+        print(f"{name}: FAILED: {e}", file=sys.stderr)
+        outcome.status = 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        outcome.status = 130
+    finally:
+        if cleanup is not None:
+            cleanup()
+        if keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def settings_line() -> str:
+    """The GCWRAP_* variables in the environment: they reach every gcwrap the
+    benchmark runs (GCWRAP_WRITE_BEHIND=0.05 measures the relaxed mode)."""
+    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))}
+    return "settings: " + (" ".join(f"{k}={v}" for k, v in found.items()) if found else "defaults (no GCWRAP_* variables)")
 
 
 def parse_size(text: str) -> int:
@@ -572,10 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-", dir=args.tmpdir))
     bench = Bench(args, workdir)
     runs: list[Run] = []
-    try:
+    with guarded("throughput", workdir, args.keep, cleanup=bench.rss.close) as outcome:
         print("machine:", describe_machine(bench))
-        from benchlib import settings_line
-
         print(settings_line())
         print(f"size: {args.size:,} bytes ({args.size / GiB:.3f} GiB); runs: {args.runs} of each; "
               f"timeout per run: {args.timeout:.0f} s; work dir: {workdir}", flush=True)
@@ -602,22 +638,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(table(runs, args.size))
         print("\nCPU-s/GiB = CPU seconds (user+sys) per 2^30 bytes moved; ratio = gcwrap median / socat median.")
-        status = 0
-    except BenchError as e:
-        print(f"throughput: FAILED: {e}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        print("throughput: interrupted", file=sys.stderr)
-        status = 130
-    finally:
-        bench.rss.close()
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     if args.json is not None and runs:
         args.json.write_text(json.dumps({"size": args.size, "runs": [asdict(r) for r in runs]}, indent=2))
-    return status
+    return outcome.status
 
 
 if __name__ == "__main__":
