@@ -127,7 +127,8 @@ class Spooler:
             return 0
         free = st.f_bavail * st.f_frsize
         keep = self.reserve(st.f_blocks * st.f_frsize)
-        # A byte is written twice (WAL, then the database at checkpoint).
+        # Spool into at most half of what is free above the reserve: the WAL
+        # and the index grow with it, and so may the job between two checks.
         disk_room = (free - keep) // 2
         if disk_room <= 0:
             self.full_reason = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
