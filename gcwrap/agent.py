@@ -1,11 +1,18 @@
 """The agent: runs the job, spools its output, delivers it home.
 
     child stdout/stderr --pipe--> read_pipe --> OutStream.mem --commit_loop--> spool
-                                                     |                           |
-                                                     +---- sender (session) <----+
-                                                               | DATA      ^ ACK
+                                      |              |                           |
+                                      | splice       +---- sender (session) <----+
+                                      v                        | DATA      ^ ACK
+                                  segment file --sendfile----->|           |
                                                                v           |
                                                              shadow -------+
+
+Bulk output takes the zero-copy path: a pipe holding at least SPLICE_MIN
+bytes is spliced into the spool's segment file (an `Extent` in
+OutStream.mem, spooled once the commit loop records its row), and the sender
+sendfile()s it from there. Line output, and everything while the spool
+cannot take it (disk full, failing, --write-behind), is read into memory.
 
 Tasks, all in one nursery: one `read_pipe` per output stream, `commit_loop`
 (the only writer of the spool, group commit in a worker thread),
@@ -17,6 +24,7 @@ other with one `Signal`.
 from __future__ import annotations
 
 import dataclasses
+import array
 import errno
 import fcntl
 import logging
@@ -24,6 +32,7 @@ import os
 import signal
 import ssl
 import subprocess
+import termios
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +42,10 @@ import trio
 
 from . import exitcodes
 from .events import STDERR, STDIN, STDOUT, ErrorCode, Exit, StreamSpec
-from .outbox import OutStream
+from .outbox import OutStream, cached
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
-from .spool import Chunk, JobRecord, Spool, SpoolError
+from .spool import Chunk, Extent, JobRecord, Spool, SpoolError, describe_os_error
 from .spooler import Spooler, lock_spool
 from .sync import Signal, first_error
 
@@ -52,7 +61,12 @@ BULK_READ = 64 << 10  # a read at least this large means the job writes in bulk.
 BULK_NAP_MAX = 0.02  # ...so wait up to this long (seconds) before reading again,
 BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
+SPLICE_MIN = 64 << 10  # a pipe holding at least this much is spliced into the spool, not read
 ACK_COMMIT_INTERVAL = 0.2  # seconds an acknowledgement alone may wait to be recorded in the spool
+# Group commit: after a transaction, let the next one gather for this long
+# (each costs a worker-thread hop and a WAL append); never while the job has
+# ended, the disk is tight, or a quarter of --memory-limit waits unrecorded.
+COMMIT_PACE = 0.01
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 
@@ -125,7 +139,9 @@ class Agent:
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
-        self.stats: dict[str, float] = {"connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0}
+        self.stats: dict[str, float] = {
+            "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
+        }
         self.started = time.monotonic()
         self.connected_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
@@ -182,30 +198,64 @@ class Agent:
     # -- the pipe readers ------------------------------------------------
 
     async def read_pipe(self, out: OutStream, pipe: trio.lowlevel.FdStream) -> None:
-        capacity = grow_pipe(pipe.fileno())
+        fd = pipe.fileno()
+        capacity = grow_pipe(fd)
         fill = BULK_FILL * capacity if capacity >= BULK_MIN_PIPE else 0
         last = trio.current_time()
+        limiter = trio.CapacityLimiter(1)
         async with pipe:
             while True:
                 if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
-                data = await pipe.receive_some(READ_SIZE)
-                if not data:
-                    break
+                size = 0
+                if self._may_splice(capacity):
+                    await trio.lowlevel.wait_readable(fd)
+                    if pipe_bytes(fd) >= SPLICE_MIN:
+                        size = await self._splice(out, fd, limiter)
                 now = trio.current_time()
-                out.append(data, now)
+                if size:
+                    out.append_extent(size, now)
+                    self.stats["spliced"] += size
+                else:
+                    data = await pipe.receive_some(READ_SIZE)
+                    if not data:
+                        break
+                    now = trio.current_time()
+                    out.append(data, now)
+                    size = len(data)
                 self.changed.fire()
-                if fill and BULK_READ <= len(data) < 1.5 * fill:  # (a full pipe: read again at once)
+                if fill and BULK_READ <= size < 1.5 * fill:  # (a full pipe: read again at once)
                     # Bulk output: let the pipe fill to about `fill` at the
                     # job's recent rate (a fast job: a fraction of a ms; a
                     # slow one: BULK_NAP_MAX), so each read, commit and frame
                     # carries more. The job never waits for it: the pipe has
                     # room for twice that. Line output never gets here.
-                    rate = len(data) / max(now - last, 1e-6)
+                    rate = size / max(now - last, 1e-6)
                     await trio.sleep(min(BULK_NAP_MAX, fill / rate))
                 last = now
         out.eof = True
         self.changed.fire()
+
+    def _may_splice(self, capacity: int) -> bool:
+        """The bulk path is open: a spool of natural layout that takes bytes
+        (room for a pipeful beyond what it holds), and no --write-behind
+        (which keeps acknowledged-in-time output off the disk)."""
+        if not self.spooler.zero_copy or self.disk_error or self.opts.write_behind:
+            return False
+        return self.spooler.room(self.spooled_pending + self.unsafe_bytes) >= 2 * max(capacity, SPLICE_MIN)
+
+    async def _splice(self, out: OutStream, fd: int, limiter: trio.CapacityLimiter) -> int:
+        """Splice what the pipe holds into the stream's segment file. 0 when
+        nothing moved: the caller reads into memory instead."""
+        try:
+            return await self.spooler.splice(out.id, fd, out.read_end, READ_SIZE, limiter)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            if e.errno == errno.ENOSPC and self.spooler.spool and self.spooler.spool.segments:
+                self.spooler.spool.segments.drop_spares()
+            self._disk_failed(describe_os_error(e, self.spooler.path))
+            return 0
 
     async def _wait_for_room(self) -> None:
         """Backpressure: stop reading so the job blocks in write()."""
@@ -238,15 +288,15 @@ class Agent:
     def spooled_pending(self) -> int:
         return sum(max(0, o.spooled_end - o.acked) for o in self.out.values())
 
-    def _unspooled(self, room: int) -> list[Chunk]:
+    def _unspooled(self, room: int) -> list[Chunk | Extent]:
         """Chunks not yet safe, in order per stream, that fit in `room` bytes."""
         chunks: list[Chunk] = []
         for out in self.out.values():
             for c in out.unspooled(room):
-                if len(c.data) > room:
+                if cached(c) > room:  # (an extent is on disk already)
                     break
                 chunks.append(c)
-                room -= len(c.data)
+                room -= cached(c)
         return chunks
 
     async def commit_loop(self) -> None:
@@ -310,12 +360,17 @@ class Agent:
                 self.out[c.stream].mark_spooled(c.end)
             self.committed_acked.update(acked)
             self.committed_eof.update(eof)
-            cached = sum(o.mem_bytes for o in self.out.values())
-            if cached > self.opts.cache_limit:
+            held = sum(o.mem_bytes for o in self.out.values())
+            if held > self.opts.cache_limit:
                 share = self.opts.cache_limit // max(1, len(self.out))
                 for o in self.out.values():
                     o.evict(share)
             self.changed.fire()
+            if chunks and not (self.child_exited or spooler.full_reason or self.disk_error):
+                paced = trio.current_time() + COMMIT_PACE
+                while trio.current_time() < paced and self.unsafe_bytes < self.opts.mem_limit // 4:
+                    with trio.move_on_at(paced):
+                        await self.changed.wait()
 
     def _disk_failed(self, reason: str) -> None:
         if not self.disk_error:
@@ -334,7 +389,7 @@ class Agent:
             await self.spooler.commit(chunks, {}, [], {})
         except SpoolError as e:
             log.error("%s", e)
-            return sum(len(c.data) for c in chunks)
+            return sum(c.size for c in chunks)
         for c in chunks:
             self.out[c.stream].mark_spooled(c.end)
         eof = [s for s, o in self.out.items() if o.eof]
@@ -459,6 +514,7 @@ class Agent:
             connections=int(self.stats["connects"]),
             reconnects=max(0, int(self.stats["connects"]) - 1),
             failed_attempts=int(self.stats["failures"]),
+            zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
         )
         return out
 
@@ -501,6 +557,16 @@ def grow_pipe(fd: int) -> int:
         return fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032))
     except OSError:
         return 0
+
+
+def pipe_bytes(fd: int) -> int:
+    """Bytes waiting in a pipe (FIONREAD); 0 if unknown."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return buf[0]
 
 
 def _interactive() -> bool:

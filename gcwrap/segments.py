@@ -1,61 +1,173 @@
-"""Append-only segment files that hold the spool's bytes.
+"""Segment files that hold the spool's bytes.
 
 Why not blobs in SQLite: a 1 MiB blob is sixteen 64 KiB pages written to the
 WAL, read back and written again at checkpoint; that is about four times the
 bytes and most of gcwrap's CPU (see benchmarks/README.md). Here every byte is
-written once, with pwrite, into `<spool>.seg/<stream>-<n>`; the SQLite spool
-stays the database of record: a chunk exists when its row (stream, offsets,
-segment, position) is committed. Bytes written past the last committed
-position (a crash, a failed commit) are simply overwritten by the next write.
+written once into `<spool>.seg/<stream>-<n>`; the SQLite spool stays the
+database of record: a chunk exists when its row (stream, offsets, segment,
+position) is committed.
+
+Layout. In a spool made by this version the layout is *natural*: byte `o`
+of a stream lives in segment `o // segment_size` at position
+`o % segment_size`, whatever path it took there. So the bytes of a stream's
+unacknowledged range can be found without asking the database, which is
+what lets gcwrap move bulk output without copying it through user space:
+
+- the reader `splice()`s the job's pipe straight into the segment file (the
+  kernel copies pipe pages into the page cache; nothing enters Python), and
+- the sender `sendfile()`s from the segment to the socket.
+
+Spools of earlier versions appended each chunk after the previous one; their
+rows say where, and they are read (by `gcwrap resume`) through the rows.
+
+Reuse. A segment whose bytes are all acknowledged is renamed to the stream's
+spare and becomes its next segment: writing over pages already in the page
+cache, and blocks already allocated, costs about half as much as filling new
+ones (benchmarks/README.md). At most one spare per stream, and none when the
+disk is tight.
+
+Bytes written past the last committed row (a crash, a failed commit) are
+garbage nobody points to; after a restart they are simply written over.
 
 Durability is the spool's: the page cache survives a killed wrapper; after a
 power loss the job is gone too, and the shadow's offsets make resends exact.
+
+Threads: the commit thread writes and releases, the readers' worker threads
+splice, the sender reads; the descriptor table is guarded by a lock. A
+segment is released only once every byte in it is acknowledged, and nobody
+reads or writes acknowledged bytes, so no descriptor is closed under a user.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
-DEFAULT_SEGMENT = 64 << 20
+DEFAULT_SEGMENT = 16 << 20
+MIN_SEGMENT = 64 << 10
+SPARE = "spare"
 
 
 class Segments:
-    def __init__(self, directory: Path, segment_size: int = DEFAULT_SEGMENT, *, readonly: bool = False) -> None:
+    def __init__(
+        self, directory: Path, segment_size: int = DEFAULT_SEGMENT, *, readonly: bool = False, natural: bool = False
+    ) -> None:
         self.dir = directory
         self.readonly = readonly
         self.segment_size = segment_size
+        self.natural = natural
+        self.keep_spares = True  # the spooler turns this off when the disk is tight
+        self.lock = threading.Lock()
+        # Appending layout (spools of earlier versions) only:
         self.current: dict[int, tuple[int, int]] = {}  # stream -> (segment, committed end)
         self.staged: dict[int, tuple[int, int]] = {}  # stream -> (segment, end) written, not yet committed
         self.fds: dict[tuple[int, int], int] = {}
         self.known: dict[int, set[int]] = {}  # stream -> segment numbers on disk
+        self.spares: dict[int, int] = {}  # stream -> descriptor of its spare segment
 
     def path(self, stream: int, seg: int) -> Path:
         return self.dir / f"{stream}-{seg}"
 
+    def spare_path(self, stream: int) -> Path:
+        return self.dir / f"{stream}-{SPARE}"
+
     def _fd(self, stream: int, seg: int, create: bool) -> int:
         key = (stream, seg)
-        fd = self.fds.get(key)
-        if fd is None:
+        with self.lock:
+            fd = self.fds.get(key)
+            if fd is not None:
+                return fd
             if create:
                 self.dir.mkdir(mode=0o700, exist_ok=True)
-                fd = os.open(self.path(stream, seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                spare = self.spares.pop(stream, None)
+                if spare is not None:
+                    try:
+                        os.rename(self.spare_path(stream), self.path(stream, seg))
+                        fd = spare
+                    except OSError:
+                        os.close(spare)
+                if fd is None:
+                    fd = os.open(self.path(stream, seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 self.known.setdefault(stream, set()).add(seg)
             else:
                 # A writer's read may later be followed by writes on the same fd.
                 mode = os.O_RDONLY if self.readonly else os.O_RDWR
                 fd = os.open(self.path(stream, seg), mode | os.O_CLOEXEC)
             self.fds[key] = fd
-        return fd
+            return fd
 
-    # -- writing (one owner) ---------------------------------------------
+    def where(self, offset: int) -> tuple[int, int, int]:
+        """Natural layout: the (segment, position) of stream byte `offset`,
+        and how many bytes fit from there to the segment's end."""
+        seg, pos = divmod(offset, self.segment_size)
+        return seg, pos, self.segment_size - pos
+
+    # -- writing (natural layout) ------------------------------------------
+
+    def place_at(self, stream: int, start: int, data: bytes | memoryview) -> list[tuple[int, int, int, int]]:
+        """Write stream bytes [start, start+len(data)) where they belong;
+        one (segment, position, start, end) per segment touched. OSError
+        (ENOSPC...) propagates: the caller reports the disk."""
+        out = []
+        view = memoryview(data)
+        at = start
+        while view:
+            seg, pos, room = self.where(at)
+            piece = view[:room]
+            fd = self._fd(stream, seg, create=True)
+            p = pos
+            while piece:
+                n = os.pwrite(fd, piece, p)
+                piece, p = piece[n:], p + n
+            size = min(room, len(view))
+            out.append((seg, pos, at, at + size))
+            view, at = view[size:], at + size
+        return out
+
+    def splice_in(self, stream: int, pipe: int, start: int, size: int) -> int:
+        """Move up to `size` bytes from the pipe into the segment file at
+        stream offset `start`, never across a segment's end, without copying
+        them through user space. Returns the bytes moved (0: end of file);
+        BlockingIOError when the (non-blocking) pipe is empty; other OSErrors
+        (ENOSPC...) are the disk's."""
+        seg, pos, room = self.where(start)
+        fd = self._fd(stream, seg, create=True)
+        return os.splice(pipe, fd, min(size, room), offset_dst=pos)
+
+    def fd_at(self, stream: int, offset: int) -> tuple[int, int, int]:
+        """Natural layout: (descriptor, position, bytes to the segment's end)
+        for reading stream byte `offset`."""
+        seg, pos, room = self.where(offset)
+        return self._fd(stream, seg, create=False), pos, room
+
+    def release_below(self, stream: int, acked: int) -> None:
+        """Natural layout: drop the segments whose every byte is acknowledged;
+        keep one as the stream's spare for reuse."""
+        first_needed = acked // self.segment_size
+        for n in sorted(self.known.get(stream, ())):
+            if n < first_needed:
+                self._drop(stream, n, reuse=True)
+
+    def drop_spares(self) -> None:
+        """Give the spares' blocks back (the disk is tight)."""
+        with self.lock:
+            spares, self.spares = self.spares, {}
+        for stream, fd in spares.items():
+            os.close(fd)
+            try:
+                os.unlink(self.spare_path(stream))
+            except FileNotFoundError:
+                pass
+
+    # -- writing (appending layout of earlier versions) ---------------------
 
     def resume(self, stream: int, seg: int, end: int) -> None:
         """After reopening: where the stream's committed bytes end."""
         self.current[stream] = (seg, end)
 
-    def place(self, stream: int, data: bytes) -> tuple[int, int]:
+    def place(self, stream: int, data: bytes | memoryview) -> tuple[int, int]:
         """Write `data` after the stream's staged end; its (segment, position).
         OSError (ENOSPC...) propagates: the caller reports the disk."""
         seg, pos = self.staged.get(stream) or self.current.get(stream) or (0, 0)
@@ -100,15 +212,23 @@ class Segments:
             if stream.isdigit() and seg.isdigit():
                 self.known.setdefault(int(stream), set()).add(int(seg))
 
-    def _drop(self, stream: int, seg: int) -> None:
-        fd = self.fds.pop((stream, seg), None)
-        if fd is not None:
-            os.close(fd)
-        self.known.get(stream, set()).discard(seg)
-        try:
-            os.unlink(self.path(stream, seg))
-        except FileNotFoundError:
-            pass
+    def _drop(self, stream: int, seg: int, reuse: bool = False) -> None:
+        with self.lock:
+            fd = self.fds.pop((stream, seg), None)
+            self.known.get(stream, set()).discard(seg)
+            if reuse and fd is not None and self.keep_spares and stream not in self.spares:
+                try:
+                    os.rename(self.path(stream, seg), self.spare_path(stream))
+                    self.spares[stream] = fd
+                    return
+                except OSError:
+                    pass
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.unlink(self.path(stream, seg))
+            except FileNotFoundError:
+                pass
 
     # -- reading ---------------------------------------------------------
 
@@ -119,18 +239,26 @@ class Segments:
             raise OSError(f"segment {self.path(stream, seg)} ends before byte {pos + size}")
         return data
 
+    def read_at(self, stream: int, offset: int, size: int) -> bytes:
+        """Natural layout: stream bytes from `offset`, at most to the segment's end."""
+        seg, pos, room = self.where(offset)
+        return self.read(stream, seg, pos, min(size, room))
+
     # -- the end ---------------------------------------------------------
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.drop_spares()  # a kept spool holds only what is undelivered
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
 
     def size(self) -> int:
+        """Disk space the segments take (blocks: a natural segment may be sparse)."""
         total = 0
         try:
             for entry in os.scandir(self.dir):
-                total += entry.stat().st_size
+                total += entry.stat().st_blocks * 512
         except FileNotFoundError:
             pass
         return total

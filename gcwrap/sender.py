@@ -106,6 +106,7 @@ class Session:
         self.welcomed = False
         self.progressed = False  # the shadow acknowledged new bytes in this session
         self.sent: dict[int, int] = {}
+        self.offered: dict[int, int] = {}  # per stream, the end of the frames begun (an ACK may beat `sent`)
         self.exit_sent = False
         self.last_in = self.last_out = time.monotonic()
         self.nonces = itertools.count(1)
@@ -119,6 +120,7 @@ class Session:
     async def _send_data(self, stream: trio.abc.Stream, sid: int, offset: int, payload: bytes | memoryview) -> None:
         """DATA without joining header and payload: with plain TCP one
         sendmsg gathers both (the payload is never copied in user space)."""
+        self.offered[sid] = max(self.offered.get(sid, 0), offset + len(payload))
         if self.conn.state is not State.STREAMING or len(payload) > MAX_PAYLOAD or isinstance(stream, trio.SSLStream):
             await self._send(stream, Data(sid, offset, bytes(payload)))
             return
@@ -136,6 +138,34 @@ class Session:
                 if sent:
                     parts[0] = memoryview(parts[0])[sent:]
 
+
+    async def _send_placed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> int:
+        """One DATA frame of bytes from the segment file (natural layout),
+        [offset, end) or the part of it up to the segment's end; returns its
+        size. Plain TCP: header, then sendfile (no copy in user space). TLS:
+        read, then send."""
+        spooler = self.agent.spooler
+        size = min(spooler.placed_size(offset, end), MAX_PAYLOAD)
+        if self.conn.state is not State.STREAMING or isinstance(stream, trio.SSLStream):
+            await self._send_data(stream, sid, offset, await spooler.read_placed(sid, offset, size))
+            return size
+        sock = self.sock
+        self.offered[sid] = max(self.offered.get(sid, 0), offset + size)
+        async with self.send_lock:
+            header = memoryview(data_header(sid, offset, size))
+            try:
+                while header:
+                    header = header[await sock.send(header, socket.MSG_MORE) :]  # type: ignore[union-attr]
+            except OSError as e:  # as SocketStream.send_all reports it
+                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+            done = 0
+            while done < size:
+                sent = await spooler.sendfile(sock.fileno(), sid, offset + done, size - done)
+                if sent:
+                    done += sent
+                else:
+                    await trio.lowlevel.wait_writable(sock)
+        return size
 
     async def run(self, stream: trio.abc.Stream, sock: socket.socket | trio.socket.SocketType) -> None:
         """Speak the protocol over `stream` (plain TCP, or TLS over it); `sock`
@@ -180,6 +210,7 @@ class Session:
                 )
             out.ack(durable)
         self.sent = {sid: out.acked for sid, out in agent.out.items()}
+        self.offered = dict(self.sent)
         if agent.stdin is not None:
             agent.stdin.in_flight = False
         self.welcomed = True
@@ -261,6 +292,15 @@ class Session:
                     out = agent.out.get(ev.stream)
                     if out is None:
                         raise ShadowRefused(ErrorCode.UNKNOWN_STREAM, f"ACK for unknown stream {ev.stream}", False)
+                    if ev.offset > self.offered.get(ev.stream, 0):
+                        # (Never from a sound shadow; and bytes acknowledged
+                        # are bytes whose segment may be reused.)
+                        raise ShadowRefused(
+                            ErrorCode.LENGTH_MISMATCH,
+                            f"the shadow acknowledged {ev.offset} bytes of {out.kind}, "
+                            f"but only {self.offered.get(ev.stream, 0)} were sent to it",
+                            True,
+                        )
                     try:
                         moved = out.ack(ev.offset)
                     except ValueError as e:
@@ -291,6 +331,13 @@ class Session:
                 if offset >= out.read_end:
                     continue
                 chunk = out.from_memory(offset, MAX_PAYLOAD)
+                if chunk is None and agent.spooler.zero_copy:
+                    placed = out.placed_end(offset)
+                    if placed > offset:
+                        # In the segment file (spliced, or spooled and evicted).
+                        self.sent[sid] = offset + await self._send_placed(stream, sid, offset, placed)
+                        progressed = True
+                        continue
                 chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, READ_BACK)
                 for c in chunks:
                     start = max(c.start, self.sent[sid])

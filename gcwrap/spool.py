@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Union
 
-from .segments import Segments
+from .segments import DEFAULT_SEGMENT, Segments
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -69,6 +69,25 @@ class Chunk:
     @property
     def end(self) -> int:
         return self.start + len(self.data)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Stream bytes [start, end) already in their segment file (spliced from
+    the job's pipe, never in memory); they are spooled once their row is
+    committed. Only with a spool of natural layout (gcwrap.segments)."""
+
+    stream: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
@@ -164,10 +183,19 @@ def _m003_segments(db: AnyDatabase) -> None:
     db.execute("ALTER TABLE chunks ADD COLUMN pos INTEGER")
 
 
+def _m004_layout(db: AnyDatabase) -> None:
+    # The segments' layout: a segment size means natural (byte o of a stream
+    # at o // segment_size, o % segment_size); NULL, the appending layout of
+    # spools made before it. (A column, not a table: a spool must fit where
+    # little is left, and a table takes a page of its own.)
+    db.execute("ALTER TABLE job ADD COLUMN segment_size INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
+    (4, "layout", _m004_layout),
 ]
 
 
@@ -252,7 +280,11 @@ class Spool:
 
     @classmethod
     def create(
-        cls, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
+        cls,
+        path: Path | None,
+        job: JobRecord,
+        streams: Iterable[tuple[int, str, str]],
+        segment_size: int = DEFAULT_SEGMENT,
     ) -> Spool:
         """A new spool for one run of a job. `path=None` makes one in memory.
         On disk it appears whole or not at all: built under a temporary name
@@ -260,7 +292,7 @@ class Spool:
         half-made spool. Raises SpoolError (disk full, unwritable...)."""
         if path is None:
             return cls._build(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False),
-                              None, job, streams)
+                              None, job, streams, segment_size)
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
@@ -272,7 +304,7 @@ class Spool:
             Path(f"{draft}{suffix}").unlink(missing_ok=True)
         try:
             conn = sqlite3.connect(str(draft), isolation_level=None, check_same_thread=False)
-            cls._build(conn, None, job, streams).close()
+            cls._build(conn, None, job, streams, segment_size).close()
             os.rename(draft, path)
         except OSError as e:
             for suffix in ("", "-journal"):
@@ -282,11 +314,25 @@ class Spool:
             for suffix in ("", "-journal"):
                 Path(f"{draft}{suffix}").unlink(missing_ok=True)
             raise
-        return cls.open(path)
+        try:
+            return cls.open(path)
+        except (OSError, SpoolError) as e:
+            # In place but unusable (no descriptor left, the disk...): not a
+            # spool anyone could resume, so none at all.
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise SpoolError(describe_os_error(e, path)) from None
+            raise
 
     @classmethod
     def _build(
-        cls, conn: sqlite3.Connection, path: Path | None, job: JobRecord, streams: Iterable[tuple[int, str, str]]
+        cls,
+        conn: sqlite3.Connection,
+        path: Path | None,
+        job: JobRecord,
+        streams: Iterable[tuple[int, str, str]],
+        segment_size: int,
     ) -> Spool:
         """Schema, job record and streams, in a fresh database (rollback
         journal until the spool is in place; `open` switches to WAL)."""
@@ -303,6 +349,7 @@ class Spool:
                 )
                 for sid, kind, name in streams:
                     db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
+                db.execute("UPDATE job SET segment_size = ? WHERE id = 1", [segment_size])
             if path is None:
                 configure(conn, new=False)
         except sqlite3.Error as e:
@@ -327,17 +374,36 @@ class Spool:
             if not readonly:
                 migrate(db)
             conn.execute("SELECT 1 FROM job").fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" not in str(e):  # the disk, the descriptors, the permissions
+                raise SpoolError(describe_sqlite_error(e, path)) from None
+            raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
         except sqlite3.DatabaseError as e:
             raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
         spool = cls(db, path, readonly=readonly)
         spool._resume_segments()
         return spool
 
+    @property
+    def natural(self) -> bool:
+        """Segments in the natural layout: stream bytes found by offset alone."""
+        return self.segments is not None and self.segments.natural
+
     def _resume_segments(self) -> None:
-        """Where each stream's committed bytes end in its newest segment."""
+        """The segments' layout; for the appending one, where each stream's
+        committed bytes end in its newest segment."""
         if self.segments is None:
             return
+        try:
+            row = self.db.execute("SELECT segment_size FROM job WHERE id = 1").fetchone()
+        except sqlite3.OperationalError:
+            row = None  # a spool from before migration 4, opened read-only
+        if row is not None and row[0]:
+            self.segments.natural = True
+            self.segments.segment_size = int(row[0])
         self.segments.scan()
+        if self.segments.natural:
+            return
         try:
             rows = self.db.execute(
                 'SELECT stream, seg, max(pos + "end" - start) FROM chunks WHERE seg IS NOT NULL '
@@ -387,7 +453,7 @@ class Spool:
 
     def commit(
         self,
-        chunks: Iterable[Chunk] = (),
+        chunks: Iterable[Chunk | Extent] = (),
         acked: dict[int, int] | None = None,
         eof: Iterable[int] = (),
         job: dict[str, Any] | None = None,
@@ -401,21 +467,47 @@ class Spool:
         ends: dict[int, int] = {}
         rows: list[tuple[Any, ...]] = []
         now = time.time()
+        natural = self.natural
+        chunks = list(chunks)
+        if natural:
+            # A byte's place is fixed by its offset: a chunk over bytes already
+            # spooled would write over them before the transaction could fail.
+            floor = {sid: st.appended for sid, st in self.streams().items()}
+            for c in chunks:
+                if c.size and c.start < floor.get(c.stream, 0):
+                    raise SpoolError(
+                        f"spool {self.path}: bytes {c.start}..{c.end} of stream {c.stream} are already spooled"
+                    )
+                floor[c.stream] = max(floor.get(c.stream, 0), c.end)
         try:
             for c in chunks:
-                if not c.data:
+                if not c.size:
                     # Nothing to keep, and a row would take (stream, start)
                     # from the chunk that really holds the bytes there.
                     continue
-                if segments is not None:
+                if isinstance(c, Extent):
+                    # Spliced: the bytes are in place already, at most to a segment's end.
+                    if not natural:
+                        raise ValueError("spliced bytes need a spool of natural layout")
+                    assert segments is not None
+                    seg, pos, room = segments.where(c.start)
+                    if c.size > room:
+                        raise ValueError(f"extent {c.start}..{c.end} crosses the end of segment {seg}")
+                    rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
+                elif natural:
                     # The bytes first; they count once their row is committed.
+                    assert segments is not None
+                    for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
+                        rows.append((c.stream, start, end, b"", now, seg, pos))
+                elif segments is not None:
                     seg, pos = segments.place(c.stream, c.data)
                     rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
                 else:
-                    rows.append((c.stream, c.start, c.end, c.data, now, None, None))
+                    rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
                 ends[c.stream] = max(ends.get(c.stream, 0), c.end)
         except OSError as e:
-            segments.rollback()  # type: ignore[union-attr]
+            if segments is not None:
+                segments.rollback()
             raise SpoolError(describe_os_error(e, self.path)) from e
         try:
             with transaction(conn):
@@ -456,7 +548,10 @@ class Spool:
             raise SpoolError(describe_sqlite_error(e, self.path)) from e
         if segments is not None:
             segments.commit()
-            for sid in acked or {}:
+            for sid, offset in (acked or {}).items():
+                if natural:
+                    segments.release_below(sid, offset)
+                    continue
                 (oldest,) = conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
                 segments.release(sid, oldest)
 
@@ -546,10 +641,22 @@ def describe_sqlite_error(e: sqlite3.Error, path: Path | None) -> str:
     if "readonly" in text or "read-only" in text:
         return f"{where}: not writable ({text})"
     if "disk I/O" in text:
+        # What SQLite says when it cannot grow its shared-memory file, or a
+        # write fails, on a file system that is full.
+        if path is not None and _nearly_full(path.parent):
+            return f"{where}: disk full ({text})"
         return f"{where}: I/O error ({text})"
     if "unable to open" in text and _out_of_descriptors():
         return f"{where}: out of file descriptors (raise `ulimit -n`)"
     return f"{where}: {text}"
+
+
+def _nearly_full(directory: Path) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < max(1 << 20, st.f_blocks * st.f_frsize // 100)
 
 
 def _out_of_descriptors() -> bool:

@@ -1,0 +1,332 @@
+"""The zero-copy bulk path: segments of natural layout, splice from the job's
+pipe, sendfile to the shadow, reuse of delivered segments; and the installed
+commands moving bulk output that way, byte-exact, over TCP and TLS."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gcwrap.outbox import OutStream, coalesce
+from gcwrap.segments import Segments
+from gcwrap.spool import SPOOL_SUFFIX, Chunk, Extent, JobRecord, Spool, SpoolError
+
+from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool
+
+OUT, ERR = 1, 2
+STREAMS = [(OUT, "stdout", "out.log"), (ERR, "stderr", "err.log")]
+MB = 1_000_000
+
+
+def job() -> JobRecord:
+    return JobRecord(job_id="zc", instance="0123456789abcdef", command=["true"])
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: room for every test's payload
+    yield r, w
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def fill_pipe(w: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(w, view) :]
+
+
+# -- segments ------------------------------------------------------------------------
+
+
+def test_place_at_puts_each_byte_at_its_offset_and_splits_at_segment_ends(tmp_path: Path) -> None:
+    seg = Segments(tmp_path / "seg", segment_size=100, natural=True)
+    data = bytes(range(250))
+    rows = seg.place_at(OUT, 70, data)
+    assert rows == [(0, 70, 70, 100), (1, 0, 100, 200), (2, 0, 200, 300), (3, 0, 300, 320)]
+    assert seg.read_at(OUT, 70, 1000) == data[:30], "a read stops at its segment's end"
+    got = b"".join(seg.read_at(OUT, at, 320 - at) for at in (100, 200, 300))
+    assert got == data[30:]
+    seg.close()
+
+
+def test_splice_moves_the_pipe_into_place_and_stops_at_the_segment_end(tmp_path: Path,
+                                                                       pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    seg = Segments(tmp_path / "seg", segment_size=4096, natural=True)
+    data = os.urandom(10_000)
+    fill_pipe(w, data)
+    moved = seg.splice_in(OUT, r, 1000, 1 << 20)
+    assert moved == 4096 - 1000, "never across a segment's end"
+    at = 1000 + moved
+    while at < 11_000:
+        at += seg.splice_in(OUT, r, at, 1 << 20)
+    assert at == 11_000
+    with pytest.raises(BlockingIOError):
+        seg.splice_in(OUT, r, at, 1 << 20)
+    got = b""
+    at = 1000
+    while at < 11_000:
+        piece = seg.read_at(OUT, at, 11_000 - at)
+        got, at = got + piece, at + len(piece)
+    assert got == data
+    seg.close()
+
+
+def test_delivered_segments_are_reused_then_freed(tmp_path: Path) -> None:
+    seg = Segments(tmp_path / "seg", segment_size=1000, natural=True)
+    seg.place_at(OUT, 0, b"a" * 2500)
+    first = os.stat(seg.path(OUT, 0)).st_ino
+    seg.release_below(OUT, 1999)  # segment 1 still holds an unacknowledged byte
+    assert not seg.path(OUT, 0).exists() and seg.path(OUT, 1).exists()
+    assert os.stat(seg.spare_path(OUT)).st_ino == first, "the delivered segment waits as the spare"
+    seg.release_below(OUT, 2000)
+    assert not seg.path(OUT, 1).exists(), "one spare at most: the second is deleted"
+    seg.place_at(OUT, 3000, b"b" * 10)
+    assert os.stat(seg.path(OUT, 3)).st_ino == first, "a new segment takes the spare's place (and its pages)"
+    assert not seg.spare_path(OUT).exists()
+    assert seg.read_at(OUT, 3000, 10) == b"b" * 10
+    assert seg.read_at(OUT, 2000, 500) == b"a" * 500
+    # With the disk tight, no spare is kept; close() gives any spare back.
+    seg.keep_spares = False
+    seg.release_below(OUT, 3000)
+    assert sorted(p.name for p in seg.dir.iterdir()) == [f"{OUT}-3"]
+    seg.keep_spares = True
+    seg.release_below(OUT, 4000)
+    assert seg.spare_path(OUT).exists()
+    seg.close()
+    assert sorted(p.name for p in seg.dir.iterdir()) == []
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["place", "splice", "ack"]), st.integers(1, 700)),
+        min_size=1,
+        max_size=40,
+    ),
+    size=st.sampled_from([64, 256, 1000]),
+)
+def test_any_mix_of_places_splices_and_acks_reads_back_the_stream(tmp_path_factory: pytest.TempPathFactory,
+                                                                 ops: list[tuple[str, int]], size: int) -> None:
+    """Model: a stream of random bytes written by memory places and splices
+    in any order and sizes, acknowledged at random points; every byte not
+    yet acknowledged reads back exactly, whatever segments were reused."""
+    directory = tmp_path_factory.mktemp("seg")
+    seg = Segments(directory, segment_size=size, natural=True)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    fcntl.fcntl(w, 1031, 1 << 20)
+    stream = b""
+    acked = 0
+    try:
+        for op, n in ops:
+            data = os.urandom(n)
+            if op == "place":
+                seg.place_at(OUT, len(stream), data)
+                stream += data
+            elif op == "splice":
+                fill_pipe(w, data)
+                left = n
+                while left:
+                    moved = seg.splice_in(OUT, r, len(stream) + n - left, left)
+                    assert 0 < moved <= left
+                    left -= moved
+                stream += data
+            else:
+                acked = min(len(stream), acked + n)
+                seg.release_below(OUT, acked)
+            at = acked
+            while at < len(stream):
+                piece = seg.read_at(OUT, at, len(stream) - at)
+                assert piece == stream[at : at + len(piece)] and piece
+                at += len(piece)
+    finally:
+        seg.close()
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.root
+def test_splice_into_a_full_disk_leaves_the_pipe_intact(tmp_path: Path, pipe: tuple[int, int]) -> None:
+    """ENOSPC from splice must not eat the job's bytes: they stay in the pipe
+    for the memory path to read."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        r, w = pipe
+        seg = Segments(mnt / "seg", segment_size=4 << 20, natural=True)
+        data = os.urandom(768 << 10)
+        fill_pipe(w, data)
+        (mnt / "filler").write_bytes(b"\0" * ((1 << 20) - (256 << 10)))  # leaves less than the payload
+        spliced = 0
+        with pytest.raises(OSError) as caught:
+            for _ in range(100):
+                spliced += seg.splice_in(OUT, r, spliced, 1 << 20)
+        assert caught.value.errno == errno.ENOSPC
+        assert 0 <= spliced < len(data)
+        rest = b""
+        while len(rest) < len(data) - spliced:
+            rest += os.read(r, 1 << 20)
+        placed = b""
+        while len(placed) < spliced:
+            placed += seg.read_at(OUT, len(placed), spliced - len(placed))
+        assert placed + rest == data, "every byte is either in the segment or still in the pipe"
+        seg.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- the spool ------------------------------------------------------------------------
+
+
+def test_spool_records_extents_and_reads_them_back(tmp_path: Path, pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    path = tmp_path / f"j{SPOOL_SUFFIX}"
+    spool = Spool.create(path, job(), STREAMS, segment_size=64 << 10)
+    assert spool.natural
+    segments = spool.segments
+    assert segments is not None
+    head = os.urandom(5000)
+    bulk = os.urandom(200_000)
+    fill_pipe(w, bulk)
+    extents = []
+    at = len(head)
+    while at < len(head) + len(bulk):
+        moved = segments.splice_in(OUT, r, at, 1 << 20)
+        extents.append(Extent(OUT, at, at + moved))
+        at += moved
+    assert len(extents) >= 4, "extents end at segment ends"
+    spool.commit([Chunk(OUT, 0, head), *extents, Chunk(ERR, 0, b"err")])
+    assert b"".join(c.data for c in spool.read(OUT, 0, 1 << 30)) == head + bulk
+    spool.close()
+    again = Spool.open(path)
+    assert again.natural and again.segments is not None and again.segments.segment_size == 64 << 10
+    assert again.streams()[OUT].appended == len(head) + len(bulk)
+    assert b"".join(c.data for c in again.read(OUT, 0, 1 << 30)) == head + bulk
+    # Nothing may be placed over bytes already spooled: refused before a byte is written.
+    with pytest.raises(SpoolError, match="already spooled"):
+        again.commit([Chunk(OUT, 100, b"x" * 10)])
+    with pytest.raises(SpoolError, match="already spooled"):
+        again.commit([Extent(OUT, len(head) + len(bulk), len(head) + len(bulk) + 10), Chunk(OUT, 0, b"x")])
+    assert b"".join(c.data for c in again.read(OUT, 0, 1 << 30)) == head + bulk
+    # An acknowledged segment goes; the bytes after it stay readable.
+    again.commit(acked={OUT: 150_000})
+    assert not again.segments.path(OUT, 0).exists()
+    assert b"".join(c.data for c in again.read(OUT, 150_000, 1 << 30))[-1000:] == bulk[-1000:]
+    again.close()
+
+
+def test_spool_of_an_earlier_version_keeps_appending(tmp_path: Path) -> None:
+    """A spool without a layout row (made before it) is read and written
+    through its rows, never by offset."""
+    path = tmp_path / f"old{SPOOL_SUFFIX}"
+    spool = Spool.create(path, job(), STREAMS)
+    spool.db.execute("UPDATE job SET segment_size = NULL")
+    spool.close()
+    old = Spool.open(path)
+    assert not old.natural
+    old.commit([Chunk(OUT, 0, b"hello "), Chunk(OUT, 6, b"world")])
+    assert b"".join(c.data for c in old.read(OUT, 0, 100)) == b"hello world"
+    rows = old.db.execute("SELECT start, seg, pos FROM chunks ORDER BY start").fetchall()
+    assert rows == [(0, 0, 0), (6, 0, 6)]
+    with pytest.raises(ValueError, match="natural layout"):
+        old.commit([Extent(OUT, 11, 20)])
+    old.close()
+
+
+# -- the agent's view -----------------------------------------------------------------
+
+
+def test_outstream_with_extents() -> None:
+    out = OutStream(OUT, "stdout", "o")
+    out.append(b"line\n")
+    out.append_extent(1000)
+    out.append_extent(500)
+    out.append(b"tail")
+    assert out.read_end == 5 + 1500 + 4 and out.mem_bytes == 9, "extents take no memory"
+    assert out.unsafe_bytes == out.read_end
+    assert out.from_memory(0, 1 << 20) == Chunk(OUT, 0, b"line\n"), "memory stops at an extent"
+    assert out.from_memory(5, 1 << 20) is None and out.from_memory(700, 1 << 20) is None
+    assert out.placed_end(5) == 1505 and out.placed_end(700) == 1505
+    assert out.placed_end(0) == 0, "bytes in memory are not placed"
+    assert out.from_memory(1505, 1 << 20) == Chunk(OUT, 1505, b"tail")
+    kinds = [type(c).__name__ for c in coalesce(out.unspooled(1 << 20), 1 << 20)]
+    assert kinds == ["Chunk", "Extent", "Extent", "Chunk"]
+    out.mark_spooled(1505)
+    assert out.placed_end(5) == 1505 and out.unsafe_bytes == 4
+    out.ack(1200)
+    assert out.placed_end(1200) == 1505
+    assert [type(c).__name__ for c in out.mem] == ["Extent", "Chunk"]
+    out.ack(1509)
+    assert not out.mem and out.mem_bytes == 0
+
+
+# -- end to end -----------------------------------------------------------------------
+
+
+def shadow_summary(home: Path, job_id: str) -> dict[str, str]:
+    jobs = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                          check=True, timeout=60)
+    (rec,) = [j for j in json.loads(jobs.stdout) if j["job_id"] == job_id]
+    return rec["summary"]
+
+
+@pytest.mark.timeout(180)
+def test_bulk_output_goes_zero_copy_and_lines_do_not(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    args = ["--shadow", shadow.address, "--spool", str(spool_dir), "--retry-timeout", "1"]
+    bulk = Wrapper([*args, "--job-id", "zc-bulk", "--stdout", "bulk.out", "--stderr", "bulk.err", "--",
+                    *genjob(60 * MB, 10 * MB, seed=21)])
+    lines = Wrapper([*args, "--job-id", "zc-lines", "--stdout", "lines.out", "--",
+                     "python3", "-c", "import sys\nfor i in range(2000): print(i, flush=True)"])
+    assert bulk.wait(150) == 0, bulk.err.decode()
+    assert lines.wait(60) == 0, lines.err.decode()
+    assert sha256_file(home / "bulk.out") == expected(60 * MB, 21)
+    assert sha256_file(home / "bulk.err") == expected(10 * MB, 22)
+    assert (home / "lines.out").read_text() == "".join(f"{i}\n" for i in range(2000))
+    assert float(shadow_summary(home, "zc-bulk")["zero_copy_pct"]) > 50
+    assert float(shadow_summary(home, "zc-lines")["zero_copy_pct"]) == 0
+    assert list(spool_dir.glob("*")) == [], "delivered: spool, segments and spares are gone"
+
+
+@pytest.mark.timeout(180)
+def test_zero_copy_over_tls(home: Path, tmp_path: Path) -> None:
+    """TLS cannot sendfile: spliced bytes are read back and sent through it."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    pem = tmp_path / "server.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--tls-cert", str(pem)])
+    sh.start()
+    try:
+        w = Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / "spool"), "--job-id", "zc-tls",
+                     "--tls-ca", str(tmp_path / "ca.pem"), "--stdout", "tls.out", "--",
+                     *genjob(40 * MB, 0, seed=5)])
+        assert w.wait(150) == 0, w.err.decode()
+        assert sha256_file(home / "tls.out") == expected(40 * MB, 5)
+        assert float(shadow_summary(home, "zc-tls")["zero_copy_pct"]) > 50
+    finally:
+        sh.stop()
