@@ -161,9 +161,10 @@ class Session:
             done = 0
             while done < size:
                 sent = await spooler.sendfile(sock.fileno(), sid, offset + done, size - done)
-                if sent:
-                    done += sent
-                else:
+                done += sent
+                if done < size:
+                    # Short: the send buffer is full. Retrying at once would
+                    # only fail; wait until the kernel says a third is free.
                     await trio.lowlevel.wait_writable(sock)
         return size
 
