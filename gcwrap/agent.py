@@ -131,6 +131,7 @@ class Agent:
         self.committed_eof: set[int] = set()
         self.exit_event: Exit | None = None  # set once the job has ended
         self.delivered = trio.Event()
+        self.commit_soon = trio.Event()  # set: the commit loop stops gathering (see COMMIT_PACE)
         self.failures_blocked = 0  # consecutive failed attempts while output could go nowhere
         self.blocked_since: float | None = None
         self.disk_error = ""
@@ -224,6 +225,8 @@ class Agent:
                     out.append(data, now)
                     size = len(data)
                 self.changed.fire()
+                if self.unsafe_bytes >= self.opts.mem_limit // 4:
+                    self.commit_soon.set()  # (group commit: no more waiting)
                 if fill and BULK_READ <= size < 1.5 * fill:  # (a full pipe: read again at once)
                     # Bulk output: let the pipe fill to about `fill` at the
                     # job's recent rate (a fast job: a fraction of a ms; a
@@ -367,10 +370,9 @@ class Agent:
                     o.evict(share)
             self.changed.fire()
             if chunks and not (self.child_exited or spooler.full_reason or self.disk_error):
-                paced = trio.current_time() + COMMIT_PACE
-                while trio.current_time() < paced and self.unsafe_bytes < self.opts.mem_limit // 4:
-                    with trio.move_on_at(paced):
-                        await self.changed.wait()
+                self.commit_soon = trio.Event()
+                with trio.move_on_after(COMMIT_PACE):
+                    await self.commit_soon.wait()
 
     def _disk_failed(self, reason: str) -> None:
         if not self.disk_error:
@@ -715,6 +717,7 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
                 readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
             await proc.wait()
             agent.child_exited = True
+            agent.commit_soon.set()
             agent.changed.fire()
             if delivery_done.is_set() and not agent.delivered.is_set():
                 # gcwrap gave up and ended the job: readers paused by

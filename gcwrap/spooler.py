@@ -33,9 +33,11 @@ LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so i
 # The zero-copy path splices and sendfiles in the event loop's own thread: a
 # hop to a worker thread costs about 0.25 ms of CPU on a small VM, more than
 # moving a MiB through the page cache. A disk that makes one of them slower
-# than SLOW_IO sends them to a worker thread for SLOW_HOLD seconds.
-SLOW_IO = 0.02
-SLOW_HOLD = 5.0
+# than SLOW_IO sends them to a worker thread for SLOW_HOLD seconds. (Not
+# lower: on a busy 2-core machine a preempted 1 MiB splice takes 20-30 ms
+# of wall time now and then, and each false alarm costs thread hops.)
+SLOW_IO = 0.1
+SLOW_HOLD = 2.0
 
 
 NETWORK_ERRNOS = {
@@ -266,7 +268,6 @@ class Spooler:
         at offset `start`; see Segments.splice_in. OSError is the disk's."""
         segments = self.spool.segments  # type: ignore[union-attr]
         assert segments is not None
-        await trio.lowlevel.checkpoint()
         return await self._io(lambda: segments.splice_in(stream, pipe, start, size), limiter)
 
     async def read_placed(self, stream: int, offset: int, size: int) -> bytes:
