@@ -69,6 +69,8 @@ log = logging.getLogger("gcshadow")
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
+LINGER_S = 1.0  # after refusing a connection, read and drop what still comes for this long...
+LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
 
 # Descriptors kept for the shadow itself on top of those open when it starts
 # serving: listeners, name lookups, SQLite's temporary files, and the files
@@ -460,6 +462,24 @@ class Shadow:
             scope.shield = True
             try:
                 await stream.send_all(conn.send(Error(code, message, retry_after)))
+            except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+                return
+        # Linger: an agent streaming bulk output has more bytes in flight.
+        # Closing on them now would answer them with a reset, and a reset
+        # destroys the ERROR still in the agent's receive queue; it would
+        # see only "connection lost". So say we are done, and read (and drop)
+        # what comes until the agent closes, for a second at most.
+        with trio.move_on_after(LINGER_S) as scope:
+            scope.shield = True
+            try:
+                if isinstance(stream, trio.SocketStream):
+                    await stream.send_eof()
+                drained = 0
+                while drained < LINGER_BYTES:
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                    if not data:
+                        break
+                    drained += len(data)
             except Exception:  # noqa: BLE001 - best effort: the peer may be gone
                 pass
 
