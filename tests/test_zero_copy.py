@@ -255,6 +255,81 @@ def test_spool_of_an_earlier_version_keeps_appending(tmp_path: Path) -> None:
     old.close()
 
 
+# -- the spooler's zero-copy I/O ------------------------------------------------------
+
+
+async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
+    tmp_path: Path, pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import trio
+
+    from gcwrap import spooler as spooler_mod
+    from gcwrap.spooler import Spooler
+
+    r, w = pipe
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
+    await spooler.ensure()
+    assert spooler.zero_copy, "a spool this run made, of natural layout"
+    segments = spooler.spool.segments  # type: ignore[union-attr]
+    assert segments is not None
+    threads: list[int] = []
+    splice_in = segments.splice_in
+
+    def traced(*args: int) -> int:
+        threads.append(threading.get_ident())
+        return splice_in(*args)
+
+    monkeypatch.setattr(segments, "splice_in", traced)
+    data = os.urandom(300_000)
+    fill_pipe(w, data)
+    limiter = trio.CapacityLimiter(1)
+    first = await spooler.splice(OUT, r, 0, 100_000, limiter)
+    assert first == 100_000 and threads == [threading.get_ident()], "inline: no worker thread"
+    # A disk that made one operation slow sends the next ones to a worker thread.
+    monkeypatch.setattr(spooler_mod, "SLOW_IO", -1.0)
+    second = await spooler.splice(OUT, r, first, 100_000, limiter)
+    assert spooler.slow_until > trio.current_time()
+    moved = first + second
+    while moved < len(data):
+        moved += await spooler.splice(OUT, r, moved, 1 << 20, limiter)
+    assert threads[2] != threading.get_ident(), "slow disk: in a worker thread"
+    # sendfile, in a thread now, then inline again once the hold has passed.
+    a, b = socket_pair()
+    got = bytearray()
+    sent = 0
+    for round_ in range(2):
+        if round_:
+            spooler.slow_until = -1.0
+            monkeypatch.setattr(spooler_mod, "SLOW_IO", 10.0)
+        end = len(data) if round_ else 100_000
+        while sent < end:
+            sent += await spooler.sendfile(a.fileno(), OUT, sent, end - sent)
+            got += b.recv(1 << 20)
+    while len(got) < len(data):
+        got += b.recv(1 << 20)
+    assert bytes(got) == data
+    # A dead peer is the network's failure, not the disk's.
+    b.close()
+    with pytest.raises(trio.BrokenResourceError):
+        for _ in range(100):
+            await spooler.sendfile(a.fileno(), OUT, 0, 100_000)
+    a.close()
+    # A read of a byte the segments do not hold is the spool's failure.
+    with pytest.raises(SpoolError):
+        await spooler.read_placed(OUT, 50 << 20, 1000)
+    spooler.close(remove=True)
+
+
+def socket_pair() -> tuple["socket.socket", "socket.socket"]:
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    return a, b
+
+
 # -- the agent's view -----------------------------------------------------------------
 
 
