@@ -56,6 +56,20 @@ from pathlib import Path
 
 BLOCK = 64 << 20  # the random block the source is made of
 GiB = 1 << 30
+# --rate: the same bytes as `head -c N SOURCE`, in 256 KiB writes, no faster than RATE bytes/s.
+PACER = """
+import os, sys, time
+fd, size, rate = os.open(sys.argv[1], os.O_RDONLY), int(sys.argv[2]), float(sys.argv[3])
+done, start = 0, time.monotonic()
+while done < size:
+    data = memoryview(os.pread(fd, min(256 << 10, size - done), done))
+    while data:
+        data = data[os.write(1, data):]
+    done += 256 << 10
+    ahead = start + min(done, size) / rate - time.monotonic()
+    if ahead > 0:
+        time.sleep(ahead)
+"""
 MB = 10**6
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 OUT_NAME = "throughput.out"
@@ -330,6 +344,8 @@ class Bench:
 
     @property
     def job(self) -> list[str]:
+        if self.args.rate:
+            return [sys.executable, "-c", PACER, str(self.source), str(self.size), str(self.args.rate)]
         return ["head", "-c", str(self.size), str(self.source)]
 
     def deadline(self) -> float:
@@ -581,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, default=10**9,
                         help="bytes the job writes (1GB = 10^9, 64MiB, ...; default 1GB)")
     parser.add_argument("--runs", type=int, default=5, help="runs of each path, alternated (default 5)")
+    parser.add_argument("--rate", type=parse_size, default=0,
+                        help="the job writes at most this many bytes/s (a paced Python writer instead of head; "
+                             "0: as fast as it can, the default)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds allowed per run (default: 60 + 1 s per 2 MB)")
     parser.add_argument("--tmpdir", type=Path, default=None,
