@@ -23,8 +23,8 @@ other with one `Signal`.
 
 from __future__ import annotations
 
-import dataclasses
 import array
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -293,7 +293,7 @@ class Agent:
 
     def _unspooled(self, room: int) -> list[Chunk | Extent]:
         """Chunks not yet safe, in order per stream, that fit in `room` bytes."""
-        chunks: list[Chunk] = []
+        chunks: list[Chunk | Extent] = []
         for out in self.out.values():
             for c in out.unspooled(room):
                 if cached(c) > room:  # (an extent is on disk already)

@@ -480,7 +480,7 @@ class Shadow:
                     if not data:
                         break
                     drained += len(data)
-            except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+            except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
                 pass
 
     async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:

@@ -8,19 +8,19 @@ import errno
 import fcntl
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.outbox import OutStream, coalesce
 from gcwrap.segments import Segments
 from gcwrap.spool import SPOOL_SUFFIX, Chunk, Extent, JobRecord, Spool, SpoolError
-
-from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool
 
 OUT, ERR = 1, 2
 STREAMS = [(OUT, "stdout", "out.log"), (ERR, "stderr", "err.log")]
@@ -170,7 +170,8 @@ def test_splice_into_a_full_disk_leaves_the_pipe_intact(tmp_path: Path, pipe: tu
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True,
+                          check=False)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
     try:
@@ -322,9 +323,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     spooler.close(remove=True)
 
 
-def socket_pair() -> tuple["socket.socket", "socket.socket"]:
-    import socket
-
+def socket_pair() -> tuple[socket.socket, socket.socket]:
     a, b = socket.socketpair()
     a.setblocking(False)
     return a, b
