@@ -302,6 +302,33 @@ def test_descriptor_exhaustion_gives_a_clear_error(shadow: ShadowProc, home: Pat
     assert list(spool_dir.glob("*.spool")) == [], "no spool left for a job that never ran"
 
 
+@pytest.mark.timeout(60)
+def test_sigterm_stops_a_shadow_whose_root_vanished_mid_stream(spool_dir: Path, tmp_path: Path) -> None:
+    """The root deleted under a streaming shadow (a cleaner, an operator's
+    rm -rf): SIGTERM still stops it at once, without a traceback."""
+    home = tmp_path / "doomed"
+    home.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    sh.start()
+    try:
+        w = Wrapper(["--shadow", sh.address, "--spool", str(spool_dir), "--job-id", "vanished",
+                     "--retry-timeout", "0.5", "--stdout", "v.out", "--",
+                     *genjob(50 * MB, 0, seed=17, rate=5 * MB)])
+        wait_until(lambda: file_size(home / "v.out") > MB, 30, "output at home")
+        shutil.rmtree(home)
+        assert sh.proc is not None
+        sh.proc.send_signal(signal.SIGTERM)
+        assert sh.proc.wait(5) in (-signal.SIGTERM, 0), "stopped by SIGTERM within 5 s"
+        w.proc.kill()
+        w.proc.wait(10)
+    finally:
+        sh.stop()
+    text = b"".join(p.read_bytes() for p in logs.glob("shadow-*.log"))
+    assert b"Traceback" not in text, text.decode(errors="replace")
+
+
 # -- 7. a randomized schedule mixing all of the above --------------------------------
 
 CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0}
