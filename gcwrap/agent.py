@@ -148,6 +148,7 @@ class Agent:
         self.delivery_scope: trio.CancelScope | None = None
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
+        self.resuming = False  # delivering a spool left behind (gcwrap resume), not running a job
 
     # -- shared state helpers ---------------------------------------------
 
@@ -531,7 +532,9 @@ class Agent:
         """The EXIT to send, with the summary as of now."""
         assert self.exit_event is not None
         pairs = tuple((k, str(v)) for k, v in self.summary().items())
-        return dataclasses.replace(self.exit_event, summary=pairs)
+        # (The lengths as of now: a resume may learn that home holds more than its spool.)
+        lengths = tuple((s, o.read_end) for s, o in self.out.items())
+        return dataclasses.replace(self.exit_event, summary=pairs, lengths=lengths)
 
     def on_welcome(self) -> None:
         self.stats["connects"] += 1
@@ -805,6 +808,7 @@ async def resume_spool(
     specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
     spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd)
     agent = Agent(opts, spooler, job, specs)
+    agent.resuming = True
     for sid, out in agent.out.items():
         st = states[sid]
         out.read_end = out.spooled_end = st.appended

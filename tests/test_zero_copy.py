@@ -404,3 +404,38 @@ def test_zero_copy_over_tls(home: Path, tmp_path: Path) -> None:
         assert float(shadow_summary(home, "zc-tls")["zero_copy_pct"]) > 50
     finally:
         sh.stop()
+
+
+@pytest.mark.timeout(120)
+def test_resume_when_home_holds_more_than_the_spool_recorded(shadow: ShadowProc, home: Path,
+                                                            spool_dir: Path) -> None:
+    """A wrapper killed between sending bytes and committing them (commits
+    gather for up to 10 ms) leaves a spool that knows less than home holds.
+    `gcwrap resume` must accept that, not refuse the job as a length
+    mismatch, and land nothing twice."""
+    import sqlite3
+    import time
+
+    from helpers import file_size, spool_status, wait_until
+
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "ahead", "--retry-timeout",
+                 "0.5", "--stdout", "ahead.out", "--", "sh", "-c",
+                 f"{' '.join(genjob(MB, 0, seed=33))}; exec sleep 60 2>/dev/null"])
+    wait_until(lambda: file_size(home / "ahead.out") == MB, 60, "the job's output at home")
+    wait_until(lambda: spool_status(spool_dir)[0]["streams"][0]["acked"] == MB, 30,  # type: ignore[index]
+               "the acknowledgement recorded")
+    w.kill9()
+    # As if killed before the last commits: the spool recorded only the first 600 kB.
+    (path,) = spool_dir.glob("*.spool")
+    db = sqlite3.connect(path)
+    db.execute('DELETE FROM chunks WHERE "end" > 600000')
+    db.execute("UPDATE streams SET appended = 600000, acked = 0")
+    db.commit()
+    db.close()
+    started = time.monotonic()
+    res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-timeout", "0.5",
+                          "--retry-limit", "3"], capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr.decode()
+    assert time.monotonic() - started < 30
+    assert sha256_file(home / "ahead.out") == expected(MB, 33), "home keeps its bytes, none written twice"
+    assert list(spool_dir.glob("*.spool")) == []
