@@ -46,7 +46,7 @@ from .outbox import OutStream, cached
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
 from .spool import Chunk, Extent, JobRecord, Spool, SpoolError, describe_os_error
-from .spooler import Spooler, lock_spool
+from .spooler import UNSUPPORTED_ERRNOS, Spooler, lock_spool
 from .sync import Signal, first_error
 
 log = logging.getLogger("gcwrap")
@@ -244,7 +244,7 @@ class Agent:
         """The bulk path is open: a spool of natural layout that takes bytes
         (room for a pipeful beyond what it holds), and no --write-behind
         (which keeps acknowledged-in-time output off the disk)."""
-        if not self.spooler.zero_copy or self.disk_error or self.opts.write_behind:
+        if not self.spooler.zero_copy or self.spooler.no_splice or self.disk_error or self.opts.write_behind:
             return False
         return self.spooler.room(self.spooled_pending + self.unsafe_bytes) >= 2 * max(capacity, SPLICE_MIN)
 
@@ -256,6 +256,10 @@ class Agent:
         except BlockingIOError:
             return 0
         except OSError as e:
+            if e.errno in UNSUPPORTED_ERRNOS:
+                log.info("splice into the spool is not supported here (%s): reading into memory", e.strerror)
+                self.spooler.no_splice = True
+                return 0
             if e.errno == errno.ENOSPC and self.spooler.spool and self.spooler.spool.segments:
                 self.spooler.spool.segments.drop_spares()
             self._disk_failed(describe_os_error(e, self.spooler.path))

@@ -40,6 +40,9 @@ SLOW_IO = 0.1
 SLOW_HOLD = 2.0
 
 
+# A file system or kernel without splice/sendfile for these files: the bytes
+# then take the copying path, and that is no failure of the disk.
+UNSUPPORTED_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 NETWORK_ERRNOS = {
     errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBADF,
@@ -85,6 +88,8 @@ class Spooler:
         self.live_fd: int | None = None
         self.created = False  # this run made the spool (not a resume)
         self.slow_until = -1.0  # zero-copy I/O goes to a worker thread until then (trio clock)
+        self.no_splice = False  # splice into the segments is not supported here
+        self.no_sendfile = False  # sendfile from them is not: pread and send instead
 
     # -- creating --------------------------------------------------------
 
@@ -291,9 +296,24 @@ class Spooler:
         def send() -> int:
             fd, pos, _ = segments.fd_at(stream, offset)
             try:
-                return os.sendfile(sock, fd, pos, size)
+                if self.no_sendfile:
+                    return copy(fd, pos)
+                try:
+                    return os.sendfile(sock, fd, pos, size)
+                except OSError as e:
+                    if e.errno not in UNSUPPORTED_ERRNOS:
+                        raise
+                    log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
+                    self.no_sendfile = True
+                    return copy(fd, pos)
             except BlockingIOError:
                 return 0
+
+        def copy(fd: int, pos: int) -> int:
+            data = os.pread(fd, min(size, 1 << 20), pos)
+            if not data:
+                raise OSError(errno.EIO, f"segment ends before byte {offset} of stream {stream}")
+            return os.write(sock, data)  # a socket: write(2) is send(2) without flags
 
         try:
             return await self._io(send, self.read_limiter)

@@ -311,6 +311,22 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     while len(got) < len(data):
         got += b.recv(1 << 20)
     assert bytes(got) == data
+    # Where sendfile is not supported the same bytes are copied instead.
+    real_sendfile = os.sendfile
+
+    def unsupported(*args: int) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sendfile", unsupported)
+    got = bytearray()
+    sent = 0
+    while sent < len(data):
+        sent += await spooler.sendfile(a.fileno(), OUT, sent, len(data) - sent)
+        got += b.recv(1 << 20)
+    while len(got) < len(data):
+        got += b.recv(1 << 20)
+    assert bytes(got) == data and spooler.no_sendfile
+    monkeypatch.setattr(os, "sendfile", real_sendfile)
     # A dead peer is the network's failure, not the disk's.
     b.close()
     with pytest.raises(trio.BrokenResourceError):
@@ -439,3 +455,27 @@ def test_resume_when_home_holds_more_than_the_spool_recorded(shadow: ShadowProc,
     assert time.monotonic() - started < 30
     assert sha256_file(home / "ahead.out") == expected(MB, 33), "home keeps its bytes, none written twice"
     assert list(spool_dir.glob("*.spool")) == []
+
+
+async def test_without_splice_support_bulk_output_is_read_into_memory(
+    shadow: ShadowProc, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system whose files take no splice (EINVAL): gcwrap reads into
+    memory instead, says so once, and calls none of it a disk failure."""
+    from gcwrap.agent import AgentOptions, run_job
+
+    calls = []
+
+    def unsupported(self: Segments, *args: int) -> int:
+        calls.append(args)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(Segments, "splice_in", unsupported)
+    host, port = shadow.address.rsplit(":", 1)
+    opts = AgentOptions(shadow=(host, int(port)), stdout="nosplice.out", retry_timeout=0.5)
+    record = JobRecord(job_id="nosplice", instance="00112233445566ff", command=["genjob"])
+    outcome = await run_job(opts, genjob(20 * MB, 0, seed=44), record, tmp_path / f"nosplice{SPOOL_SUFFIX}")
+    assert outcome.status == 0, outcome.message
+    assert sha256_file(home / "nosplice.out") == expected(20 * MB, 44)
+    assert len(calls) == 1, "tried once, then never again"
+    assert outcome.stats["zero_copy_pct"] == 0
