@@ -117,14 +117,17 @@ class Tmpfs:
         filler = self.path / "filler"
         st = os.statvfs(self.path)
         free = st.f_bavail * st.f_frsize
-        with open(filler, "ab") as f:
+        # Unbuffered: a buffered file would flush its rest on close, and that
+        # raises ENOSPC out of the `with` when the disk filled mid-write.
+        with open(filler, "ab", buffering=0) as f:
             want = max(0, free - leave)
             block = b"\0" * (64 << 10)
             try:
                 while want > 0:
-                    f.write(block[: min(len(block), want)])
-                    want -= len(block)
-                f.flush()
+                    n = f.write(block[: min(len(block), want)])
+                    if not n:
+                        break
+                    want -= n
             except OSError:
                 pass
         return filler
