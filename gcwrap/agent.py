@@ -210,9 +210,10 @@ class Agent:
                 if self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 size = 0
-                if self._may_splice(capacity):
+                if self._may_splice():
                     await trio.lowlevel.wait_readable(fd)
-                    if pipe_bytes(fd) >= SPLICE_MIN:
+                    # (Line output stops at the first test: no statvfs per line.)
+                    if pipe_bytes(fd) >= SPLICE_MIN and self._spool_has_room(capacity):
                         size = await self._splice(out, fd, limiter)
                 now = trio.current_time()
                 if size:
@@ -240,12 +241,15 @@ class Agent:
         out.eof = True
         self.changed.fire()
 
-    def _may_splice(self, capacity: int) -> bool:
-        """The bulk path is open: a spool of natural layout that takes bytes
-        (room for a pipeful beyond what it holds), and no --write-behind
-        (which keeps acknowledged-in-time output off the disk)."""
-        if not self.spooler.zero_copy or self.spooler.no_splice or self.disk_error or self.opts.write_behind:
-            return False
+    def _may_splice(self) -> bool:
+        """The bulk path is open: a spool of natural layout, made by this
+        run, that splice works on and that takes bytes; and no
+        --write-behind (which keeps acknowledged-in-time output off the disk)."""
+        return (self.spooler.zero_copy and not self.spooler.no_splice and not self.disk_error
+                and not self.opts.write_behind)
+
+    def _spool_has_room(self, capacity: int) -> bool:
+        """Room for two pipefuls beyond what the spool holds (or will)."""
         return self.spooler.room(self.spooled_pending + self.unsafe_bytes) >= 2 * max(capacity, SPLICE_MIN)
 
     async def _splice(self, out: OutStream, fd: int, limiter: trio.CapacityLimiter) -> int:
@@ -260,8 +264,6 @@ class Agent:
                 log.info("splice into the spool is not supported here (%s): reading into memory", e.strerror)
                 self.spooler.no_splice = True
                 return 0
-            if e.errno == errno.ENOSPC and self.spooler.spool and self.spooler.spool.segments:
-                self.spooler.spool.segments.drop_spares()
             self._disk_failed(describe_os_error(e, self.spooler.path))
             return 0
 

@@ -18,7 +18,8 @@ what lets gcwrap move bulk output without copying it through user space:
 - the sender `sendfile()`s from the segment to the socket.
 
 Spools of earlier versions appended each chunk after the previous one; their
-rows say where, and they are read (by `gcwrap resume`) through the rows.
+rows say where. gcwrap only delivers them (`gcwrap resume`, through the
+rows), so nothing here writes in that layout any more.
 
 Reuse. A segment whose bytes are all acknowledged is renamed to the stream's
 spare and becomes its next segment: writing over pages already in the page
@@ -60,9 +61,6 @@ class Segments:
         self.natural = natural
         self.keep_spares = True  # the spooler turns this off when the disk is tight
         self.lock = threading.Lock()
-        # Appending layout (spools of earlier versions) only:
-        self.current: dict[int, tuple[int, int]] = {}  # stream -> (segment, committed end)
-        self.staged: dict[int, tuple[int, int]] = {}  # stream -> (segment, end) written, not yet committed
         self.fds: dict[tuple[int, int], int] = {}
         self.known: dict[int, set[int]] = {}  # stream -> segment numbers on disk
         self.spares: dict[int, int] = {}  # stream -> descriptor of its spare segment
@@ -161,44 +159,13 @@ class Segments:
             except FileNotFoundError:
                 pass
 
-    # -- writing (appending layout of earlier versions) ---------------------
-
-    def resume(self, stream: int, seg: int, end: int) -> None:
-        """After reopening: where the stream's committed bytes end."""
-        self.current[stream] = (seg, end)
-
-    def place(self, stream: int, data: bytes | memoryview) -> tuple[int, int]:
-        """Write `data` after the stream's staged end; its (segment, position).
-        OSError (ENOSPC...) propagates: the caller reports the disk."""
-        seg, pos = self.staged.get(stream) or self.current.get(stream) or (0, 0)
-        if pos and pos + len(data) > self.segment_size:
-            seg, pos = seg + 1, 0
-        fd = self._fd(stream, seg, create=True)
-        view = memoryview(data)
-        at = pos
-        while view:
-            n = os.pwrite(fd, view, at)
-            view, at = view[n:], at + n
-        self.staged[stream] = (seg, pos + len(data))
-        return seg, pos
-
-    def commit(self) -> None:
-        self.current.update(self.staged)
-        self.staged.clear()
-
-    def rollback(self) -> None:
-        self.staged.clear()
+    # -- spools of earlier versions (appending layout) ----------------------
 
     def release(self, stream: int, oldest: int | None) -> None:
         """Delete the stream's segments below `oldest`, the oldest one still
         referenced by a chunk (None: none is, everything was delivered)."""
-        seg, end = self.current.get(stream, (0, 0))
-        if oldest is None:
-            if end:
-                self.current[stream] = (seg + 1, 0)  # start afresh: the written one can go
-            oldest = self.current.get(stream, (seg, 0))[0]
         for n in sorted(self.known.get(stream, ())):
-            if n < oldest:
+            if oldest is None or n < oldest:
                 self._drop(stream, n)
 
     def scan(self) -> None:

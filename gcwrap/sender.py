@@ -108,7 +108,7 @@ class Session:
         self.progressed = False  # the shadow acknowledged new bytes in this session
         self.sent: dict[int, int] = {}
         self.raw: socket.socket | None = None
-        self.offered: dict[int, int] = {}  # per stream, the end of the frames begun (an ACK may beat `sent`)
+        self.pending: list[Event] = []  # events received but not yet handled
         self.exit_sent = False
         self.last_in = self.last_out = time.monotonic()
         self.nonces = itertools.count(1)
@@ -122,7 +122,6 @@ class Session:
     async def _send_data(self, stream: trio.abc.Stream, sid: int, offset: int, payload: bytes | memoryview) -> None:
         """DATA without joining header and payload: with plain TCP one
         sendmsg gathers both (the payload is never copied in user space)."""
-        self.offered[sid] = max(self.offered.get(sid, 0), offset + len(payload))
         if self.conn.state is not State.STREAMING or len(payload) > MAX_PAYLOAD or isinstance(stream, trio.SSLStream):
             await self._send(stream, Data(sid, offset, bytes(payload)))
             return
@@ -141,18 +140,18 @@ class Session:
                     parts[0] = memoryview(parts[0])[sent:]
 
 
-    async def _send_placed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> int:
+    async def _send_placed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
         """One DATA frame of bytes from the segment file (natural layout),
-        [offset, end) or the part of it up to the segment's end; returns its
-        size. Plain TCP: header, then sendfile (no copy in user space). TLS:
-        read, then send."""
+        [offset, end) or the part of it up to the segment's end; `sent`
+        moves past it. Plain TCP: header, then sendfile (no copy in user
+        space). TLS: read, then send."""
         spooler = self.agent.spooler
         size = min(spooler.placed_size(offset, end), MAX_PAYLOAD)
+        self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
         if self.conn.state is not State.STREAMING or isinstance(stream, trio.SSLStream):
             await self._send_data(stream, sid, offset, await spooler.read_placed(sid, offset, size))
-            return size
+            return
         sock = self.sock
-        self.offered[sid] = max(self.offered.get(sid, 0), offset + size)
         # Every trip through trio's scheduler costs tens of microseconds: take
         # the lock and send the header without one when they are free.
         try:
@@ -180,7 +179,6 @@ class Session:
                     await trio.lowlevel.wait_writable(sock)
         finally:
             self.send_lock.release()
-        return size
 
     def _raw(self) -> socket.socket:
         """A plain (non-blocking) socket object on a duplicate of the TCP
@@ -237,7 +235,6 @@ class Session:
                 )
             out.ack(durable)
         self.sent = {sid: out.acked for sid, out in agent.out.items()}
-        self.offered = dict(self.sent)
         if agent.stdin is not None:
             agent.stdin.in_flight = False
         self.welcomed = True
@@ -256,6 +253,9 @@ class Session:
                 self.raw = None
 
     async def _receive_events(self, stream: trio.abc.Stream) -> list[Event]:
+        if self.pending:  # what came in the same read as the handshake's answer
+            events, self.pending = self.pending, []
+            return events
         data = await stream.receive_some(65536)
         self.last_in = time.monotonic()
         try:
@@ -277,8 +277,10 @@ class Session:
     async def _await_handshake(self, stream: trio.abc.Stream) -> Welcome | Challenge:
         with trio.fail_after(self.heartbeat * 3):
             while True:
-                for ev in await self._receive_events(stream):
+                events = await self._receive_events(stream)
+                for i, ev in enumerate(events):
                     if isinstance(ev, (Welcome, Challenge)):
+                        self.pending = events[i + 1 :]
                         return ev
                     self._check_failure(ev)
 
@@ -324,13 +326,13 @@ class Session:
                     out = agent.out.get(ev.stream)
                     if out is None:
                         raise ShadowRefused(ErrorCode.UNKNOWN_STREAM, f"ACK for unknown stream {ev.stream}", False)
-                    if ev.offset > self.offered.get(ev.stream, 0):
+                    if ev.offset > self.sent[ev.stream]:
                         # (Never from a sound shadow; and bytes acknowledged
                         # are bytes whose segment may be reused.)
                         raise ShadowRefused(
                             ErrorCode.LENGTH_MISMATCH,
                             f"the shadow acknowledged {ev.offset} bytes of {out.kind}, "
-                            f"but only {self.offered.get(ev.stream, 0)} were sent to it",
+                            f"but only {self.sent[ev.stream]} were sent to it",
                             True,
                         )
                     try:
@@ -367,7 +369,7 @@ class Session:
                     placed = out.placed_end(offset)
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
-                        self.sent[sid] = offset + await self._send_placed(stream, sid, offset, placed)
+                        await self._send_placed(stream, sid, offset, placed)
                         progressed = True
                         continue
                 chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, READ_BACK)
@@ -377,8 +379,9 @@ class Session:
                         raise RuntimeError(f"spool lost bytes {self.sent[sid]}..{c.start} of {out.kind}")
                     payload = memoryview(c.data)[start - c.start :] if start > c.start else c.data
                     if payload:  # at most MAX_PAYLOAD: pipe reads and spool rows are no larger
-                        await self._send_data(stream, sid, start, payload)
+                        # `sent` first: the ACK for a frame may arrive before its send returns.
                         self.sent[sid] = start + len(payload)
+                        await self._send_data(stream, sid, start, payload)
                 progressed = True
             feeder = agent.stdin
             if feeder is not None and feeder.wants():

@@ -390,8 +390,7 @@ class Spool:
         return self.segments is not None and self.segments.natural
 
     def _resume_segments(self) -> None:
-        """The segments' layout; for the appending one, where each stream's
-        committed bytes end in its newest segment."""
+        """The segments' layout, and which are on disk."""
         if self.segments is None:
             return
         try:
@@ -402,17 +401,6 @@ class Spool:
             self.segments.natural = True
             self.segments.segment_size = int(row[0])
         self.segments.scan()
-        if self.segments.natural:
-            return
-        try:
-            rows = self.db.execute(
-                'SELECT stream, seg, max(pos + "end" - start) FROM chunks WHERE seg IS NOT NULL '
-                "GROUP BY stream HAVING seg = max(seg)"
-            ).fetchall()
-        except sqlite3.OperationalError:
-            return  # a spool from before segments, opened read-only
-        for stream, seg, end in rows:
-            self.segments.resume(stream, seg, end)
 
     def close(self) -> None:
         self.db.conn.close()
@@ -500,14 +488,13 @@ class Spool:
                     for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
                         rows.append((c.stream, start, end, b"", now, seg, pos))
                 elif segments is not None:
-                    seg, pos = segments.place(c.stream, c.data)
-                    rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
+                    # Made by an earlier version: gcwrap only ever delivers it
+                    # (`gcwrap resume`), which appends nothing.
+                    raise ValueError("a spool of the appending layout takes no new bytes")
                 else:
                     rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
                 ends[c.stream] = max(ends.get(c.stream, 0), c.end)
         except OSError as e:
-            if segments is not None:
-                segments.rollback()
             raise SpoolError(describe_os_error(e, self.path)) from e
         try:
             with transaction(conn):
@@ -543,11 +530,8 @@ class Spool:
                     sets = ", ".join(f"{k} = ?" for k in values)
                     conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(values.values()))
         except sqlite3.Error as e:
-            if segments is not None:
-                segments.rollback()
             raise SpoolError(describe_sqlite_error(e, self.path)) from e
         if segments is not None:
-            segments.commit()
             for sid, offset in (acked or {}).items():
                 if natural:
                     segments.release_below(sid, offset)

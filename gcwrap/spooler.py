@@ -270,10 +270,16 @@ class Spooler:
 
     async def splice(self, stream: int, pipe: int, start: int, size: int, limiter: trio.CapacityLimiter) -> int:
         """Move what the pipe holds (up to `size`) into the stream's segment
-        at offset `start`; see Segments.splice_in. OSError is the disk's."""
+        at offset `start`; see Segments.splice_in. OSError is the disk's (on
+        ENOSPC the spares' blocks are given back first)."""
         segments = self.spool.segments  # type: ignore[union-attr]
         assert segments is not None
-        return await self._io(lambda: segments.splice_in(stream, pipe, start, size), limiter)
+        try:
+            return await self._io(lambda: segments.splice_in(stream, pipe, start, size), limiter)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                segments.drop_spares()
+            raise
 
     async def read_placed(self, stream: int, offset: int, size: int) -> bytes:
         """Placed bytes read into memory (for TLS, which cannot sendfile)."""

@@ -238,21 +238,36 @@ def test_spool_records_extents_and_reads_them_back(tmp_path: Path, pipe: tuple[i
     again.close()
 
 
-def test_spool_of_an_earlier_version_keeps_appending(tmp_path: Path) -> None:
-    """A spool without a layout row (made before it) is read and written
-    through its rows, never by offset."""
+def test_spool_of_an_earlier_version_is_delivered_through_its_rows(tmp_path: Path) -> None:
+    """A spool without a segment size (made before natural layout) placed
+    chunk after chunk; its rows say where. It is read through them, its
+    segments are freed as acknowledgements come, and it takes no new bytes."""
     path = tmp_path / f"old{SPOOL_SUFFIX}"
     spool = Spool.create(path, job(), STREAMS)
     spool.db.execute("UPDATE job SET segment_size = NULL")
+    # As the appending layout left them: b"hello " and b"world" back to back in segment 0, b"!" in segment 1.
+    seg_dir = Path(f"{path}.seg")
+    seg_dir.mkdir()
+    (seg_dir / f"{OUT}-0").write_bytes(b"hello world")
+    (seg_dir / f"{OUT}-1").write_bytes(b"!")
+    spool.db.conn.executemany(
+        'INSERT INTO chunks (stream, start, "end", data, seg, pos) VALUES (?, ?, ?, ?, ?, ?)',
+        [(OUT, 0, 6, b"", 0, 0), (OUT, 6, 11, b"", 0, 6), (OUT, 11, 12, b"", 1, 0)],
+    )
+    spool.db.execute("UPDATE streams SET appended = 12 WHERE id = ?", [OUT])
     spool.close()
     old = Spool.open(path)
     assert not old.natural
-    old.commit([Chunk(OUT, 0, b"hello "), Chunk(OUT, 6, b"world")])
-    assert b"".join(c.data for c in old.read(OUT, 0, 100)) == b"hello world"
-    rows = old.db.execute("SELECT start, seg, pos FROM chunks ORDER BY start").fetchall()
-    assert rows == [(0, 0, 0), (6, 0, 6)]
+    assert b"".join(c.data for c in old.read(OUT, 0, 100)) == b"hello world!"
     with pytest.raises(ValueError, match="natural layout"):
-        old.commit([Extent(OUT, 11, 20)])
+        old.commit([Extent(OUT, 12, 20)])
+    with pytest.raises(ValueError, match="takes no new bytes"):
+        old.commit([Chunk(OUT, 12, b"more")])
+    old.commit(acked={OUT: 11})
+    assert sorted(p.name for p in seg_dir.iterdir()) == [f"{OUT}-1"], "segment 0 is all delivered"
+    assert b"".join(c.data for c in old.read(OUT, 11, 100)) == b"!"
+    old.commit(acked={OUT: 12})
+    assert list(seg_dir.iterdir()) == []
     old.close()
 
 
@@ -479,3 +494,61 @@ async def test_without_splice_support_bulk_output_is_read_into_memory(
     assert sha256_file(home / "nosplice.out") == expected(20 * MB, 44)
     assert len(calls) == 1, "tried once, then never again"
     assert outcome.stats["zero_copy_pct"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_ack_for_bytes_never_sent_is_refused(home: Path, spool_dir: Path) -> None:
+    """A shadow that acknowledges bytes the agent has not sent it (a bug, or
+    not our shadow) would let gcwrap free segments it still needs: the agent
+    refuses it as a length mismatch and keeps the output in the spool."""
+    import threading
+    import time
+
+    from gcwrap.events import PROTOCOL_VERSION, Ack, Hello, Welcome
+    from gcwrap.protocol import NEED_DATA, Connection, Role
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(60)
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    errors: list[BaseException] = []
+
+    def rogue() -> None:
+        try:
+            serve()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            proto = Connection(Role.SHADOW)
+            hello = None
+            while hello is None:
+                proto.receive_data(conn.recv(65536))
+                while (ev := proto.next_event()) is not NEED_DATA:
+                    if isinstance(ev, Hello):
+                        hello = ev
+            time.sleep(2)  # the job has written its 64 MB by now; none of it was sent yet
+            conn.sendall(proto.send(Welcome(PROTOCOL_VERSION, 1, tuple((s.id, 0) for s in hello.streams))))
+            conn.sendall(proto.send(Ack(hello.streams[0].id, 50 * MB)))
+            stop.wait(30)  # read nothing more: the agent can have sent only what the socket buffers hold
+
+    t = threading.Thread(target=rogue, daemon=True)
+    t.start()
+    w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "rogue",
+                 "--retry-timeout", "0.2", "--retry-limit", "1", "--stdout", "r.out", "--",
+                 *genjob(64 * MB, 0, seed=3)])
+    try:
+        rc = w.wait(60)
+    finally:
+        stop.set()
+        srv.close()
+        t.join(10)
+    assert not errors, errors
+    err = w.err.decode()
+    assert "the shadow acknowledged 50000000 bytes of stdout, but only" in err and "LENGTH_MISMATCH" in err, err
+    assert rc != 0, err
+    (spool,) = spool_dir.glob("*.spool")
+    assert Spool.open(spool, readonly=True).streams()[OUT].appended == 64 * MB, "the output is kept in the spool"
