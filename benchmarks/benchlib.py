@@ -37,6 +37,7 @@ from throughput import (
     listening,
     parse_size,
     proc_times,
+    compile_bytecode,
     settings_line,
     sha256_file,
     signal_tree,
@@ -63,6 +64,7 @@ __all__ = [
     "listening",
     "parse_size",
     "percentile",
+    "compile_bytecode",
     "settings_line",
     "proc_times",
     "raise_nofile",
@@ -102,6 +104,7 @@ def git_state() -> tuple[str, bool]:
 
 def header(name: str) -> str:
     """The lines every script prints first: command, date, machine, code under test."""
+    bytecode = compile_bytecode()
     gcwrap, _ = tools()
     try:
         version = subprocess.run([*gcwrap, "--version"], capture_output=True, text=True, timeout=30,
@@ -123,6 +126,7 @@ def header(name: str) -> str:
         f"code: {version}; git HEAD {head}; `git status --porcelain gcwrap` "
         + ("empty (gcwrap/ as committed)" if clean else "NOT empty (uncommitted changes in gcwrap/)"),
         settings_line(),
+        f"bytecode: {bytecode}",
     ])
 
 

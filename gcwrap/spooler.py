@@ -15,12 +15,14 @@ import fcntl
 import json
 import logging
 import os
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import trio
 
 log = logging.getLogger("gcwrap")
+T = TypeVar("T")
 
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
 from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError
@@ -38,6 +40,15 @@ LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so i
 # of wall time now and then, and each false alarm costs thread hops.)
 SLOW_IO = 0.1
 SLOW_HOLD = 2.0
+# A group commit on the zero-copy path records extents and acknowledgements
+# (rows, no output bytes): it runs in the event loop's thread too, unless it
+# carries more output than this, or the disk has lately been slow.
+INLINE_COMMIT = 256 << 10
+# Free space is looked up (statvfs) at most this often while room() offers
+# at least ROOM_PLENTY (half the free space above the reserve, so a stale
+# figure still leaves a wide margin); every time when it offers less.
+ROOM_TTL = 0.05
+ROOM_PLENTY = 1 << 30
 
 
 # A file system or kernel without splice/sendfile for these files: the bytes
@@ -90,6 +101,7 @@ class Spooler:
         self.slow_until = -1.0  # zero-copy I/O goes to a worker thread until then (trio clock)
         self.no_splice = False  # splice into the segments is not supported here
         self.no_sendfile = False  # sendfile from them is not: pread and send instead
+        self._statvfs: tuple[float, os.statvfs_result] | None = None  # (when, what): see ROOM_TTL
 
     # -- creating --------------------------------------------------------
 
@@ -145,19 +157,28 @@ class Spooler:
             if rooms[-1] <= 0:
                 self.full_reason = f"spool limit of {self.limit} bytes reached"
                 return 0
-        try:
-            st = os.statvfs(self.path.parent)
-        except OSError as e:
-            self.full_reason = f"cannot check free space in {self.path.parent}: {e.strerror}"
-            return 0
+        now = time.monotonic()
+        if self._statvfs is not None and now - self._statvfs[0] < ROOM_TTL:
+            st = self._statvfs[1]
+        else:
+            try:
+                st = os.statvfs(self.path.parent)
+            except OSError as e:
+                self._statvfs = None
+                self.full_reason = f"cannot check free space in {self.path.parent}: {e.strerror}"
+                return 0
+            self._statvfs = (now, st)
         free = st.f_bavail * st.f_frsize
         keep = self.reserve(st.f_blocks * st.f_frsize)
         # Spool into at most half of what is free above the reserve: the WAL
         # and the index grow with it, and so may the job between two checks.
         disk_room = (free - keep) // 2
         if disk_room <= 0:
+            self._statvfs = None
             self.full_reason = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
             return 0
+        if disk_room < ROOM_PLENTY:
+            self._statvfs = None  # (tight: look again next time)
         rooms.append(disk_room)
         self.full_reason = ""
         segments = self.spool.segments if self.spool is not None else None
@@ -237,6 +258,19 @@ class Spooler:
         self, chunks: list[Chunk | Extent], acked: dict[int, int], eof: list[int], updates: dict[str, Any]
     ) -> None:
         spool = await self.ensure()
+        if (self.zero_copy and trio.current_time() >= self.slow_until
+                and sum(c.size for c in chunks if not isinstance(c, Extent)) <= INLINE_COMMIT):
+            try:
+                self.write_limiter.acquire_nowait()
+            except trio.WouldBlock:
+                pass
+            else:
+                try:
+                    self._timed(lambda: spool.commit(chunks, acked, eof, updates))
+                finally:
+                    self.write_limiter.release()
+                await trio.lowlevel.checkpoint()
+                return
         await trio.to_thread.run_sync(spool.commit, chunks, acked, eof, updates, limiter=self.write_limiter)
 
     # -- bytes in place (natural layout) ---------------------------------
@@ -257,15 +291,20 @@ class Spooler:
     async def _io(self, fn: Callable[[], int], limiter: trio.CapacityLimiter) -> int:
         """Run a zero-copy operation inline, or in a worker thread while the
         disk has lately been slow."""
-        start = trio.current_time()
-        if start < self.slow_until:
+        if trio.current_time() < self.slow_until:
             return await trio.to_thread.run_sync(fn, limiter=limiter)
+        return self._timed(fn)
+
+    def _timed(self, fn: Callable[[], T]) -> T:
+        """fn() in the event loop's thread; slower than SLOW_IO, and disk
+        operations go to worker threads for SLOW_HOLD seconds."""
+        start = trio.current_time()
         try:
             return fn()
         finally:
             took = trio.current_time() - start
             if took > SLOW_IO:
-                log.debug("a zero-copy operation took %.3f s: worker threads for %g s", took, SLOW_HOLD)
+                log.debug("a disk operation took %.3f s: worker threads for %g s", took, SLOW_HOLD)
                 self.slow_until = start + took + SLOW_HOLD
 
     async def splice(self, stream: int, pipe: int, start: int, size: int, limiter: trio.CapacityLimiter) -> int:

@@ -354,6 +354,103 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     spooler.close(remove=True)
 
 
+async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
+    tmp_path: Path, pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import trio
+
+    from gcwrap import spooler as spooler_mod
+    from gcwrap.spooler import INLINE_COMMIT, Spooler
+
+    r, w = pipe
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
+    spool = await spooler.ensure()
+    here = threading.get_ident()
+    threads: list[int] = []
+    commit = spool.commit
+
+    def traced(*args: object, **kwargs: object) -> None:
+        threads.append(threading.get_ident())
+        commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spool, "commit", traced)
+    data = os.urandom(200_000)
+    fill_pipe(w, data)
+    moved = 0
+    while moved < len(data):
+        moved += await spooler.splice(OUT, r, moved, 1 << 20, trio.CapacityLimiter(1))
+    # Extents and acknowledgements: rows only, in the event loop's thread.
+    await spooler.commit([Extent(OUT, 0, moved)], {}, [], {})
+    assert threads == [here]
+    # More output bytes than INLINE_COMMIT: a worker thread writes them.
+    big = os.urandom(INLINE_COMMIT + 1)
+    await spooler.commit([Chunk(ERR, 0, big)], {}, [], {})
+    assert threads[-1] != here
+    # A commit slower than SLOW_IO sends the next ones to a worker thread too.
+    monkeypatch.setattr(spooler_mod, "SLOW_IO", -1.0)
+    await spooler.commit([], {OUT: 100_000}, [], {})
+    assert threads[-1] == here and spooler.slow_until > trio.current_time()
+    await spooler.commit([], {OUT: 150_000}, [], {})
+    assert threads[-1] != here
+    # A spool this run did not make (a resume) always commits in a thread.
+    spooler.slow_until = -1.0
+    spooler.created = False
+    await spooler.commit([], {OUT: 160_000}, [], {})
+    assert threads[-1] != here and len(threads) == 5
+    # Every one of them was recorded, wherever it ran.
+    again = Spool.open(spooler.path)
+    try:
+        assert again.streams()[OUT].acked == 160_000
+        rows = again.read(OUT, 160_000, 1 << 20)  # (from the row that holds byte 160 000)
+        assert b"".join(c.data for c in rows)[160_000 - rows[0].start :] == data[160_000:]
+        assert b"".join(c.data for c in again.read(ERR, 0, 1 << 20)) == big
+    finally:
+        again.close()
+    spooler.close(remove=True)
+
+
+def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gcwrap import spooler as spooler_mod
+    from gcwrap.spooler import Spooler
+
+    looked: list[str] = []
+    statvfs = os.statvfs
+
+    def counted(path: str | Path) -> os.statvfs_result:
+        looked.append(str(path))
+        return statvfs(path)
+
+    monkeypatch.setattr(os, "statvfs", counted)
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS, min_free=0)
+    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)  # (any room is plenty)
+    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 3600.0)
+    first = spooler.room(0)
+    assert first > 0 and spooler.room(0) == first and spooler.room(0) == first
+    assert len(looked) == 1, "within the TTL: one statvfs"
+    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 0.0)
+    spooler.room(0)
+    assert len(looked) == 2, "past the TTL: looked up again"
+    # Tight (less than ROOM_PLENTY on offer): every call looks.
+    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 3600.0)
+    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1 << 62)
+    spooler.room(0)  # (the figure cached above, found tight)
+    before = len(looked)
+    for _ in range(3):
+        spooler.room(0)
+    assert len(looked) == before + 3
+    # A full disk is never remembered either.
+    spooler.min_free = 1 << 62
+    assert spooler.room(0) == 0 and "disk nearly full" in spooler.full_reason
+    spooler.min_free = 0
+    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)
+    assert spooler.room(0) > 0 and spooler.full_reason == ""
+    spooler.close()
+
+
 def socket_pair() -> tuple[socket.socket, socket.socket]:
     a, b = socket.socketpair()
     a.setblocking(False)
