@@ -157,28 +157,25 @@ class Spooler:
             if rooms[-1] <= 0:
                 self.full_reason = f"spool limit of {self.limit} bytes reached"
                 return 0
-        now = time.monotonic()
-        if self._statvfs is not None and now - self._statvfs[0] < ROOM_TTL:
-            st = self._statvfs[1]
+        when = time.monotonic()
+        if self._statvfs is not None and when - self._statvfs[0] < ROOM_TTL:
+            when, st = self._statvfs
         else:
             try:
                 st = os.statvfs(self.path.parent)
             except OSError as e:
-                self._statvfs = None
                 self.full_reason = f"cannot check free space in {self.path.parent}: {e.strerror}"
                 return 0
-            self._statvfs = (now, st)
         free = st.f_bavail * st.f_frsize
         keep = self.reserve(st.f_blocks * st.f_frsize)
         # Spool into at most half of what is free above the reserve: the WAL
         # and the index grow with it, and so may the job between two checks.
         disk_room = (free - keep) // 2
+        # (Remembered only while plenty: a tight disk is looked at every time.)
+        self._statvfs = (when, st) if disk_room >= ROOM_PLENTY else None
         if disk_room <= 0:
-            self._statvfs = None
             self.full_reason = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
             return 0
-        if disk_room < ROOM_PLENTY:
-            self._statvfs = None  # (tight: look again next time)
         rooms.append(disk_room)
         self.full_reason = ""
         segments = self.spool.segments if self.spool is not None else None

@@ -431,6 +431,9 @@ def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     first = spooler.room(0)
     assert first > 0 and spooler.room(0) == first and spooler.room(0) == first
     assert len(looked) == 1, "within the TTL: one statvfs"
+    looked_at = spooler._statvfs[0] if spooler._statvfs else None
+    spooler.room(0)
+    assert spooler._statvfs is not None and spooler._statvfs[0] == looked_at, "the age is the lookup's, not the call's"
     monkeypatch.setattr(spooler_mod, "ROOM_TTL", 0.0)
     spooler.room(0)
     assert len(looked) == 2, "past the TTL: looked up again"
