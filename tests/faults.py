@@ -2,7 +2,7 @@
 iptables for black holes, resets and loss, tmpfs for full disks, and a small
 delaying TCP proxy (this kernel has no netem).
 
-Only addresses of the namespace this module creates (10.200.0.0/30) and
+Only addresses of the namespace this module creates (10.200.N.0/30) and
 loopback are ever used. Every fixture deletes before it creates and cleans
 up in `finally`, so a crashed run does not break the next.
 """
@@ -20,9 +20,12 @@ from typing import Sequence
 
 import pytest
 
-NS = "gcwtest"
-VETH_HOST, VETH_NS = "gcwv0", "gcwv1"
-HOST_IP, NS_IP = "10.200.0.1", "10.200.0.2"
+# GCWRAP_TEST_NET=N (0-63) gives a run its own namespace, veth pair and /30,
+# so that several test runs on one machine do not tear down each other's.
+_NET = int(os.environ.get("GCWRAP_TEST_NET", "0"))
+NS = f"gcwtest{_NET}"
+VETH_HOST, VETH_NS = f"gcw{_NET}v0", f"gcw{_NET}v1"
+HOST_IP, NS_IP = f"10.200.{_NET}.1", f"10.200.{_NET}.2"
 
 
 def need_root() -> None:

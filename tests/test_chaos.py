@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import NS_IP, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
+from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -447,14 +447,14 @@ def test_slow_shadow_is_not_dead(netns: NetNS, home: Path, spool_dir: Path, tmp_
     if shutil.which("tc") is None:
         pytest.skip("needs tc (apt-get install iproute2)")
     proc, port = shadow_in_ns(netns, home, tmp_path)
-    subprocess.run(["tc", "qdisc", "add", "dev", "gcwv0", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
+    subprocess.run(["tc", "qdisc", "add", "dev", VETH_HOST, "root", "tbf", "rate", "1mbit", "burst", "32kbit",
                     "latency", "400ms"], check=True, timeout=10)
     try:
         w = Wrapper(["--shadow", f"{NS_IP}:{port}", "--spool", str(spool_dir), "--job-id", "slowpoke", "-v",
                      "--heartbeat", "0.5", "--stdout", "s.out", "--", *genjob(int(1.5 * MB), 0, seed=17)])
         assert w.wait(90) == 0, w.err.decode()
     finally:
-        subprocess.run(["tc", "qdisc", "del", "dev", "gcwv0", "root"], timeout=10)
+        subprocess.run(["tc", "qdisc", "del", "dev", VETH_HOST, "root"], timeout=10)
         stop(proc)
     check_landed(home, "s.out", int(1.5 * MB), 17)
     assert b"no answer from the shadow" not in w.err, w.err.decode()
