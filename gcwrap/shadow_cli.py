@@ -262,3 +262,87 @@ def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str 
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+# -- gcshadow web ---------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@root_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve the pages on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="TCP port of the pages (0: any free port).")
+@click.option("--port-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the port to this file once listening (useful with --port 0).")
+@click.option("--tail", "tail_kib", type=click.IntRange(0, 16384), default=64, show_default=True,
+              help="KiB of each output stream a job page shows when it opens.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_WEB_TOKEN_FILE",
+              show_envvar=True, help="Require this secret of every client: a login form for browsers, "
+                                     "'Authorization: Bearer TOKEN' for scripts (the file must be private: chmod 600).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), help="Serve HTTPS with this certificate.")
+@click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path),
+              help="Private key of --tls-cert (if not in the same file).")
+@click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path),
+              help="Require client certificates signed by this CA.")
+@click.option("--insecure", is_flag=True,
+              help="Serve a non-loopback address without authentication (anyone who can connect reads every job).")
+@click.option("-v", "--verbose", count=True, help="More messages on stderr.")
+def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int, token_file: Path | None,
+        tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, verbose: int) -> None:
+    """Serve a live view of the jobs at ROOT to a browser, and the same as JSON.
+
+    A reader of the shadow's state and files, apart from the shadow: run it
+    beside `gcshadow serve`, or alone on a root. Loopback only unless
+    authenticated (--token-file, or --tls-ca) or --insecure.
+
+    \b
+    Examples:
+      gcshadow web --root ~/results                 # then open http://127.0.0.1:8080/
+      gcshadow web --root ~/results --host 0.0.0.0 --token-file ~/.gcshadow-web-token \\
+          --tls-cert web.pem --tls-key web.key
+    """
+    try:
+        import h11  # noqa: F401 - only sites that serve the pages install it
+    except ImportError:
+        raise click.ClickException(
+            "gcshadow web needs the 'web' extra: pip install 'gcwrap[web]' (it adds h11)"
+        ) from None
+    import trio
+
+    from .auth import AuthError, is_loopback, load_token, server_context
+    from .render import setup_logging
+    from .web import WebOptions, run_web
+
+    setup_logging("gcshadow", verbose + 1, "text")
+    if not root.is_dir():
+        raise click.ClickException(f"{root} is not a directory: give the root a gcshadow serves (--root)")
+    try:
+        token = load_token(token_file, private=True) if token_file else None
+        if (tls_key or tls_ca) and not tls_cert:
+            raise AuthError("--tls-key and --tls-ca need --tls-cert")
+        tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert else None
+    except AuthError as e:
+        raise click.UsageError(str(e)) from None
+    opts = WebOptions(root=root.resolve(), host=host, port=port, port_file=port_file, token=token, tls=tls,
+                      client_certs=tls_ca is not None, insecure=insecure, tail=tail_kib * 1024)
+    if not is_loopback(host):
+        if not opts.authenticated and not insecure:
+            raise click.UsageError(
+                f"refusing to serve {host} without authentication: anyone who can connect could read every "
+                "job's output. Use --token-file, or --tls-cert/--tls-key with --tls-ca; "
+                "or --insecure if that is really what you want"
+            )
+        import logging
+
+        log = logging.getLogger("gcshadow")
+        if not opts.authenticated:
+            log.warning("serving %s WITHOUT authentication (--insecure): anyone who can connect reads every job", host)
+        elif tls is None:
+            log.warning("serving %s over plain HTTP: the token and the output cross the network in clear "
+                        "(add --tls-cert)", host)
+    try:
+        trio.run(run_web, opts)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve the web view on {host}:{port}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,628 @@
+"""`gcshadow web`: the shadow's jobs, live, in a browser; the same as JSON for scripts.
+
+A process of its own that reads the shadow's state and files (webstate.py)
+and takes no part in the protocol: it can neither slow nor disturb the
+shadow beyond the reads of a `gcshadow jobs`. HTTP/1.1 is h11 (sans-I/O)
+over trio streams, with TLS from trio when asked for.
+
+Theory of operation:
+- One task polls the state every POLL seconds (in the one worker thread).
+  When the shadow committed something, it wakes every open job page at once
+  (`changed`, an event replaced after each firing).
+- One task per connection reads requests (h11), answers each, and reuses the
+  connection. Pages and static files come from the package (webstatic/); the
+  pages draw everything with textContent, so nothing an agent sent (job ids,
+  names, commands, output) is ever parsed as HTML.
+- A job page holds one server-sent event stream (`/api/jobs/JOB/events`):
+  the last `tail` bytes of each output on open, then the bytes that became
+  durable since, read from the file at the stream's offset (never the whole
+  file again), and the job's record whenever it changes; `end` once the job
+  finished and every byte was sent. Each event's id holds the offsets, so a
+  reconnecting EventSource resumes where it stopped, byte-exact.
+- Files are served only by the name the state holds for a job's stream,
+  opened confined to the root (no '..', no symlink, one link only).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import hmac
+import html
+import json
+import logging
+import os
+import secrets
+import ssl
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+import h11
+import trio
+
+from .auth import is_loopback
+from .webstate import Refused, StateReader, api_url, open_output, tail_start
+
+log = logging.getLogger("gcshadow")
+
+POLL = 0.2  # seconds between looks at the state (one tiny query when nothing changed)
+HEARTBEAT = 15.0  # seconds between comments on an idle event stream: finds clients that left
+FIRST_REQUEST = 30.0  # seconds a new connection has to send its request (TLS handshake included)
+IDLE = 60.0  # seconds a kept-alive connection may wait for its next request
+SEND_TIMEOUT = 60.0  # seconds one write to a client may block before the client is dropped
+MAX_BODY = 4096  # bytes of a request body (only the login form has one)
+MAX_CLIENTS = 1024  # connections at once; more are answered 503
+CHUNK = 64 * 1024  # bytes per data event
+CATCH_UP = 1 << 20  # bytes sent per stream before other work gets a turn
+FAR_BEHIND = 4 << 20  # a stream this far ahead of a page: skip to its tail (the page keeps only a tail)
+MAX_TAIL = 16 << 20
+SESSION_DAYS = 7
+COOKIE = "gcshadow_web"
+
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = [
+    (b"X-Content-Type-Options", b"nosniff"),
+    (b"Referrer-Policy", b"no-referrer"),
+    (b"X-Frame-Options", b"DENY"),
+    (b"Content-Security-Policy", CSP.encode()),
+]
+TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
+         ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}
+
+
+@dataclass
+class WebOptions:
+    root: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    port_file: Path | None = None
+    token: bytes | None = None  # required of every client (bearer header, or the cookie the login form sets)
+    tls: ssl.SSLContext | None = None  # HTTPS; client certificates when it requires them
+    client_certs: bool = False  # `tls` requires a client certificate: that authenticates
+    insecure: bool = False  # a non-loopback address without authentication, on purpose
+    tail: int = 64 * 1024  # bytes of each output a job page shows on open
+
+    @property
+    def authenticated(self) -> bool:
+        return self.token is not None or self.client_certs
+
+
+@dataclass
+class Request:
+    method: str
+    path: str  # as sent (still percent-encoded)
+    parts: list[str]  # path segments, each decoded
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
+
+    @classmethod
+    def parse(cls, ev: h11.Request) -> Request:
+        target = ev.target.decode("ascii", "replace")
+        split = urlsplit(target)
+        parts = [unquote(p, errors="strict") for p in split.path.split("/")[1:]]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
+        return cls(ev.method.decode("ascii", "replace"), split.path, parts, dict(parse_qsl(split.query)), headers)
+
+    def cookie(self, name: str) -> str:
+        for item in self.headers.get("cookie", "").split(";"):
+            key, _, value = item.strip().partition("=")
+            if key == name:
+                return value
+        return ""
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or []
+
+
+class Http:
+    """One HTTP/1.1 connection: h11 driven over a trio stream."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
+
+    async def next_event(self) -> Any:
+        while True:
+            ev = self.conn.next_event()
+            if ev is not h11.NEED_DATA:
+                return ev
+            try:
+                data = await self.stream.receive_some(CHUNK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            self.conn.receive_data(data)
+
+    async def send(self, *events: Any) -> None:
+        data = b"".join(self.conn.send(ev) or b"" for ev in events)
+        with trio.fail_after(SEND_TIMEOUT):
+            await self.stream.send_all(data)
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+def _headers(content_type: str, length: int | None = None, extra: list[tuple[bytes, bytes]] | None = None,
+             cache: bytes = b"no-store") -> list[tuple[bytes, bytes]]:
+    out = [(b"Content-Type", content_type.encode()), (b"Cache-Control", cache), *SECURITY_HEADERS, *(extra or [])]
+    if length is not None:
+        out.append((b"Content-Length", str(length).encode()))
+    return out
+
+
+def _static() -> dict[str, tuple[bytes, str]]:
+    """The pages and their scripts and styles, from the package."""
+    out = {}
+    for item in resources.files("gcwrap").joinpath("webstatic").iterdir():
+        suffix = os.path.splitext(item.name)[1]
+        if suffix in TYPES:
+            out[item.name] = (item.read_bytes(), TYPES[suffix])
+    return out
+
+
+def _event(name: str, data: Any, event_id: str | None = None) -> bytes:
+    lines = [f"event: {name}", f"data: {json.dumps(data, separators=(',', ':'))}"]
+    if event_id is not None:
+        lines.insert(0, f"id: {event_id}")
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+@dataclass
+class Followed:
+    """One output stream as a job page sees it."""
+
+    kind: str
+    stream: int
+    name: str
+    offset: int | None  # the next byte to send; None: start at the tail
+    fd: int = -1
+    refused: str = ""
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class WebView:
+    def __init__(self, opts: WebOptions) -> None:
+        self.opts = opts
+        self.root_fd = os.open(opts.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.state = StateReader(opts.root, self.root_fd)
+        self.changed = trio.Event()
+        self.static = _static()
+        self.clients = 0
+        self.limiter = trio.CapacityLimiter(1)
+        self.stats = {"requests": 0, "event_streams": 0, "bytes_streamed": 0}
+
+    def close(self) -> None:
+        self.state.close()
+        os.close(self.root_fd)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.opts.port, host=self.opts.host)
+        await trio.to_thread.run_sync(self.state.read, limiter=self.limiter)
+        if self.state.error:
+            log.warning("%s; showing no jobs until it can be read", self.state.error)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch)
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
+            port = listeners[0].socket.getsockname()[1]
+            host = f"[{self.opts.host}]" if ":" in self.opts.host else self.opts.host
+            log.info("web view of %s on %s://%s:%d/", self.opts.root, "https" if self.opts.tls else "http", host,
+                        port)
+            if self.opts.port_file is not None:
+                tmp = self.opts.port_file.with_name(self.opts.port_file.name + ".tmp")
+                tmp.write_text(f"{port}\n")
+                tmp.replace(self.opts.port_file)
+            task_status.started(port)
+
+    async def _watch(self) -> None:
+        while True:
+            if await trio.to_thread.run_sync(self.state.read, limiter=self.limiter):
+                fired, self.changed = self.changed, trio.Event()
+                fired.set()
+            await trio.sleep(POLL)
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as e:  # out of descriptors: wait for some to close
+                    log.warning("cannot accept connections for now: %s", e.strerror or e)
+                    await trio.sleep(0.5)
+                    continue
+                nursery.start_soon(self._connection, stream)
+
+    # -- one connection --------------------------------------------------------
+
+    async def _connection(self, tcp: trio.SocketStream) -> None:
+        self.clients += 1
+        stream: trio.abc.Stream = tcp
+        try:
+            if self.clients > MAX_CLIENTS:
+                http = Http(tcp)
+                with trio.move_on_after(2):
+                    await http.next_event()
+                    await self._error(http, HttpError(503, "too many connections to the web view; try again soon"))
+                return
+            if self.opts.tls is not None:
+                stream = trio.SSLStream(tcp, self.opts.tls, server_side=True)
+                try:
+                    with trio.fail_after(FIRST_REQUEST):
+                        await stream.do_handshake()
+                except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
+                    log.info("web: TLS handshake failed: %s", e.__cause__ or e)
+                    return
+            await self._requests(Http(stream))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
+            pass  # the client went away, or stopped reading
+        finally:
+            self.clients -= 1
+            await trio.aclose_forcefully(stream)
+
+    async def _requests(self, http: Http) -> None:
+        wait = FIRST_REQUEST
+        while True:
+            with trio.move_on_after(wait):
+                try:
+                    ev = await http.next_event()
+                except h11.RemoteProtocolError as e:
+                    await self._error(http, HttpError(e.error_status_hint, str(e)))
+                    return
+            if not isinstance(ev, h11.Request):  # ConnectionClosed, or the wait ran out
+                return
+            self.stats["requests"] += 1
+            req: Request | None = None
+            try:
+                req = Request.parse(ev)
+                body = await self._body(http)
+                await self._dispatch(http, req, body)
+            except HttpError as e:
+                await self._error(http, e, req)
+            except (h11.RemoteProtocolError, UnicodeDecodeError) as e:
+                await self._error(http, HttpError(400, f"bad request: {e}"))
+            if http.conn.our_state is h11.MUST_CLOSE:
+                return
+            try:
+                http.conn.start_next_cycle()
+            except h11.ProtocolError:
+                return
+            wait = IDLE
+
+    async def _body(self, http: Http) -> bytes:
+        body = b""
+        with trio.fail_after(FIRST_REQUEST):
+            while True:
+                ev = await http.next_event()
+                if isinstance(ev, h11.EndOfMessage):
+                    return body
+                if isinstance(ev, h11.Data):
+                    body += ev.data
+                    if len(body) > MAX_BODY:
+                        raise HttpError(413, "request body too large")
+                else:
+                    raise HttpError(400, "the request ended early")
+
+    async def _error(self, http: Http, e: HttpError, req: Request | None = None) -> None:
+        if http.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # a response is under way: all we can do is close
+        if req is None or req.parts[:1] == ["api"]:
+            body, ctype = json.dumps({"error": str(e), "status": e.status}).encode(), "application/json"
+        else:
+            body, ctype = self._page("error.html", status=str(e.status), message=str(e)), TYPES[".html"]
+        try:
+            await self._respond(http, e.status, body, ctype, e.headers, head=req is not None and req.method == "HEAD")
+        except (h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            pass
+
+    async def _respond(self, http: Http, status: int, body: bytes, content_type: str,
+                       extra: list[tuple[bytes, bytes]] | None = None, head: bool = False,
+                       cache: bytes = b"no-store") -> None:
+        response = h11.Response(status_code=status, headers=_headers(content_type, len(body), extra, cache),
+                                reason=_reason(status))
+        await http.send(response, *([] if head else [h11.Data(data=body)]), h11.EndOfMessage())
+
+    def _page(self, name: str, **fields: str) -> bytes:
+        """A page from the package, its {{field}}s filled in, escaped."""
+        text = self.static[name][0].decode()
+        for key, value in fields.items():
+            text = text.replace("{{" + key + "}}", html.escape(value, quote=True))
+        return text.encode()
+
+    # -- routes -----------------------------------------------------------------
+
+    async def _dispatch(self, http: Http, req: Request, body: bytes) -> None:
+        parts, head = req.parts, req.method == "HEAD"
+        self._check_host(req)
+        if parts[:1] == ["static"] and len(parts) == 2 and req.method in ("GET", "HEAD"):
+            found = self.static.get(parts[1])
+            if found is None or parts[1].endswith(".html"):
+                raise HttpError(404, "no such file")
+            await self._respond(http, 200, found[0], found[1], head=head, cache=b"no-cache")
+            return
+        if parts == ["login"] and self.opts.token is not None:
+            await self._login(http, req, body)
+            return
+        self._authorize(req)
+        if req.method not in ("GET", "HEAD"):
+            raise HttpError(405, "only GET and HEAD here", [(b"Allow", b"GET, HEAD")])
+        if parts in ([""], ["jobs"], ["jobs", ""]):
+            await self._respond(http, 200, self.static["jobs.html"][0], TYPES[".html"], head=head)
+        elif parts[:1] == ["jobs"] and len(parts) == 2:
+            self._job(parts[1])
+            await self._respond(http, 200, self.static["job.html"][0], TYPES[".html"], head=head)
+        elif parts == ["api", "jobs"]:
+            await self._respond(http, 200, self.state.view()[1], "application/json", head=head)
+        elif parts[:2] == ["api", "jobs"] and len(parts) == 3:
+            job = self.state.job_view(self._job(parts[2]))
+            await self._respond(http, 200, json.dumps(job).encode(), "application/json", head=head)
+        elif parts[:2] == ["api", "jobs"] and len(parts) == 4 and parts[3] == "events":
+            await self._events(http, req, parts[2])
+        elif parts[:2] == ["api", "jobs"] and len(parts) == 5 and parts[3] == "files":
+            await self._download(http, req, parts[2], parts[4])
+        else:
+            raise HttpError(404, "no such page")
+
+    def _job(self, job_id: str) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            raise HttpError(404, f"no job {job_id!r} at this shadow")
+        return job
+
+    # -- security ---------------------------------------------------------------
+
+    def _check_host(self, req: Request) -> None:
+        """Without authentication, answer only to a loopback name: a web page
+        elsewhere cannot then rebind its own name to 127.0.0.1 and read jobs."""
+        if self.opts.authenticated or self.opts.insecure:
+            return
+        host = req.headers.get("host", "")
+        name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        if not is_loopback(name):
+            raise HttpError(403, f"this web view answers to loopback names only, not {host!r}")
+
+    def _authorize(self, req: Request) -> None:
+        """Client certificates were checked by the TLS handshake; a token is
+        checked here, from the Authorization header or the login cookie."""
+        token = self.opts.token
+        if token is None:
+            return
+        auth = req.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:].strip().encode(), token):
+            return
+        if _valid_session(token, req.cookie(COOKIE)):
+            return
+        if req.parts[:1] == ["api"]:
+            raise HttpError(401, "authentication required: send 'Authorization: Bearer TOKEN'",
+                            [(b"WWW-Authenticate", b'Bearer realm="gcshadow"')])
+        raise HttpError(303, "log in first", [(b"Location", b"/login?next=" + quote(req.path, safe="/").encode())])
+
+    async def _login(self, http: Http, req: Request, body: bytes) -> None:
+        assert self.opts.token is not None
+        target = req.query.get("next", "/")
+        if req.method in ("GET", "HEAD"):
+            page = self._page("login.html", next=target, message="")
+            await self._respond(http, 200, page, TYPES[".html"], head=req.method == "HEAD")
+            return
+        if req.method != "POST":
+            raise HttpError(405, "GET or POST here", [(b"Allow", b"GET, HEAD, POST")])
+        form = dict(parse_qsl(body.decode("utf-8", "replace")))
+        target = form.get("next", target)
+        if not target.startswith("/") or target.startswith("//") or "\\" in target:
+            target = "/"  # only a page of this site: no redirect elsewhere
+        if not hmac.compare_digest(form.get("token", "").strip().encode(), self.opts.token):
+            await trio.sleep(1)  # slows guessing (a token is at least 16 bytes anyway)
+            page = self._page("login.html", next=target, message="That is not the token. Try again.")
+            await self._respond(http, 401, page, TYPES[".html"])
+            return
+        cookie = f"{COOKIE}={_new_session(self.opts.token)}; Path=/; HttpOnly; SameSite=Strict; " \
+                 f"Max-Age={SESSION_DAYS * 86400}" + ("; Secure" if self.opts.tls else "")
+        await self._respond(http, 303, b"", "text/plain", [(b"Location", target.encode()),
+                                                            (b"Set-Cookie", cookie.encode())])
+
+    # -- files ------------------------------------------------------------------
+
+    def _streams(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        return [s for s in job["streams"] if s["kind"] != "stdin"]
+
+    async def _download(self, http: Http, req: Request, job_id: str, kind: str) -> None:
+        job = self._job(job_id)
+        st = next((s for s in self._streams(job) if s["kind"] == kind), None)
+        if st is None:
+            raise HttpError(404, f"job {job_id!r} has no {kind} stream")
+        fd = self._open(st["name"])
+        try:
+            length = st["durable"]
+            base = st["name"].rsplit("/", 1)[-1]
+            plain = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in base) or "output"
+            disposition = f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(base, safe='')}"
+            headers = _headers("application/octet-stream", length, [(b"Content-Disposition", disposition.encode())])
+            await http.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
+            offset = 0
+            while offset < length and req.method != "HEAD":
+                data = await trio.to_thread.run_sync(os.pread, fd, min(256 * 1024, length - offset), offset)
+                if not data:  # cut short under us: the client sees the connection close early
+                    raise trio.BrokenResourceError(f"{st['name']!r} shrank while being sent")
+                offset += len(data)
+                await http.send(h11.Data(data=data))
+            await http.send(h11.EndOfMessage())
+        finally:
+            os.close(fd)
+
+    def _open(self, name: str) -> int:
+        try:
+            return open_output(self.root_fd, name)
+        except Refused as e:
+            log.warning("web: refused to serve %r: %s", name, e)
+            raise HttpError(403, f"refused: {e}") from None
+        except FileNotFoundError:
+            raise HttpError(404, f"{name!r} is not at the shadow (yet)") from None
+        except OSError as e:
+            raise HttpError(500, f"cannot open {name!r}: {e.strerror or e}") from None
+
+    # -- the live stream of a job -------------------------------------------
+
+    async def _events(self, http: Http, req: Request, job_id: str) -> None:
+        """The job's live event stream. Where to start: the Last-Event-ID a
+        reconnecting EventSource sends, else the query (`stdout=N&stderr=M`
+        offsets, `tail=KiB`), else the last `tail` bytes of each stream."""
+        job = self._job(job_id)
+        given = dict(parse_qsl(req.headers.get("last-event-id", ""))) or req.query
+        try:
+            tail = min(max(int(req.query.get("tail", self.opts.tail // 1024)), 0) * 1024, MAX_TAIL)
+            offsets = {k: max(int(v), 0) for k, v in given.items() if k not in ("tail", "instance")}
+        except ValueError:
+            raise HttpError(400, "offsets and tail are whole numbers") from None
+        if given.get("instance", job["instance"]) != job["instance"]:
+            offsets = {}  # a new attempt since the page last saw the job: its files started afresh
+        streams = [Followed(s["kind"], s["stream"], s["name"], offsets.get(s["kind"])) for s in self._streams(job)]
+        headers = _headers("text/event-stream; charset=utf-8", None, [(b"X-Accel-Buffering", b"no")])
+        await http.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
+        if req.method == "HEAD":
+            await http.send(h11.EndOfMessage())
+            return
+        self.stats["event_streams"] += 1
+        try:
+            await self._follow(http, job_id, streams, tail)
+            await http.send(h11.EndOfMessage())
+        finally:
+            for f in streams:
+                f.close()
+
+    async def _follow(self, http: Http, job_id: str, streams: list[Followed], tail: int) -> None:
+        async def send(chunk: bytes) -> None:
+            self.stats["bytes_streamed"] += len(chunk)
+            await http.send(h11.Data(data=chunk))
+
+        await send(b"retry: 2000\n\n" + _event("hello", {"tail": tail}))
+        instance = self.state.jobs[job_id]["instance"]
+        shown: tuple[Any, ...] = ()  # the job's record as last sent
+        shown_sizes: dict[str, int] = {}
+        shown_at = 0.0
+        while True:
+            changed = self.changed
+            job = self.state.jobs.get(job_id)
+            if job is None:
+                await send(_event("gone", {"job_id": job_id}))
+                return
+            if job["instance"] != instance:  # a new attempt started the files afresh
+                instance = job["instance"]
+                for f in streams:
+                    f.close()
+                streams[:] = [Followed(s["kind"], s["stream"], s["name"], 0) for s in self._streams(job)]
+                await send(_event("reset", {"instance": instance}))
+            sizes = {s["kind"]: s["durable"] for s in self._streams(job)}
+            record = tuple(v for k, v in job.items() if k != "streams")
+            now = time.monotonic()
+            # The record when it changes; its byte counts and rates about once a second while they move.
+            if record != shown or (sizes != shown_sizes and now - shown_at >= 1):
+                shown, shown_sizes, shown_at = record, sizes, now
+                await send(_event("job", self.state.job_view(job)))
+            more = False
+            for f in streams:
+                more |= await self._send_new(send, f, sizes.get(f.kind, 0), tail, streams, instance)
+            if more:
+                await trio.sleep(0)
+                continue
+            if job["state"] == "finished" and all(f.refused or f.offset == sizes.get(f.kind, 0) for f in streams):
+                await send(_event("end", {"job_id": job_id}, _event_id(streams, instance)))
+                return
+            wait = 1.0 if sizes != shown_sizes else HEARTBEAT
+            with trio.move_on_after(wait):
+                await changed.wait()
+                continue
+            if wait == HEARTBEAT:
+                await send(b": ping\n\n")
+
+    async def _send_new(self, send: Any, f: Followed, durable: int, tail: int, streams: list[Followed],
+                        instance: str) -> bool:
+        """Send what of `f` became durable since its offset (at most CATCH_UP
+        bytes); True if more is waiting."""
+        if f.refused:
+            return False
+        if f.fd < 0:
+            if durable == 0 and f.offset in (None, 0):
+                f.offset = 0
+                return False  # nothing to show yet: the file may not exist
+            try:
+                f.fd = self._open(f.name)
+            except HttpError as e:
+                f.refused = str(e)
+                await send(_event("refused", {"stream": f.kind, "reason": str(e)}))
+                return False
+        if f.offset is None:
+            f.offset = tail_start(f.fd, durable, tail)
+            if f.offset:
+                await send(_event("skip", {"stream": f.kind, "from": 0, "to": f.offset}))
+        if f.offset > durable:  # cut back (a new attempt, or a torn tail after a crash): start afresh
+            f.offset, f.decoder = 0, codecs.getincrementaldecoder("utf-8")("replace")
+            await send(_event("reset", {"stream": f.kind}))
+        if durable - f.offset > FAR_BEHIND:
+            start = tail_start(f.fd, durable, tail)
+            await send(_event("skip", {"stream": f.kind, "from": f.offset, "to": start}))
+            f.offset, f.decoder = start, codecs.getincrementaldecoder("utf-8")("replace")
+        budget = CATCH_UP
+        while f.offset < durable and budget > 0:
+            data = os.pread(f.fd, min(CHUNK, durable - f.offset, budget), f.offset)
+            if not data:
+                return False  # shorter than the state says (cut at home): nothing more to send
+            start = f.offset
+            f.offset += len(data)
+            budget -= len(data)
+            text = f.decoder.decode(data)
+            await send(_event("data", {"stream": f.kind, "offset": start, "end": f.offset, "text": text},
+                              _event_id(streams, instance)))
+        return f.offset < durable
+
+
+def _event_id(streams: list[Followed], instance: str) -> str:
+    """Where a job page is: what a reconnecting EventSource sends back as Last-Event-ID."""
+    pairs = [(f.kind, str(f.offset or 0)) for f in streams]
+    return "&".join(f"{quote(k)}={v}" for k, v in [*pairs, ("instance", quote(instance, safe=""))])
+
+
+def _new_session(token: bytes) -> str:
+    issued = str(int(time.time()))
+    nonce = secrets.token_hex(16)
+    return f"{issued}.{nonce}.{_session_mac(token, issued, nonce)}"
+
+
+def _session_mac(token: bytes, issued: str, nonce: str) -> str:
+    return hmac.new(token, b"\0".join([b"gcshadow web session v1", issued.encode(), nonce.encode()]),
+                    hashlib.sha256).hexdigest()
+
+
+def _valid_session(token: bytes, value: str) -> bool:
+    """A cookie the login form set: made with the token, and not older than SESSION_DAYS."""
+    issued, _, rest = value.partition(".")
+    nonce, _, mac = rest.partition(".")
+    if not (issued.isdigit() and nonce and mac):
+        return False
+    if not hmac.compare_digest(mac.encode(), _session_mac(token, issued, nonce).encode()):
+        return False
+    return 0 <= time.time() - int(issued) <= SESSION_DAYS * 86400
+
+
+async def run_web(opts: WebOptions, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    view = WebView(opts)
+    try:
+        await view.serve(task_status=task_status)
+    finally:
+        view.close()

@@ -1,0 +1,282 @@
+"""What `gcshadow web` shows: the shadow's state read from outside, and its files.
+
+A reader, never a participant: the state database is opened read-only (the
+shadow owns it), and output files are opened read-only, confined to the root
+as the shadow confines them. Synchronous code, run in the web server's one
+worker thread (the state) or inline (small preads).
+
+The state is read again only when the shadow has committed something since
+the last look (`PRAGMA data_version`), so a quiet shadow costs one tiny query
+per poll. Rates and the age of each stream's last byte are derived here from
+the durable lengths seen over time: the shadow does not record them, and
+shows only durable bytes (what it acknowledged): bytes past that may still be
+cut back and sent again after a crash of the shadow, and a viewer must never
+see a byte twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from .names import STATE_DIR, NameError_
+from .shadow_store import open_confined
+
+RATE_WINDOW = 5.0  # seconds over which a live rate is measured
+
+
+class Refused(Exception):
+    """A file the web view will not serve, with the reason in plain words."""
+
+
+@dataclass
+class StreamSeen:
+    """A stream's durable lengths over the last RATE_WINDOW seconds, and when it last grew."""
+
+    instance: str
+    samples: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, durable)
+    last_byte_at: float | None = None  # wall-clock time the durable length last grew
+
+    def add(self, now: float, durable: int, wall: float) -> None:
+        if self.samples and durable > self.samples[-1][1]:
+            self.last_byte_at = wall
+        self.samples.append((now, durable))
+        # Keep one sample at or before the window's start: the length then.
+        while len(self.samples) > 2 and self.samples[1][0] <= now - RATE_WINDOW:
+            self.samples.popleft()
+
+    def rate(self, now: float) -> float | None:
+        """Bytes per second over the window ending now; None until there is a window."""
+        if not self.samples:
+            return None
+        first_t, first_n = self.samples[0]
+        span = min(now - first_t, RATE_WINDOW)
+        if span < 0.5:
+            return None
+        start = now - span
+        before = first_n
+        for t, n in self.samples:  # the length at the window's start (a step function)
+            if t > start:
+                break
+            before = n
+        return max(0.0, (self.samples[-1][1] - before) / span)
+
+
+def job_url(job_id: str) -> str:
+    return "/jobs/" + quote(job_id, safe="")
+
+
+def api_url(job_id: str) -> str:
+    return "/api/jobs/" + quote(job_id, safe="")
+
+
+class StateReader:
+    """The jobs the shadow at ROOT knows, as the web view shows them.
+
+    `read()` (in a worker thread) looks at the state when it changed, and
+    returns whether it did; `jobs` then holds the raw rows. `view()` derives
+    what pages and scripts see, cached for a moment: every client of one
+    poll shares one list and one encoding of it.
+    """
+
+    def __init__(self, root: Path, root_fd: int) -> None:
+        self.root = root
+        self.root_fd = root_fd
+        self.path = root / STATE_DIR / "state.db"
+        self.conn: sqlite3.Connection | None = None
+        self.data_version: int | None = None
+        self.jobs: dict[str, dict[str, Any]] = {}  # job_id -> row, with "streams"
+        self.generation = 0  # bumped whenever `jobs` changes
+        self.error = ""  # why the state cannot be read, for the page's banner
+        self.seen: dict[tuple[str, int], StreamSeen] = {}
+        self._view: tuple[tuple[int, int], list[dict[str, Any]], bytes] | None = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.conn is None:
+            if not self.path.exists():
+                raise FileNotFoundError(f"no shadow state at {self.path} yet (has gcshadow served this root?)")
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute("PRAGMA busy_timeout = 2000")
+            self.conn = conn
+        return self.conn
+
+    def read(self) -> bool:
+        """Read the state again if the shadow committed since the last read."""
+        try:
+            conn = self._connect()
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            if version == self.data_version and not self.error:
+                self._sample()
+                return False
+            cur = conn.execute("SELECT * FROM jobs ORDER BY first_seen")
+            cols = [d[0] for d in cur.description]
+            jobs = {row[0]: dict(zip(cols, row)) for row in cur.fetchall()}
+            for job in jobs.values():
+                job["streams"] = []
+            for job_id, sid, kind, name, durable in conn.execute(
+                "SELECT job_id, stream, kind, name, durable FROM streams ORDER BY job_id, stream"
+            ):
+                if job_id in jobs:
+                    jobs[job_id]["streams"].append({"stream": sid, "kind": kind, "name": name, "durable": durable})
+        except (sqlite3.Error, OSError) as e:
+            self.close()
+            error = str(e)
+            changed = error != self.error
+            self.error, self.data_version = error, None
+            if changed:
+                self.generation += 1
+            return changed
+        self.error, self.data_version = "", version
+        self.jobs = jobs
+        self.generation += 1
+        self._sample()
+        return True
+
+    def _sample(self) -> None:
+        """Note every stream's durable length now, for rates and last-byte ages."""
+        now, wall = time.monotonic(), time.time()
+        alive = set()
+        for job in self.jobs.values():
+            for st in job["streams"]:
+                if st["kind"] == "stdin":
+                    continue
+                key = (job["job_id"], st["stream"])
+                alive.add(key)
+                seen = self.seen.get(key)
+                if seen is None or seen.instance != job["instance"] or (
+                        seen.samples and st["durable"] < seen.samples[-1][1]):
+                    seen = self.seen[key] = StreamSeen(job["instance"])
+                    seen.last_byte_at = self._mtime(st["name"]) if st["durable"] else None
+                seen.add(now, st["durable"], wall)
+        for key in set(self.seen) - alive:
+            del self.seen[key]
+
+    def _mtime(self, name: str) -> float | None:
+        """When the file was last written: the last byte's time of a stream first seen."""
+        try:
+            fd = open_output(self.root_fd, name)
+        except (Refused, OSError):
+            return None
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+
+    # -- what clients see -----------------------------------------------------
+
+    def view(self) -> tuple[list[dict[str, Any]], bytes]:
+        """Every job as a dict for JSON, and the encoded /api/jobs answer."""
+        now = time.monotonic()
+        key = (self.generation, int(now * 2))  # derived again at most twice a second: ages and rates move
+        if self._view is None or self._view[0] != key:
+            wall = time.time()
+            jobs = [self.job_view(job, now, wall) for job in self.jobs.values()]
+            body = json.dumps({"root": str(self.root), "now": round(wall, 3), "error": self.error, "jobs": jobs})
+            self._view = (key, jobs, body.encode())
+        return self._view[1], self._view[2]
+
+    def job_view(self, job: dict[str, Any], now: float | None = None, wall: float | None = None) -> dict[str, Any]:
+        """One job as the pages and scripts see it (see README, "The web view")."""
+        now = time.monotonic() if now is None else now
+        wall = time.time() if wall is None else wall
+        try:
+            command = json.loads(job.get("command") or "[]")
+            summary = json.loads(job.get("summary") or "{}")
+        except ValueError:
+            command, summary = [], {}
+        streams, stdin = [], None
+        for st in job["streams"]:
+            if st["kind"] == "stdin":
+                stdin = st["name"]
+                continue
+            seen = self.seen.get((job["job_id"], st["stream"]))
+            rate = seen.rate(now) if seen else None
+            last = seen.last_byte_at if seen else None
+            streams.append({
+                "stream": st["stream"], "kind": st["kind"], "name": st["name"], "bytes": st["durable"],
+                "rate": None if rate is None else round(rate, 1),
+                "last_byte_at": None if last is None else round(last, 3),
+                "idle_s": None if last is None else round(max(0.0, wall - last), 1),
+                "download": f"{api_url(job['job_id'])}/files/{quote(st['kind'], safe='')}",
+            })
+        total = sum(s["bytes"] for s in streams)
+        rates = [s["rate"] for s in streams if s["rate"] is not None]
+        lasts = [s["last_byte_at"] for s in streams if s["last_byte_at"] is not None]
+        first, end = job.get("first_seen"), job.get("ended") or wall
+        span = (end - first) if first else 0.0
+        try:
+            failed = int(float(summary.get("failed_attempts", 0)))
+        except (TypeError, ValueError):
+            failed = 0
+        finished = job["state"] == "finished"
+        return {
+            "job_id": job["job_id"], "instance": job["instance"], "state": job["state"],
+            "host": job.get("host"), "user": job.get("user"), "peer": job.get("peer"), "command": command,
+            "first_seen": job.get("first_seen"), "last_seen": job.get("last_seen"), "ended": job.get("ended"),
+            "exit_code": job.get("exit_code"), "exit_signal": job.get("exit_signal"),
+            "exit": exit_words(job) if finished else None,
+            "failed": finished and bool(job.get("exit_signal") or job.get("exit_code") or job.get("exit_code") is None),
+            "reason": job.get("reason") or "", "failed_attempts": failed, "summary": summary,
+            "bytes": total,
+            "rate": round(sum(rates), 1) if rates else None,
+            "avg_rate": round(total / span, 1) if span > 0 else None,
+            "last_byte_at": max(lasts) if lasts else None,
+            "idle_s": round(max(0.0, wall - max(lasts)), 1) if lasts else None,
+            "stdin": stdin, "streams": streams,
+            "page": job_url(job["job_id"]), "url": api_url(job["job_id"]),
+            "events": api_url(job["job_id"]) + "/events",
+        }
+
+
+def exit_words(job: dict[str, Any]) -> str:
+    """How a finished job ended: "status 0", "signal 9", "unknown"."""
+    if job.get("exit_signal"):
+        return f"signal {job['exit_signal']}"
+    if job.get("exit_code") is not None:
+        return f"status {job['exit_code']}"
+    return "unknown"
+
+
+# -- files ---------------------------------------------------------------------------
+
+
+def open_output(root_fd: int, name: str) -> int:
+    """Open a job's output file NAME (from the state, never from a URL) for
+    reading, under the shadow's rules: relative, no '..', nothing in the
+    shadow's state directory, no symlink anywhere on the path, a regular file,
+    and one link only (a hard link made in the root could name a file outside
+    it). Refused says why; OSError (FileNotFoundError...) passes through."""
+    try:
+        fd = open_confined(root_fd, name, write=False, create=False)
+    except NameError_ as e:
+        raise Refused(str(e)) from None
+    links = os.fstat(fd).st_nlink
+    if links != 1:
+        os.close(fd)
+        raise Refused(f"{name!r} has {links} hard links: a linked file may be someone else's")
+    return fd
+
+
+def tail_start(fd: int, end: int, tail: int) -> int:
+    """Where to start showing a file that holds `end` bytes so that at most
+    about `tail` bytes show: at a line's start where one is near, so the first
+    line shown is whole."""
+    if end <= tail:
+        return 0
+    start = end - tail
+    head = os.pread(fd, min(4096, end - start), start - 1)
+    nl = head.find(b"\n")  # head[0] is the byte before `start`: a newline there means start is a line's start
+    return start + nl if nl >= 0 else start

@@ -1,0 +1,143 @@
+// The jobs page: the list from /api/jobs, fetched again every second.
+"use strict";
+
+const REFRESH_MS = 1000;
+const tbody = document.querySelector("#jobs tbody");
+const filterBox = document.getElementById("filter");
+const stateBox = document.getElementById("state");
+let jobs = [];
+let sortKey = "job_id";
+let sortDir = 1; // 1 ascending, -1 descending
+let lastOk = 0;
+
+const params = new URLSearchParams(location.search);
+filterBox.value = params.get("q") || "";
+stateBox.value = params.get("state") || "";
+if (params.get("sort")) { sortKey = params.get("sort"); sortDir = params.get("dir") === "desc" ? -1 : 1; }
+
+function sortValue(job, key) {
+  switch (key) {
+    case "state": return jobStatus(job).rank;
+    case "streams": return job.streams.length;
+    case "rate": return job.state === "finished" ? -1 : (job.rate || 0);
+    case "idle": return job.idle_s === null ? Infinity : job.idle_s;
+    case "exit": return job.state !== "finished" ? -Infinity : job.exit_signal ? 1000 + job.exit_signal : (job.exit_code ?? 999);
+    default: return job[key] ?? "";
+  }
+}
+
+function matches(job, text, state) {
+  if (state && jobStatus(job).key !== state) return false;
+  if (!text) return true;
+  const hay = [job.job_id, job.host, job.user, job.state, job.reason, ...(job.command || []),
+    ...job.streams.map((s) => s.name)].join("\n").toLowerCase();
+  return text.toLowerCase().split(/\s+/).every((word) => hay.includes(word));
+}
+
+function streamsCell(job) {
+  const box = el("div", { class: "streamlist" });
+  for (const s of job.streams) {
+    box.append(
+      el("span", { class: "kind", text: s.kind }),
+      el("span", { class: "name mono", title: s.name, text: s.name }),
+      el("span", { class: "num", text: fmtBytes(s.bytes) }),
+      el("span", { class: "num muted", text: job.state === "finished" ? "" : fmtRate(s.rate) }),
+    );
+  }
+  if (!job.streams.length) box.append(el("span", { class: "muted", text: "none" }));
+  return box;
+}
+
+function row(job) {
+  const st = jobStatus(job);
+  const link = el("a", { href: job.page, class: "mono", text: job.job_id });
+  const refused = el("td", { class: "num" });
+  if (job.failed_attempts) refused.append(el("span", { class: "warn", text: String(job.failed_attempts) }));
+  if (job.reason) refused.append(el("div", { class: "reason", title: job.reason, text: job.reason }));
+  if (!refused.childNodes.length) refused.append(el("span", { class: "muted", text: "–" }));
+  const rate = job.state === "finished" ? "" : fmtRate(job.rate);
+  return el("tr", { class: `row-${st.key}`, "data-job": job.job_id, "data-state": st.key },
+    el("td", { class: "job" }, link),
+    el("td", {}, pill(job)),
+    el("td", { class: "mono", text: job.host || "–" }),
+    el("td", { text: job.user || "–" }),
+    el("td", {}, streamsCell(job)),
+    el("td", { class: "num", text: fmtBytes(job.bytes) }),
+    el("td", { class: "num", text: rate }),
+    el("td", { class: "num", text: fmtAge(job.idle_s) }),
+    el("td", { class: `num exit ${st.key === "failed" ? "bad" : ""}`, text: exitText(job) }),
+    refused,
+  );
+}
+
+function counts() {
+  const by = { streaming: 0, quiet: 0, disconnected: 0, failed: 0, done: 0 };
+  for (const job of jobs) by[jobStatus(job).key]++;
+  const nav = document.getElementById("counts");
+  nav.replaceChildren();
+  const chip = (key, label, n) => {
+    const b = el("button", { type: "button", class: `chip ${key}${stateBox.value === key ? " on" : ""}`, "data-state": key },
+      el("span", { class: "n", text: String(n) }), ` ${label}`);
+    b.addEventListener("click", () => { stateBox.value = stateBox.value === key ? "" : key; render(); });
+    return b;
+  };
+  nav.append(chip("", "jobs", jobs.length));
+  for (const key of Object.keys(by)) nav.append(chip(key, key, by[key]));
+}
+
+function render() {
+  const text = filterBox.value.trim();
+  const state = stateBox.value;
+  const shown = jobs.filter((j) => matches(j, text, state));
+  shown.sort((a, b) => {
+    const x = sortValue(a, sortKey), y = sortValue(b, sortKey);
+    const c = typeof x === "string" || typeof y === "string" ? String(x).localeCompare(String(y), undefined, { numeric: true }) : x - y;
+    return c * sortDir || String(a.job_id).localeCompare(String(b.job_id), undefined, { numeric: true });
+  });
+  tbody.replaceChildren(...shown.map(row));
+  for (const th of document.querySelectorAll("#jobs th")) {
+    th.setAttribute("aria-sort", th.dataset.key === sortKey ? (sortDir > 0 ? "ascending" : "descending") : "none");
+  }
+  counts();
+  const empty = document.getElementById("empty");
+  empty.hidden = shown.length > 0;
+  empty.textContent = jobs.length ? "No job matches the filter." : "This shadow knows no jobs yet.";
+  const q = new URLSearchParams();
+  if (text) q.set("q", text);
+  if (state) q.set("state", state);
+  if (sortKey !== "job_id" || sortDir < 0) { q.set("sort", sortKey); q.set("dir", sortDir > 0 ? "asc" : "desc"); }
+  history.replaceState(null, "", q.toString() ? `?${q}` : location.pathname);
+}
+
+async function refresh() {
+  try {
+    const res = await fetch("/api/jobs", { cache: "no-store", credentials: "same-origin" });
+    if (res.status === 401) { location.href = "/login?next=/"; return; }
+    if (!res.ok) throw new Error(`the server answered ${res.status}`);
+    const data = await res.json();
+    jobs = data.jobs;
+    document.getElementById("root").textContent = data.root;
+    showBanner(data.error);
+    lastOk = Date.now();
+    render();
+  } catch (e) {
+    showBanner(`Cannot reach gcshadow web (${e.message}); retrying.`);
+  }
+  const age = lastOk ? Math.round((Date.now() - lastOk) / 1000) : null;
+  document.getElementById("updated").textContent = age === null ? "" : age < 2 ? "live" : `updated ${age} s ago`;
+  setTimeout(refresh, REFRESH_MS);
+}
+
+for (const th of document.querySelectorAll("#jobs th")) {
+  th.tabIndex = 0;
+  const sortBy = () => {
+    if (sortKey === th.dataset.key) sortDir = -sortDir;
+    else { sortKey = th.dataset.key; sortDir = th.classList.contains("num") ? -1 : 1; }
+    render();
+  };
+  th.addEventListener("click", sortBy);
+  th.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); sortBy(); } });
+}
+filterBox.addEventListener("input", render);
+stateBox.addEventListener("change", render);
+refresh();

@@ -1,0 +1,389 @@
+"""`gcshadow web`: the JSON endpoints, the live event stream, the refusals and
+the authentication, against a real gcshadow, real gcwrap jobs and a real
+`gcshadow web` process on loopback (no browser here: see test_web_browser.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import pytest
+from click.testing import CliRunner
+
+from helpers import ShadowProc, Wrapper, genjob, sha256_file, tool, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+# A job that writes what a test asks for, when it asks: a line per file the
+# test creates (go-1, go-2, ...), until the file "exit" holds its status.
+STEP_JOB = r"""
+import os, sys, time
+d = sys.argv[1]
+print("first line, before any page", flush=True)
+print("a line on stderr", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 90
+n = 1
+while time.monotonic() < deadline:
+    if os.path.exists(os.path.join(d, f"go-{n}")):
+        print(f"line {n}, written when the test said go", flush=True)
+        n += 1
+        continue
+    if os.path.exists(os.path.join(d, "exit")):
+        sys.exit(int(open(os.path.join(d, "exit")).read()))
+    time.sleep(0.02)
+sys.exit(99)
+"""
+
+
+class WebProc:
+    """A `gcshadow web` process on a free port, stopped by pid."""
+
+    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+        self.host = host
+        port_file = logdir / f"web-port-{os.getpid()}-{time.monotonic_ns()}"
+        self.log_path = logdir / f"{port_file.name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*tool("gcshadow"), "web", "--root", str(root), "--host", host, "--port", "0",
+                 "--port-file", str(port_file), *extra],
+                stdout=log, stderr=log, start_new_session=True,
+            )
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gcshadow web exited with {self.proc.returncode}: {self.log()}")
+            return port_file.exists()
+
+        wait_until(ready, 30, "gcshadow web to listen")
+        self.port = int(port_file.read_text())
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def get(self, path: str, headers: dict[str, str] | None = None, method: str = "GET",
+            body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=20)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            res = conn.getresponse()
+            return res.status, {k.lower(): v for k, v in res.getheaders()}, res.read()
+        finally:
+            conn.close()
+
+    def json(self, path: str, headers: dict[str, str] | None = None) -> Any:
+        status, hdrs, body = self.get(path, headers)
+        assert status == 200, (status, body)
+        assert hdrs["content-type"] == "application/json"
+        return json.loads(body)
+
+    def events(self, path: str, until: str, timeout: float = 30,
+               headers: dict[str, str] | None = None) -> Iterator[tuple[str, Any, str]]:
+        """(event, data, id) of the event stream at `path`, until an `until` event (or the stream ends)."""
+        deadline = time.monotonic() + timeout
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        try:
+            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}\r\n".encode())
+            f = sock.makefile("rb")
+            status = f.readline()
+            assert b" 200 " in status, status + f.read(2000)
+            while f.readline() not in (b"\r\n", b""):
+                pass
+            name, data, ident = "message", "", ""
+            while time.monotonic() < deadline:
+                size = f.readline()  # chunked transfer: a size line, the chunk, CRLF
+                if not size or int(size, 16) == 0:
+                    return
+                chunk = f.read(int(size, 16))
+                f.readline()
+                for line in chunk.decode().split("\n"):
+                    if line.startswith("event: "):
+                        name = line[7:]
+                    elif line.startswith("data: "):
+                        data = line[6:]
+                    elif line.startswith("id: "):
+                        ident = line[4:]
+                    elif line == "" and data:
+                        yield name, json.loads(data), ident
+                        if name == until:
+                            return
+                        name, data = "message", ""
+            raise AssertionError(f"no {until!r} event within {timeout} s")
+        finally:
+            sock.close()
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    d = tmp_path / "logs"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture
+def web(home: Path, shadow: ShadowProc, logs: Path) -> Iterator[WebProc]:
+    w = WebProc(home, logs)
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def step_job(shadow: ShadowProc, steps: Path, job_id: str, spool: Path, stdout: str = "out/step.txt") -> Wrapper:
+    steps.mkdir(parents=True, exist_ok=True)
+    return Wrapper(["--shadow", shadow.address, "--stdout", stdout, "--stderr", stdout + ".err", "--job-id", job_id,
+                    "--spool", str(spool), "--", sys.executable, "-c", STEP_JOB, str(steps)])
+
+
+def job_state(web: WebProc, job_id: str) -> dict[str, Any] | None:
+    return next((j for j in web.json("/api/jobs")["jobs"] if j["job_id"] == job_id), None)
+
+
+def run_job(shadow: ShadowProc, spool: Path, job_id: str, out: int, err: int = 0, status: int = 0) -> None:
+
+    w = Wrapper(["--shadow", shadow.address, "--stdout", f"out/{job_id}.txt", "--stderr", f"out/{job_id}.err",
+                 "--job-id", job_id, "--spool", str(spool), "--", *genjob(out, err, seed=7, exit=status)])
+    assert w.wait(60) == status, w.err
+
+
+# -- the JSON endpoints and the event stream ------------------------------------------------
+
+
+def test_json_endpoints_describe_jobs_and_serve_whole_files(web: WebProc, shadow: ShadowProc, home: Path,
+                                                            spool_dir: Path) -> None:
+    run_job(shadow, spool_dir, "done-1", out=300_000, err=5_000, status=3)
+    wait_until(lambda: (job_state(web, "done-1") or {}).get("state") == "finished", 20, "the web view to see the end")
+    listing = web.json("/api/jobs")
+    assert listing["root"] == str(home.resolve()) and listing["error"] == ""
+    job = web.json("/api/jobs/done-1")
+    assert job["exit_code"] == 3 and job["exit"] == "status 3" and job["failed"] is True
+    assert {s["kind"]: s["bytes"] for s in job["streams"]} == {"stdout": 300_000, "stderr": 5_000}
+    assert job["bytes"] == 305_000
+    assert job["summary"]["stdout_bytes"] == "300000"
+    assert job["events"] == "/api/jobs/done-1/events" and job["page"] == "/jobs/done-1"
+    for kind, name in (("stdout", "out/done-1.txt"), ("stderr", "out/done-1.err")):
+        status, headers, body = web.get(f"/api/jobs/done-1/files/{kind}")
+        assert status == 200
+        assert hashlib.sha256(body).hexdigest() == sha256_file(home / name)
+        assert headers["content-type"] == "application/octet-stream"
+        assert headers["content-disposition"].startswith("attachment;")
+        assert headers["x-content-type-options"] == "nosniff"
+    status, headers, body = web.get("/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in headers["content-security-policy"] and b"<script>" not in body
+    status, headers, _ = web.get("/jobs/done-1", method="HEAD")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+
+
+def test_event_stream_sends_the_tail_then_only_new_bytes_then_the_end(web: WebProc, shadow: ShadowProc, home: Path,
+                                                                      tmp_path: Path, spool_dir: Path) -> None:
+    steps = tmp_path / "steps"
+    job = step_job(shadow, steps, "live-1", spool_dir)
+    wait_until(lambda: (job_state(web, "live-1") or {}).get("bytes", 0) > 40, 30, "the job's first lines at home")
+    seen: dict[str, str] = {"stdout": "", "stderr": ""}
+    ends: dict[str, int] = {"stdout": 0, "stderr": 0}
+    asked = 0
+    final: dict[str, Any] = {}
+    for name, data, ident in web.events("/api/jobs/live-1/events", until="end", timeout=60):
+        if name == "data":
+            assert data["offset"] == ends[data["stream"]], "a byte sent twice or skipped"
+            seen[data["stream"]] += data["text"]
+            ends[data["stream"]] = data["end"]
+            assert f"stdout={ends['stdout']}" in ident and f"stderr={ends['stderr']}" in ident
+        elif name == "job":
+            final = data
+        # Ask for each next line only once the previous one has come: each is written after the stream opened.
+        if asked < 3 and seen["stdout"].count("\n") == asked + 1:
+            asked += 1
+            (steps / f"go-{asked}").touch()
+        elif asked == 3 and "line 3," in seen["stdout"] and not (steps / "exit").exists():
+            (steps / "exit").write_text("5")
+    assert job.wait(30) == 5
+    assert seen["stdout"].encode() == (home / "out/step.txt").read_bytes()
+    assert seen["stderr"].encode() == (home / "out/step.txt.err").read_bytes()
+    assert "line 3, written when the test said go" in seen["stdout"]
+    assert final["state"] == "finished" and final["exit_code"] == 5
+
+
+def test_event_stream_resumes_at_last_event_id_and_shows_only_the_tail(web: WebProc, shadow: ShadowProc,
+                                                                       home: Path, spool_dir: Path) -> None:
+    run_job(shadow, spool_dir, "big-1", out=200_000)
+    wait_until(lambda: (job_state(web, "big-1") or {}).get("state") == "finished", 20, "the job's end")
+    landed = (home / "out/big-1.txt").read_bytes()
+    events = list(web.events("/api/jobs/big-1/events?tail=16", until="end"))
+    skips = [d for n, d, _ in events if n == "skip" and d["stream"] == "stdout"]
+    assert len(skips) == 1 and skips[0]["from"] == 0 and 200_000 - 16 * 1024 - 4096 <= skips[0]["to"]
+    got = [d for n, d, _ in events if n == "data" and d["stream"] == "stdout"]
+    assert got[0]["offset"] == skips[0]["to"] and got[-1]["end"] == 200_000
+    # A reconnecting EventSource sends the id of the last event it saw: the stream goes on from there, byte-exact.
+    resumed = list(web.events("/api/jobs/big-1/events", until="end",
+                              headers={"Last-Event-ID": f"stdout=150000&stderr=0&instance={job_state(web, 'big-1')['instance']}"}))
+    data = [d for n, d, _ in resumed if n == "data" and d["stream"] == "stdout"]
+    assert data[0]["offset"] == 150_000 and data[-1]["end"] == 200_000
+    assert not [d for n, d, _ in resumed if n == "skip"]
+    text = "".join(d["text"] for d in data)
+    assert text == landed[150_000:].decode("utf-8", "replace")
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+def _set_name(home: Path, job_id: str, kind: str, name: str) -> None:
+    """Change what the state says a stream's file is (as a tampered or hostile state would)."""
+    conn = sqlite3.connect(home / ".gcshadow" / "state.db", timeout=10)
+    try:
+        with conn:
+            conn.execute("UPDATE streams SET name = ? WHERE job_id = ? AND kind = ?", [name, job_id, kind])
+    finally:
+        conn.close()
+
+
+def test_unknown_jobs_and_paths_outside_the_state_are_not_found(web: WebProc, shadow: ShadowProc,
+                                                                spool_dir: Path) -> None:
+    run_job(shadow, spool_dir, "known", out=1000)
+    wait_until(lambda: job_state(web, "known") is not None, 20, "the job")
+    for path in ("/api/jobs/nope", "/api/jobs/nope/events", "/api/jobs/nope/files/stdout", "/jobs/nope",
+                 "/api/jobs/known/files/stdin", "/api/jobs/known/files/..%2F..%2Fetc%2Fpasswd",
+                 "/api/jobs/..%2F..%2Fetc/files/stdout", "/static/../../etc/passwd",
+                 "/static/..%2F..%2F..%2Fetc%2Fpasswd", "/static/jobs.html", "/etc/passwd",
+                 "/api/jobs/known/files/stdout/extra"):
+        status, headers, body = web.get(path)
+        assert status == 404, (path, status, body)
+        assert b"root:" not in body
+    status, headers, body = web.get("/jobs/%3Cb%3Eno%3C%2Fb%3E")
+    assert status == 404 and b"&lt;b&gt;no&lt;/b&gt;" in body and b"<b>no</b>" not in body
+    status, _, _ = web.get("/api/jobs", method="POST", body=b"x")
+    assert status == 405
+
+
+def test_files_are_refused_through_symlinks_hard_links_and_names_leaving_the_root(
+        web: WebProc, shadow: ShadowProc, home: Path, tmp_path: Path, spool_dir: Path) -> None:
+    run_job(shadow, spool_dir, "victim", out=1000, err=1000)
+    wait_until(lambda: (job_state(web, "victim") or {}).get("state") == "finished", 20, "the job's end")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0 a secret outside the root\n")
+    # stdout: the landed file replaced by a symlink to a file outside the root
+    (home / "out/victim.txt").unlink()
+    (home / "out/victim.txt").symlink_to(secret)
+    status, _, body = web.get("/api/jobs/victim/files/stdout")
+    assert status == 403 and b"symlink" in body and b"secret" not in body
+    # stderr: a second (hard) link to the landed file outside the root
+    os.link(home / "out/victim.err", tmp_path / "linked.err")
+    status, _, body = web.get("/api/jobs/victim/files/stderr")
+    assert status == 403 and b"hard links" in body
+    # the event stream says why, per stream, and sends none of those bytes
+    events = list(web.events("/api/jobs/victim/events", until="end"))
+    refused = {d["stream"]: d["reason"] for n, d, _ in events if n == "refused"}
+    assert set(refused) == {"stdout", "stderr"}
+    assert not [d for n, d, _ in events if n == "data"]
+    # names the shadow itself would refuse, should the state say so
+    for name, why in (("../secret.txt", b"'..'"), (str(secret), b"absolute"), (".gcshadow/state.db", b"state"),
+                      ("out/../../secret.txt", b"'..'")):
+        _set_name(home, "victim", "stdout", name)
+        wait_until(lambda name=name: next(s for s in web.json("/api/jobs/victim")["streams"]
+                                          if s["kind"] == "stdout")["name"] == name, 10, "the web view to see it")
+        status, _, body = web.get("/api/jobs/victim/files/stdout")
+        assert status == 403 and why in body, (name, body)
+        assert b"a secret" not in body
+    assert "refused to serve" in web.log()
+
+
+# -- who may connect --------------------------------------------------------------------
+
+
+def test_loopback_view_answers_only_to_loopback_names(web: WebProc) -> None:
+    # A page elsewhere that rebinds its own name to 127.0.0.1 must not read the jobs.
+    status, _, body = web.get("/api/jobs", headers={"Host": "attacker.example:8080"})
+    assert status == 403 and b"loopback" in body
+    for host in (f"127.0.0.1:{web.port}", f"localhost:{web.port}", "localhost"):
+        assert web.get("/api/jobs", headers={"Host": host})[0] == 200
+
+
+def test_non_loopback_address_needs_authentication_or_insecure(home: Path) -> None:
+    runner = CliRunner()
+    from gcwrap.shadow_cli import main
+
+    result = runner.invoke(main, ["web", "--root", str(home), "--host", "0.0.0.0", "--port", "0"])
+    assert result.exit_code == 2
+    assert "refusing to serve 0.0.0.0 without authentication" in result.output
+    assert "--token-file" in result.output and "--insecure" in result.output
+    token = home.parent / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o644)
+    result = runner.invoke(main, ["web", "--root", str(home), "--host", "0.0.0.0", "--token-file", str(token)])
+    assert result.exit_code == 2 and "chmod 600" in result.output
+
+
+def test_without_the_web_extra_it_says_what_to_install(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gcwrap.shadow_cli import main
+
+    monkeypatch.setitem(sys.modules, "h11", None)  # as if not installed: importing it raises ImportError
+    result = CliRunner().invoke(main, ["web", "--root", str(home)])
+    assert result.exit_code == 1
+    assert "pip install 'gcwrap[web]'" in result.output
+
+
+@pytest.mark.root
+def test_token_is_required_on_a_non_loopback_address(home: Path, shadow: ShadowProc, logs: Path,
+                                                     spool_dir: Path) -> None:
+    from faults import HOST_IP, NetNS, need_root
+
+    need_root()
+    run_job(shadow, spool_dir, "secret-job", out=1000)
+    token = logs / "web-token"
+    token.write_text("s3cret-token-of-the-web-view-0123456789\n")
+    token.chmod(0o600)
+    with NetNS():
+        web = WebProc(home, logs, ["--token-file", str(token)], host=HOST_IP)
+        try:
+            for path in ("/api/jobs", "/api/jobs/secret-job", "/api/jobs/secret-job/files/stdout",
+                         "/api/jobs/secret-job/events"):
+                status, headers, body = web.get(path)
+                assert status == 401 and headers["www-authenticate"].startswith("Bearer"), (path, status)
+                assert b"secret-job" not in body
+                status, _, _ = web.get(path, headers={"Authorization": "Bearer wrong-token-wrong-token-wrong"})
+                assert status == 401
+            status, headers, _ = web.get("/jobs/secret-job")
+            assert status == 303 and headers["location"] == "/login?next=/jobs/secret-job"
+            good = {"Authorization": "Bearer s3cret-token-of-the-web-view-0123456789"}
+            assert [j["job_id"] for j in web.json("/api/jobs", good)["jobs"]] == ["secret-job"]
+            # the login form: a wrong token is refused, the right one sets an HttpOnly session cookie
+            status, _, _ = web.get("/login", method="POST", body=b"token=nope&next=/",
+                                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+            assert status == 401
+            status, headers, _ = web.get(
+                "/login", method="POST", body=b"token=s3cret-token-of-the-web-view-0123456789&next=//evil.example/",
+                headers={"Content-Type": "application/x-www-form-urlencoded"})
+            assert status == 303 and headers["location"] == "/"  # never a redirect to another site
+            cookie = headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "s3cret" not in cookie
+            session = {"Cookie": cookie.split(";")[0]}
+            assert web.get("/api/jobs/secret-job", headers=session)[0] == 200
+            forged = {"Cookie": cookie.split(";")[0][:-4] + "0000"}
+            assert web.get("/api/jobs/secret-job", headers=forged)[0] == 401
+        finally:
+            web.stop()
