@@ -46,7 +46,7 @@ import h11
 import trio
 
 from .auth import is_loopback
-from .webstate import Refused, StateReader, api_url, open_output, tail_start
+from .webstate import Refused, StateReader, open_output, tail_start
 
 log = logging.getLogger("gcshadow")
 
@@ -140,7 +140,7 @@ class Http:
                 data = await self.stream.receive_some(CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 data = b""
-            self.conn.receive_data(data)
+            self.conn.receive_data(bytes(data))
 
     async def send(self, *events: Any) -> None:
         data = b"".join(self.conn.send(ev) or b"" for ev in events)
@@ -539,7 +539,7 @@ class WebView:
             for f in streams:
                 more |= await self._send_new(send, f, sizes.get(f.kind, 0), tail, streams, instance)
             if more:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 continue
             if job["state"] == "finished" and all(f.refused or f.offset == sizes.get(f.kind, 0) for f in streams):
                 await send(_event("end", {"job_id": job_id}, _event_id(streams, instance)))

@@ -15,12 +15,12 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
 from helpers import ShadowProc, Wrapper, genjob, sha256_file, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,8 +240,9 @@ def test_event_stream_resumes_at_last_event_id_and_shows_only_the_tail(web: WebP
     got = [d for n, d, _ in events if n == "data" and d["stream"] == "stdout"]
     assert got[0]["offset"] == skips[0]["to"] and got[-1]["end"] == 200_000
     # A reconnecting EventSource sends the id of the last event it saw: the stream goes on from there, byte-exact.
+    instance = web.json("/api/jobs/big-1")["instance"]
     resumed = list(web.events("/api/jobs/big-1/events", until="end",
-                              headers={"Last-Event-ID": f"stdout=150000&stderr=0&instance={job_state(web, 'big-1')['instance']}"}))
+                              headers={"Last-Event-ID": f"stdout=150000&stderr=0&instance={instance}"}))
     data = [d for n, d, _ in resumed if n == "data" and d["stream"] == "stdout"]
     assert data[0]["offset"] == 150_000 and data[-1]["end"] == 200_000
     assert not [d for n, d, _ in resumed if n == "skip"]
@@ -271,10 +272,10 @@ def test_unknown_jobs_and_paths_outside_the_state_are_not_found(web: WebProc, sh
                  "/api/jobs/..%2F..%2Fetc/files/stdout", "/static/../../etc/passwd",
                  "/static/..%2F..%2F..%2Fetc%2Fpasswd", "/static/jobs.html", "/etc/passwd",
                  "/api/jobs/known/files/stdout/extra"):
-        status, headers, body = web.get(path)
+        status, _, body = web.get(path)
         assert status == 404, (path, status, body)
         assert b"root:" not in body
-    status, headers, body = web.get("/jobs/%3Cb%3Eno%3C%2Fb%3E")
+    status, _, body = web.get("/jobs/%3Cb%3Eno%3C%2Fb%3E")
     assert status == 404 and b"&lt;b&gt;no&lt;/b&gt;" in body and b"<b>no</b>" not in body
     status, _, _ = web.get("/api/jobs", method="POST", body=b"x")
     assert status == 405

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from helpers import ShadowProc, Wrapper, wait_until
 from test_web import WebProc, job_state, run_job, step_job
 
