@@ -22,7 +22,7 @@ _gcshadow() {
     [[ $cur == [=:] ]] && cur=""
     if (( COMP_CWORD > 1 )); then
         case ${COMP_WORDS[1]} in
-            serve|jobs|tail) cmd=${COMP_WORDS[1]}; start=2 ;;
+            serve|jobs|tail|web) cmd=${COMP_WORDS[1]}; start=2 ;;
         esac
     fi
     [[ -z $cmd ]] && cmd=serve
@@ -47,6 +47,7 @@ _gcshadow() {
             serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity) skip=1; lastopt=$w ;;
             jobs:--root|jobs:--interval) skip=1; lastopt=$w ;;
             tail:--root) skip=1; lastopt=$w ;;
+            web:--root|web:--host|web:--port|web:--port-file|web:--tail|web:--token-file|web:--tls-cert|web:--tls-key|web:--tls-ca) skip=1; lastopt=$w ;;
             *:-*) ;;
             *) operands=$((operands + 1)) ;;
         esac
@@ -63,6 +64,12 @@ _gcshadow() {
             serve:--tls-ca) _gcshadow_files file ;;
             jobs:--root) _gcshadow_files dir ;;
             tail:--root) _gcshadow_files dir ;;
+            web:--root) _gcshadow_files dir ;;
+            web:--port-file) _gcshadow_files file ;;
+            web:--token-file) _gcshadow_files file ;;
+            web:--tls-cert) _gcshadow_files file ;;
+            web:--tls-key) _gcshadow_files file ;;
+            web:--tls-ca) _gcshadow_files file ;;
         esac
         return 0
     fi
@@ -75,11 +82,12 @@ _gcshadow() {
             serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure -h --help" ;;
             jobs) _gcshadow_words "--root --json -w --watch --interval -h --help" ;;
             tail) _gcshadow_words "--root -f --follow --all -h --help" ;;
+            web) _gcshadow_words "--root --host --port --port-file --tail --token-file --tls-cert --tls-key --tls-ca --insecure -v --verbose -h --help" ;;
         esac
         return 0
     fi
     if (( COMP_CWORD == 1 )); then
-        _gcshadow_words "serve jobs tail"
+        _gcshadow_words "serve jobs tail web"
         return 0
     fi
     case $cmd in

@@ -5,7 +5,7 @@
 
 function __gcshadow_subcommand --description 'The subcommand being completed'
     set -l tokens (commandline -opc)
-    if set -q tokens[2]; and contains -- $tokens[2] serve jobs tail
+    if set -q tokens[2]; and contains -- $tokens[2] serve jobs tail web
         echo $tokens[2]
     else
         echo serve
@@ -26,6 +26,7 @@ complete -c gcshadow -f
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a serve -d 'Serve jobs: write their output files under ROOT, durably, and serve...'
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a jobs -d 'List the jobs the shadow at ROOT knows: host, state, exit status...'
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a tail -d 'Print the output a job has delivered so far; with -f, follow it live'
+complete -c gcshadow -n '__gcshadow_at_subcommand' -a web -d 'Serve a live view of the jobs at ROOT to a browser, and the same as JSON'
 
 # options of the program itself
 complete -c gcshadow -n '__gcshadow_at_subcommand' -l version -d 'Show the version and exit'
@@ -66,3 +67,17 @@ complete -c gcshadow -n '__gcshadow_using tail' -s f -l follow -d 'Keep printing
 complete -c gcshadow -n '__gcshadow_using tail' -l all -d 'Every job, each line prefixed with [JOB STREAM]'
 complete -c gcshadow -n '__gcshadow_using tail' -s h -l help -d 'Show this message and exit'
 complete -c gcshadow -n '__gcshadow_using tail' -a 'stdout stderr all'
+
+# gcshadow web
+complete -c gcshadow -n '__gcshadow_using web' -l root -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory under which every job\'s files land'
+complete -c gcshadow -n '__gcshadow_using web' -l host -x -d 'Address to serve the pages on'
+complete -c gcshadow -n '__gcshadow_using web' -l port -x -d 'TCP port of the pages (0: any free port)'
+complete -c gcshadow -n '__gcshadow_using web' -l port-file -r -F -d 'Write the port to this file once listening (useful with --port 0)'
+complete -c gcshadow -n '__gcshadow_using web' -l tail -x -d 'KiB of each output stream a job page shows when it opens'
+complete -c gcshadow -n '__gcshadow_using web' -l token-file -r -F -d 'Require this secret of every client: a login form for browsers...'
+complete -c gcshadow -n '__gcshadow_using web' -l tls-cert -r -F -d 'Serve HTTPS with this certificate'
+complete -c gcshadow -n '__gcshadow_using web' -l tls-key -r -F -d 'Private key of --tls-cert (if not in the same file)'
+complete -c gcshadow -n '__gcshadow_using web' -l tls-ca -r -F -d 'Require client certificates signed by this CA'
+complete -c gcshadow -n '__gcshadow_using web' -l insecure -d 'Serve a non-loopback address without authentication (anyone who can...'
+complete -c gcshadow -n '__gcshadow_using web' -s v -l verbose -d 'More messages on stderr'
+complete -c gcshadow -n '__gcshadow_using web' -s h -l help -d 'Show this message and exit'

@@ -371,8 +371,8 @@ class WebView:
         elif parts == ["api", "jobs"]:
             await self._respond(http, 200, self.state.view()[1], "application/json", head=head)
         elif parts[:2] == ["api", "jobs"] and len(parts) == 3:
-            job = self.state.job_view(self._job(parts[2]))
-            await self._respond(http, 200, json.dumps(job).encode(), "application/json", head=head)
+            self._job(parts[2])
+            await self._respond(http, 200, self.state.job_json(parts[2]), "application/json", head=head)
         elif parts[:2] == ["api", "jobs"] and len(parts) == 4 and parts[3] == "events":
             await self._events(http, req, parts[2])
         elif parts[:2] == ["api", "jobs"] and len(parts) == 5 and parts[3] == "files":
@@ -534,7 +534,8 @@ class WebView:
             # The record when it changes; its byte counts and rates about once a second while they move.
             if record != shown or (sizes != shown_sizes and now - shown_at >= 1):
                 shown, shown_sizes, shown_at = record, sizes, now
-                await send(_event("job", self.state.job_view(job)))
+                # encoded once for every page that shows the job
+                await send(b"event: job\ndata: " + self.state.job_json(job_id) + b"\n\n")
             more = False
             for f in streams:
                 more |= await self._send_new(send, f, sizes.get(f.kind, 0), tail, streams, instance)

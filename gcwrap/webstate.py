@@ -96,7 +96,8 @@ class StateReader:
         self.generation = 0  # bumped whenever `jobs` changes
         self.error = ""  # why the state cannot be read, for the page's banner
         self.seen: dict[tuple[str, int], StreamSeen] = {}
-        self._view: tuple[tuple[int, int], list[dict[str, Any]], bytes] | None = None
+        self._view: tuple[tuple[int, int], dict[str, dict[str, Any]], bytes] | None = None
+        self._encoded: dict[str, bytes] = {}
 
     def close(self) -> None:
         if self.conn is not None:
@@ -177,16 +178,25 @@ class StateReader:
 
     # -- what clients see -----------------------------------------------------
 
-    def view(self) -> tuple[list[dict[str, Any]], bytes]:
-        """Every job as a dict for JSON, and the encoded /api/jobs answer."""
+    def view(self) -> tuple[dict[str, dict[str, Any]], bytes]:
+        """Every job as a dict for JSON (by job id), and the encoded /api/jobs answer."""
         now = time.monotonic()
         key = (self.generation, int(now * 2))  # derived again at most twice a second: ages and rates move
         if self._view is None or self._view[0] != key:
             wall = time.time()
-            jobs = [self.job_view(job, now, wall) for job in self.jobs.values()]
-            body = json.dumps({"root": str(self.root), "now": round(wall, 3), "error": self.error, "jobs": jobs})
+            jobs = {job_id: self.job_view(job, now, wall) for job_id, job in self.jobs.items()}
+            body = json.dumps({"root": str(self.root), "now": round(wall, 3), "error": self.error,
+                               "jobs": list(jobs.values())})
             self._view = (key, jobs, body.encode())
+            self._encoded = {}
         return self._view[1], self._view[2]
+
+    def job_json(self, job_id: str) -> bytes:
+        """One job's view, encoded once for every page that shows it."""
+        jobs, _ = self.view()
+        if job_id not in self._encoded:
+            self._encoded[job_id] = json.dumps(jobs[job_id], separators=(",", ":")).encode()
+        return self._encoded[job_id]
 
     def job_view(self, job: dict[str, Any], now: float | None = None, wall: float | None = None) -> dict[str, Any]:
         """One job as the pages and scripts see it (see README, "The web view")."""

@@ -78,10 +78,11 @@ function showJob(j) {
   fact(dl, "Host", j.host || "–", "mono");
   fact(dl, "User", j.user || "–");
   fact(dl, "Started", fmtTime(j.first_seen));
-  fact(dl, j.state === "finished" ? "Ended" : "Last seen", fmtTime(j.state === "finished" ? j.ended : j.last_seen));
+  if (j.state === "finished") fact(dl, "Ended", fmtTime(j.ended));
+  else if (j.state === "disconnected") fact(dl, "Disconnected", fmtTime(j.last_seen));
   fact(dl, "Bytes", fmtBytes(j.bytes), "num");
   fact(dl, j.state === "finished" ? "Average rate" : "Rate", fmtRate(j.state === "finished" ? j.avg_rate : j.rate), "num");
-  fact(dl, "Last byte", j.idle_s === null ? "–" : `${fmtAge(j.idle_s)} ago`, "num");
+  fact(dl, "Last byte", j.idle_s === null ? "–" : j.idle_s < 1 ? "just now" : `${fmtAge(j.idle_s)} ago`, "num");
   fact(dl, "Refused / failed attempts", String(j.failed_attempts), j.failed_attempts ? "num warn" : "num");
   if (j.stdin) fact(dl, "Stdin", j.stdin, "mono");
   fact(dl, "Command", (j.command || []).join(" ") || "–", "mono", true);
