@@ -307,6 +307,8 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
         raise click.ClickException(
             "gcshadow web needs the 'web' extra: pip install 'gcwrap[web]' (it adds h11)"
         ) from None
+    import os
+
     import trio
 
     from .auth import AuthError, is_loopback, load_token, server_context
@@ -340,6 +342,10 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
         elif tls is None:
             log.warning("serving %s over plain HTTP: the token and the output cross the network in clear "
                         "(add --tls-cert)", host)
+    try:
+        os.nice(10)  # a viewer, best effort: a shadow on the same machine wins every contention for the CPU
+    except OSError:
+        pass
     try:
         trio.run(run_web, opts)
     except OSError as e:
