@@ -388,3 +388,55 @@ def test_token_is_required_on_a_non_loopback_address(home: Path, shadow: ShadowP
             assert web.get("/api/jobs/secret-job", headers=forged)[0] == 401
         finally:
             web.stop()
+
+
+# -- the pieces, without processes ------------------------------------------------------------
+
+
+def test_rate_is_measured_over_the_last_seconds_and_falls_to_zero_when_idle() -> None:
+    from gcwrap.webstate import RATE_WINDOW, StreamSeen
+
+    seen = StreamSeen("i1")
+    seen.add(100.0, 0, 1000.0)
+    assert seen.rate(100.2) is None  # no window yet
+    for k in range(1, 11):  # 1000 bytes/s for 10 s
+        seen.add(100.0 + k, 1000 * k, 1000.0 + k)
+    assert seen.rate(110.0) == pytest.approx(1000.0)
+    assert seen.last_byte_at == 1010.0
+    assert len(seen.samples) <= RATE_WINDOW + 2  # old samples are dropped
+    seen.add(112.0, 10_000, 1012.0)  # nothing new for 2 s: the rate falls...
+    assert seen.rate(112.0) == pytest.approx(3000 / RATE_WINDOW)
+    seen.add(120.0, 10_000, 1020.0)  # ...to zero once the window holds no new byte
+    assert seen.rate(120.0) == 0.0
+    assert seen.last_byte_at == 1010.0
+
+
+def test_the_tail_starts_at_a_line(tmp_path: Path) -> None:
+    from gcwrap.webstate import tail_start
+
+    path = tmp_path / "f"
+    path.write_bytes(b"".join(b"line %04d\n" % i for i in range(1000)))  # 10 bytes a line
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert tail_start(fd, 10_000, 20_000) == 0
+        assert tail_start(fd, 10_000, 95) == 9_910  # 95 bytes back is mid-line: the next line's start
+        assert tail_start(fd, 10_000, 100) == 9_900  # exactly a line's start
+        assert tail_start(fd, 5_000, 30) == 4_970
+    finally:
+        os.close(fd)
+
+
+def test_a_session_cookie_is_made_with_the_token_and_expires(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gcwrap import web
+
+    token = b"t" * 32
+    cookie = web._new_session(token)
+    assert web._valid_session(token, cookie)
+    assert not web._valid_session(b"u" * 32, cookie)  # another token
+    issued, nonce, mac = cookie.split(".")
+    assert not web._valid_session(token, f"{issued}.{nonce}.{'0' * len(mac)}")
+    assert not web._valid_session(token, f"{int(issued) + 86400}.{nonce}.{mac}")  # the date is signed too
+    assert not web._valid_session(token, "")
+    now = time.time()
+    monkeypatch.setattr(web.time, "time", lambda: now + web.SESSION_DAYS * 86400 + 60)
+    assert not web._valid_session(token, cookie)
