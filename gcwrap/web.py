@@ -273,7 +273,7 @@ class WebView:
             await self._requests(Http(stream))
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
             pass  # the client went away, or stopped reading
-        except Exception:  # noqa: BLE001 - one bad connection (an I/O error on a file...) must not stop the view
+        except Exception:  # one bad connection (an I/O error on a file...) must not stop the view
             log.exception("web: internal error")
         finally:
             self.clients -= 1
