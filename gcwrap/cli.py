@@ -277,9 +277,18 @@ def _run(
         say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
         say.say(outcome.message)
-    if outcome.spool is not None and outcome.status in (exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED):
-        say.say(f"undelivered output is kept in {outcome.spool}", spool=str(outcome.spool))
-        if outcome.status == exitcodes.REFUSED:
+    if outcome.lost:
+        say.say(outcome.lost, lost=outcome.stats.get("lost", 0))
+    if outcome.spool is not None and outcome.status in (
+        exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED, exitcodes.LOST
+    ):
+        if outcome.pending or not outcome.lost:
+            say.say(f"undelivered output {'before the lost bytes ' if outcome.lost else ''}is kept in "
+                    f"{outcome.spool}", spool=str(outcome.spool))
+        else:
+            say.say(f"no output is kept: the spool {outcome.spool} holds the job's record, for home",
+                    spool=str(outcome.spool))
+        if outcome.refused:
             say.say(f"once that is fixed at home, deliver it with: "
                     f"gcwrap resume --include-refused --spool {outcome.spool.parent}")
         else:
@@ -368,12 +377,12 @@ def resume(
             recorded.close()
         except SpoolError as e:
             say.say(str(e))
-            worst = max(worst, exitcodes.INTERNAL)
+            worst = exitcodes.worst(worst, exitcodes.INTERNAL)
             continue
         if job.state == "refused" and not include_refused:
             say.say(f"job {job.job_id}: skipped, the shadow refused it: {job.reason or job.last_error} "
                     "(--include-refused to try again)", "warning")
-            worst = max(worst, exitcodes.REFUSED)
+            worst = exitcodes.worst(worst, exitcodes.REFUSED)
             continue
         address = shadow_address(shadow) if shadow else None
         if address is None:
@@ -381,7 +390,7 @@ def resume(
                 address = parse_hostport(job.shadow)
             except ValueError:
                 say.say(f"{path}: no shadow recorded; use --shadow HOST:PORT")
-                worst = max(worst, exitcodes.USAGE)
+                worst = exitcodes.worst(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
                             **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
@@ -389,9 +398,13 @@ def resume(
             outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:
             say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
+        elif outcome.status == exitcodes.LOST and outcome.spool is None:
+            say.say(f"job {job.job_id}: {outcome.message}")  # (delivered: the spool is gone)
         else:
             say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
-        worst = max(worst, outcome.status)
+            if outcome.lost and outcome.lost not in outcome.message:
+                say.say(f"job {job.job_id}: {outcome.lost}")
+        worst = exitcodes.worst(worst, outcome.status)
     sys.exit(worst)
 
 

@@ -98,10 +98,26 @@ class StreamState:
     appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
     acked: int = 0  # bytes durable at home
     eof: bool = False
+    written: int | None = None  # bytes the job wrote, recorded when the run ended (None: not recorded)
 
     @property
     def pending(self) -> int:
         return self.appended - self.acked
+
+    @property
+    def lost(self) -> int:
+        """Bytes the job wrote that neither the spool nor home holds: the
+        tail [appended, written), held only in memory when the run ended."""
+        return max(0, self.written - self.appended) if self.written is not None else 0
+
+
+def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
+    """In words, what is lost: (stream kind, first lost offset, end) each,
+    e.g. "the last 1,024 bytes of stdout (offsets 4,096 to 5,120)". Lost
+    bytes are always a stream's tail: what was held only in memory."""
+    parts = [f"the last {end - start:,} bytes of {kind} (offsets {start:,} to {end:,})"
+             for kind, start, end in losses if end > start]
+    return ", and ".join(parts)
 
 
 @dataclass
@@ -191,11 +207,20 @@ def _m004_layout(db: AnyDatabase) -> None:
     db.execute("ALTER TABLE job ADD COLUMN segment_size INTEGER")
 
 
+def _m005_written(db: AnyDatabase) -> None:
+    # What the job wrote to each stream, recorded when the run ends. Bytes
+    # from `appended` to `written` were held only in memory and never reached
+    # the spool nor home: they are lost (always a stream's tail). NULL: not
+    # recorded (the run has not ended, or gcwrap was killed).
+    db.execute("ALTER TABLE streams ADD COLUMN written INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
     (4, "layout", _m004_layout),
+    (5, "written", _m005_written),
 ]
 
 
@@ -434,8 +459,14 @@ class Spool:
         return JobRecord(**values)
 
     def streams(self) -> dict[int, StreamState]:
-        rows = self.db.execute("SELECT id, kind, name, appended, acked, eof FROM streams ORDER BY id")
-        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows.fetchall()}
+        try:
+            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, written FROM streams ORDER BY id")
+        except sqlite3.OperationalError as e:
+            if "no such column" not in str(e):
+                raise
+            # A spool from before migration 5, opened read-only.
+            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, NULL FROM streams ORDER BY id")
+        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6]) for r in rows.fetchall()}
 
     # -- the hot path ----------------------------------------------------
 
@@ -445,10 +476,12 @@ class Spool:
         acked: dict[int, int] | None = None,
         eof: Iterable[int] = (),
         job: dict[str, Any] | None = None,
+        written: dict[int, int] | None = None,
     ) -> None:
         """One transaction: append `chunks`, record `acked` offsets (deleting
         every chunk that lies wholly below them), mark streams ended, update
-        job fields. Group commit: callers batch many pipe reads into one call.
+        job fields, record what the job `written` to each stream (at the end
+        of a run). Group commit: callers batch many pipe reads into one call.
         Raises SpoolError (with the OS reason) when the disk refuses."""
         conn = self.db.conn
         segments = self.segments
@@ -516,6 +549,8 @@ class Spool:
                     )
                 for sid in eof:
                     conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
+                for sid, end in (written or {}).items():
+                    conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
                 if job:
                     values = dict(job)
                     for key in ("command", "summary"):

@@ -184,6 +184,14 @@ class Spooler:
             segments.keep_spares = disk_room > 8 * segments.segment_size
         return max(0, min(rooms))
 
+    def free_space(self) -> int:
+        """Free bytes on the spool's file system, the reserve included (0 if unknown)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
     # -- transactions ----------------------------------------------------
 
     def _make_ballast(self) -> None:
@@ -235,14 +243,17 @@ class Spooler:
         except OSError:
             pass  # the live view is a convenience; never a reason to fail
 
-    def last_commit(self, updates: dict[str, Any]) -> bool:
-        """Record the final job fields; on a full disk, give up the ballast to
-        make room. Synchronous: called once everything else has stopped."""
+    def last_commit(
+        self, updates: dict[str, Any], acked: dict[int, int] | None = None, written: dict[int, int] | None = None
+    ) -> bool:
+        """Record the final job fields, acknowledgements and what the job
+        wrote (so a loss is on record); on a full disk, give up the ballast
+        to make room. Synchronous: called once everything else has stopped."""
         if self.spool is None:
             return False
         for attempt in range(2):
             try:
-                self.spool.commit(job=updates)
+                self.spool.commit(acked=acked, job=updates, written=written)
                 return True
             except SpoolError as e:
                 if attempt or not self.ballast.exists():
