@@ -295,11 +295,18 @@ class SpoolError(Exception):
 class Spool:
     """Read and write one job's spool. Not thread-safe: one owner thread."""
 
-    def __init__(self, db: AnyDatabase, path: Path | None = None, *, readonly: bool = False) -> None:
+    def __init__(
+        self, db: AnyDatabase, path: Path | None = None, *, readonly: bool = False, segments: Segments | None = None
+    ) -> None:
         self.db = db
         self.path = path
         # On disk the bytes live in segment files; in memory (tests) in the rows.
-        self.segments = Segments(Path(f"{path}.seg"), readonly=readonly) if path is not None else None
+        # A second connection to a spool borrows the first one's segments (one
+        # `Segments` per spool: see gcwrap.segments), and leaves them to it.
+        self.owns_segments = segments is None
+        if segments is None and path is not None:
+            segments = Segments(Path(f"{path}.seg"), readonly=readonly)
+        self.segments = segments
 
     # -- opening ---------------------------------------------------------
 
@@ -383,7 +390,9 @@ class Spool:
         return spool
 
     @classmethod
-    def open(cls, path: Path, *, readonly: bool = False) -> Spool:
+    def open(cls, path: Path, *, readonly: bool = False, segments: Segments | None = None) -> Spool:
+        """Open a spool on disk; with `segments`, a second connection to an
+        open one, sharing its segments (the spooler's reader)."""
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
         # Quote the path: in a URI "?" and "#" end it and "%" escapes, so
@@ -405,8 +414,9 @@ class Spool:
             raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
         except sqlite3.DatabaseError as e:
             raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
-        spool = cls(db, path, readonly=readonly)
-        spool._resume_segments()
+        spool = cls(db, path, readonly=readonly, segments=segments)
+        if spool.owns_segments:
+            spool._resume_segments()
         return spool
 
     @property
@@ -429,7 +439,7 @@ class Spool:
 
     def close(self) -> None:
         self.db.conn.close()
-        if self.segments is not None:
+        if self.segments is not None and self.owns_segments:
             self.segments.close()
 
     # -- job and streams -------------------------------------------------
@@ -637,7 +647,7 @@ class Spool:
                     os.unlink(f"{self.path}{suffix}")
                 except FileNotFoundError:
                     pass
-        if self.segments is not None:
+        if self.segments is not None and self.owns_segments:
             self.segments.remove()
 
 

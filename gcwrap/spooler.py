@@ -347,20 +347,20 @@ class Spooler:
         assert segments is not None
 
         def send() -> int:
-            fd, pos, _ = segments.fd_at(stream, offset)
-            try:
-                if self.no_sendfile:
-                    return copy(fd, pos)
+            with segments.opened_at(stream, offset) as (fd, pos, _):
                 try:
-                    return os.sendfile(sock, fd, pos, size)
-                except OSError as e:
-                    if e.errno not in UNSUPPORTED_ERRNOS:
-                        raise
-                    log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
-                    self.no_sendfile = True
-                    return copy(fd, pos)
-            except BlockingIOError:
-                return 0
+                    if self.no_sendfile:
+                        return copy(fd, pos)
+                    try:
+                        return os.sendfile(sock, fd, pos, size)
+                    except OSError as e:
+                        if e.errno not in UNSUPPORTED_ERRNOS:
+                            raise
+                        log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
+                        self.no_sendfile = True
+                        return copy(fd, pos)
+                except BlockingIOError:
+                    return 0
 
         def copy(fd: int, pos: int) -> int:
             data = os.pread(fd, min(size, 1 << 20), pos)
@@ -377,10 +377,21 @@ class Spooler:
                              f"{e.strerror or e}") from None
 
     async def read(self, stream: int, offset: int, limit: int) -> list[Chunk]:
-        """Chunks evicted from memory, read back through a second connection."""
-        if self.reader is None:
-            self.reader = await trio.to_thread.run_sync(Spool.open, self.path, limiter=self.read_limiter)
-        return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+        """Chunks evicted from memory, read back through a second connection
+        (which shares the spool's segments: the writer's releases close
+        the descriptors it reads through). SpoolError if the spool cannot."""
+        spool = self.spool
+        if spool is None:
+            raise SpoolError(f"spool {self.path}: nothing to read back, no spool was made")
+        try:
+            if self.reader is None:
+                self.reader = await trio.to_thread.run_sync(
+                    lambda: Spool.open(self.path, segments=spool.segments), limiter=self.read_limiter
+                )
+            return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+        except OSError as e:
+            raise SpoolError(f"spool {self.path}: cannot read back stream {stream} from byte {offset}: "
+                             f"{e.strerror or e}") from None
 
     # -- ending ----------------------------------------------------------
 

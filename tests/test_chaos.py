@@ -340,6 +340,48 @@ def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, 
 # -- descriptors and an unwritable root -----------------------------------------------
 
 
+@pytest.mark.timeout(180)
+def test_resume_of_a_backlog_of_more_segments_than_descriptors(home: Path, tmp_path: Path) -> None:
+    """A backlog of 300 segments resumed under `ulimit -n 64`: the reader
+    must not keep a descriptor per segment (nor the deleted segments'
+    blocks). Segments are small because the spool's file system was small
+    when the spool was made (fs_size // 64, 64 KiB); it grows afterwards,
+    so the backlog spans many of them."""
+    need_root()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh_ = ShadowProc(home, logs)
+    port = sh_.start()
+    sh_.stop()
+    go = tmp_path / "go"
+    n = 20 * MB
+    with Tmpfs(tmp_path / "spool", "4m") as fs:
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "many",
+                     "--retry-timeout", "0.1", "--retry-limit", "2", "--stdout", "m.out", "--",
+                     "sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; exec \"$@\"", "sh",
+                     *genjob(n, 0, seed=23, rate=40 * MB)])
+        wait_until(lambda: any(fs.path.glob("*.spool")), 30, "the spool")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(fs.path)], check=True, timeout=30)
+        go.touch()
+        assert w.wait(60) == 122, w.err.decode()
+        (seg_dir,) = fs.path.glob("*.spool.seg")
+        segments = len(list(seg_dir.iterdir()))
+        assert segments >= 300, f"{segments} segments"
+
+        def low_limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+        sh_.start(port)
+        try:
+            res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(fs.path), "--retry-timeout", "0.5",
+                                  "--retry-limit", "3"], capture_output=True, timeout=120, preexec_fn=low_limit)
+        finally:
+            sh_.stop()
+        assert res.returncode == 0, res.stderr.decode()
+        assert list(fs.path.glob("*.spool*")) == []
+    check_landed(home, "m.out", n, 23)
+
+
 @pytest.mark.timeout(120)
 def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None:
     """The shadow's root stops taking writes (ENOSPC): the agent is told,
