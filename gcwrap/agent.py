@@ -703,6 +703,7 @@ async def run_job(
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )
+    spool_error = ""
     if specs:
         # The spool exists before the job writes a byte: a wrapper killed in
         # the first instant must not lose what the job wrote. If the disk
@@ -711,9 +712,10 @@ async def run_job(
             await spooler.ensure()
         except SpoolError as e:
             log.warning("%s; the job runs anyway, its output goes home from memory", e)
+            spool_error = str(e)
     agent = Agent(opts, spooler, job, specs)
     if specs and spooler.spool is None:
-        agent.disk_error = f"cannot create spool {spool_path}"
+        agent.disk_error = spool_error
     pipe = subprocess.PIPE
     try:
         proc = await trio.lowlevel.open_process(

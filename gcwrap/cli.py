@@ -117,6 +117,15 @@ class Size(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class SpoolDir(click.Path):
+    """`run --spool DIR`: a directory that cannot serve (a file, not
+    writable...) is no usage error. The job runs, its output goes home from
+    memory, and gcwrap says why (as for a directory it cannot create)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if isinstance(value, Path) else Path(os.fsdecode(value))
+
+
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by `run` and `resume`."""
     options = [
@@ -182,7 +191,7 @@ def main() -> None:
                    "Templates as for --stdout.")
 @click.option("--job-id", metavar="ID", envvar="GCWRAP_JOB_ID", show_envvar=True,
               help="Job id at the shadow. Default: the batch system's (Slurm, HTCondor, PBS), else host-pid-time.")
-@click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--spool", "spool_dir", metavar="DIR", type=SpoolDir(file_okay=False, path_type=Path),
               envvar="GCWRAP_SPOOL", show_envvar=True,
               help="Directory for the spool. Default: gcwrap-UID in the batch system's scratch directory "
                    "($_CONDOR_SCRATCH_DIR, $SLURM_TMPDIR) or $TMPDIR, else in /tmp.")
@@ -373,8 +382,11 @@ def resume(
             continue
         try:
             recorded = Spool.open(path, readonly=True)
-            job = recorded.job()
-            recorded.close()
+            try:
+                job = recorded.job()
+                recorded.streams()  # (readable before a progress bar is shown for it)
+            finally:
+                recorded.close()
         except SpoolError as e:
             say.say(str(e))
             worst = exitcodes.worst(worst, exitcodes.INTERNAL)

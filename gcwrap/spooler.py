@@ -10,11 +10,13 @@ memory and tries again later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -25,7 +27,7 @@ log = logging.getLogger("gcwrap")
 T = TypeVar("T")
 
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
-from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError
+from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError, os_reason, sqlite_reason
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
@@ -137,7 +139,9 @@ class Spooler:
             try:
                 await trio.to_thread.run_sync(self._create, limiter=self.write_limiter)
             except OSError as e:
-                raise SpoolError(f"cannot create spool {self.path}: {e.strerror or e}") from None
+                raise SpoolError(f"cannot create spool {self.path}: {os_reason(e)}") from None
+            except sqlite3.Error as e:
+                raise SpoolError(f"cannot create spool {self.path}: {sqlite_reason(e, self.path)}") from None
             assert self.spool is not None
         return self.spool
 
@@ -396,6 +400,9 @@ class Spooler:
     # -- ending ----------------------------------------------------------
 
     def close(self, *, remove: bool = False) -> None:
+        if remove or self.spool is None:
+            with contextlib.suppress(OSError):  # (a read-only disk: there is none)
+                self.ballast.unlink(missing_ok=True)  # (no spool: nothing to record at the end)
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -409,8 +416,8 @@ class Spooler:
             os.close(self.live_fd)
             self.live_fd = None
         if remove:
-            self.ballast.unlink(missing_ok=True)
-            self.live.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.live.unlink(missing_ok=True)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None

@@ -174,7 +174,8 @@ def read_spools(directory: Path) -> list[dict[str, Any]]:
     for path in paths:
         try:
             out.append(read_spool(path))
-        except SpoolError as e:
-            out.append({"spool": str(path), "job_id": "?", "state": "unreadable", "last_error": str(e),
+        except (SpoolError, OSError) as e:
+            error = str(e) if isinstance(e, SpoolError) else f"spool {path}: cannot be read ({e.strerror or e})"
+            out.append({"spool": str(path), "job_id": "?", "state": "unreadable", "last_error": error,
                         "streams": [], "shadow": "", "connected": False})
     return out

@@ -15,6 +15,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -408,6 +409,54 @@ def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None
             assert max_gap(ts) < 1.0, "the job does not wait for the shadow's disk"
         finally:
             sh.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["read-only mount", "unprivileged user"])
+def test_a_spool_directory_that_exists_but_cannot_be_written(shadow: ShadowProc, home: Path, tmp_path: Path,
+                                                             how: str) -> None:
+    """The spool directory exists but refuses new files: a read-only mount
+    (EROFS), or a directory owned by root, 0755, with gcwrap run as nobody
+    (EACCES). The job runs anyway, its output goes home from memory,
+    byte-exact, and gcwrap says why in one line (before: a traceback,
+    `sqlite3.OperationalError: unable to open database file`, exit 1, and
+    the job never started)."""
+    need_root()
+    out_n, err_n = 3 * MB, 300_000
+    args = ["--shadow", shadow.address, "--job-id", "nospool", "--stdout", "n.out", "--stderr", "n.err", "--",
+            *genjob(out_n, err_n, seed=41, rate=4 * MB)]
+    if how == "read-only mount":
+        with Tmpfs(tmp_path / "ro", "4m") as fs:
+            spools = fs.path / "spools"
+            spools.mkdir()
+            fs.remount(readonly=True)
+            w = Wrapper(["--spool", str(spools), *args])
+            rc, err = w.wait(60), w.err
+            assert list(spools.iterdir()) == []
+        reason = "not writable (Read-only file system)"
+    else:
+        # nobody, with one capability: to read and search (never to write)
+        # what it could not, so it can reach the interpreter under /root (0700).
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv (util-linux)")
+        spools = Path(tempfile.mkdtemp(prefix="gcwrap-rootdir-", dir="/var/tmp"))  # (its parents: world-searchable)
+        try:
+            os.chmod(spools, 0o755)
+            as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                         "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+            proc = subprocess.run([*as_nobody, *tool("gcwrap"), "--spool", str(spools), *args], capture_output=True,
+                                  timeout=60, env={**os.environ, "HOME": "/nonexistent"})
+            err, rc = proc.stderr, proc.returncode
+            assert list(spools.iterdir()) == []
+        finally:
+            shutil.rmtree(spools, ignore_errors=True)
+        reason = "not writable (Permission denied)"
+    text = err.decode()
+    assert rc == 0, text
+    assert "Traceback" not in text
+    assert f"{reason}; the job runs anyway, its output goes home from memory" in text, text
+    check_landed(home, "n.out", out_n, 41)
+    check_landed(home, "n.err", err_n, 42)
 
 
 @pytest.mark.timeout(60)

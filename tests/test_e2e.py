@@ -293,3 +293,24 @@ def test_quiet_prints_nothing_on_success(shadow: ShadowProc, home: Path, spool_d
     assert w.wait(30) == 0
     assert w.err == b"" and w.out == b""
     assert (home / "q.out").read_bytes() == b"out\n" and (home / "q.err").read_bytes() == b"err\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_spool_directory_that_is_a_file(shadow: ShadowProc, home: Path, tmp_path: Path, where: str) -> None:
+    """`--spool` names a file, or a path through one: no spool can be made
+    there, so, as for any directory that cannot be used, the job runs and
+    its output goes home from memory (before: for a file, a usage error,
+    exit 2, and the job never ran)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n")
+    spool = afile if where == "a file" else afile / "sub"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool), "--job-id", "filespool", "--stdout", "f.out",
+                 "--", *genjob(2 * MB, 0, seed=43)])
+    assert w.wait(60) == 0, w.err.decode()
+    text = w.err.decode()
+    why = f"{afile} exists and is not a directory" if where == "a file" else "a part of the path is a file"
+    assert why in text and "the job runs anyway, its output goes home from memory" in text, text
+    assert "Traceback" not in text
+    assert sha256_file(home / "f.out") == expected(2 * MB, 43)
+    assert afile.read_text() == "not a directory\n"

@@ -228,3 +228,43 @@ def test_status_with_no_spools(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "no spools" in res.output
     res = CliRunner().invoke(gcwrap_main, ["status", "--json", "--spool", str(tmp_path / "none")])
     assert json.loads(res.output) == []
+
+
+@pytest.mark.timeout(60)
+def test_status_and_resume_of_spools_that_cannot_be_read(tmp_path: Path) -> None:
+    """A spool damaged inside (its streams' page), a file that is no
+    database, a `*.spool` that is a directory: `gcwrap status` lists each as
+    unreadable with the reason, `gcwrap resume` says one line for each and
+    exits 125; never a traceback."""
+    spools = tmp_path / "spools"
+    ok = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(spools), "--job-id", "dmg", "--retry-limit", "1",
+                  "--retry-timeout", "0.1", "--stdout", "d.out", "--stderr", "d.err", "--", "sh", "-c",
+                  "echo out; echo err >&2"])
+    assert ok.wait(30) == 122, ok.err.decode()
+    (damaged,) = spools.glob("*.spool")
+    data = bytearray(damaged.read_bytes())
+    page = 3  # the streams table's (schema, _migrations and job come first)
+    data[page * 4096 + 8 : (page + 1) * 4096] = bytes((i * 7919) % 256 for i in range(4096 - 8))
+    damaged.write_bytes(bytes(data))
+    (spools / "garbage.spool").write_bytes(b"not a database " * 300)
+    (spools / "folder.spool").mkdir()
+    status = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spools)], capture_output=True,
+                            text=True, timeout=30)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    listed = {Path(s["spool"]).name: s for s in json.loads(status.stdout)}
+    assert set(listed) == {damaged.name, "garbage.spool", "folder.spool"}
+    for name, spool in listed.items():
+        assert spool["state"] == "unreadable", spool
+        assert str(spools / name) in spool["last_error"], spool
+    assert "damaged" in listed[damaged.name]["last_error"]
+    text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spools)], capture_output=True, text=True,
+                          timeout=30)
+    assert text.returncode == 0 and "Traceback" not in text.stderr and text.stdout.count("unreadable") == 3
+    resume = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spools), "--retry-limit", "1",
+                             "--retry-timeout", "0.1"], capture_output=True, text=True, timeout=60)
+    assert resume.returncode == 125, resume.stderr
+    assert "Traceback" not in resume.stderr
+    lines = resume.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("gcwrap: ") for line in lines), lines
+    for name in (damaged.name, "garbage.spool", "folder.spool"):
+        assert sum(name in line for line in lines) == 1, (name, lines)
