@@ -700,6 +700,12 @@ async def run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
 ) -> Outcome:
     specs = stream_specs(opts)
+    if not specs and opts.shadow is not None:
+        # Nothing to deliver: every stream passes through. No spool, no
+        # session, no retries: the shadow's state cannot hold the job up.
+        log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s:%d, "
+                 "the job's streams pass through", *opts.shadow)
+        opts = dataclasses.replace(opts, shadow=None)
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )

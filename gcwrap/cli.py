@@ -265,7 +265,7 @@ def _run(
 
     import trio
 
-    from .agent import run_job
+    from .agent import run_job, stream_specs
     from .identity import default_job_id, hostname, username
     from .render import Reporter
     from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
@@ -282,7 +282,8 @@ def _run(
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
     say = Reporter(fmt=log_format)
-    if not quiet and address is not None and outcome.job_status is not None:
+    delivering = address is not None and bool(stream_specs(opts))  # (else a plain pass-through)
+    if not quiet and delivering and outcome.job_status is not None:
         say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
         say.say(outcome.message)
