@@ -354,7 +354,8 @@ def resume(
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
 
     With no SPOOLS, every spool in the spool directory that no gcwrap is
-    using is resumed. Exits 0 when everything is home, 122 when something is
+    using is resumed. Exits 0 when everything is home, 121 when the run had
+    lost output (the rest is delivered, home is told), 122 when something is
     still undelivered, 123 when the shadow refused a spool, 125 when a spool
     cannot be read or is in use.
 
