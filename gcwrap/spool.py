@@ -421,6 +421,13 @@ class Spool:
     def open(cls, path: Path, *, readonly: bool = False, segments: Segments | None = None) -> Spool:
         """Open a spool on disk; with `segments`, a second connection to an
         open one, sharing its segments (the spooler's reader)."""
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))  # (SQLite would say "unable to open database file")
+        except FileNotFoundError:
+            pass  # (said below)
+        except OSError as e:
+            why = os_reason(e) if e.errno in (errno.EMFILE, errno.ENFILE) else e.strerror
+            raise SpoolError(f"spool {path}: cannot be read ({why})") from None
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
         # Quote the path: in a URI "?" and "#" end it and "%" escapes, so

@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -681,3 +681,58 @@ def test_a_damaged_spool_is_a_spool_error_wherever_it_is_read(tmp_path: Path, da
             finally:
                 r.close()
     assert failed, "some damage must show"
+
+
+def as_nobody(fn: Callable[[], str]) -> str:
+    """fn() in a forked child that runs as nobody; its result, or its error.
+    (Forked, not run: the interpreter may lie where nobody cannot reach it.)"""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            text = fn()
+        except BaseException as e:  # noqa: BLE001 - any failure is the answer
+            text = f"{type(e).__name__}: {e}"
+        os.write(w, text.encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return data.decode()
+
+
+@pytest.mark.root
+def test_a_spool_its_user_cannot_read() -> None:
+    """A spool file another user owns (0600), in a directory anyone may
+    read: opening it, and `gcwrap status` over its directory, say it cannot
+    be read and why (was: "unable to open database file")."""
+    from gcwrap.status import read_spools
+
+    spools = Path(tempfile.mkdtemp(prefix="gcwrap-spools-", dir="/var/tmp"))  # (its parents: world-searchable)
+    try:
+        os.chmod(spools, 0o755)
+        path = spools / f"j{SPOOL_SUFFIX}"
+        Spool.create(path, job(), STREAMS).close()
+        os.chmod(path, 0o600)
+        want = f"spool {path}: cannot be read (Permission denied)"
+
+        def open_it() -> str:
+            try:
+                Spool.open(path, readonly=True)
+            except SpoolError as e:
+                return str(e)
+            return "opened"
+
+        assert as_nobody(lambda: str(sorted(p.name for p in spools.iterdir()))) == str([path.name])
+        assert as_nobody(open_it) == want
+        assert as_nobody(lambda: repr([(s["state"], s["last_error"]) for s in read_spools(spools)])) == repr(
+            [("unreadable", want)])
+    finally:
+        shutil.rmtree(spools, ignore_errors=True)
