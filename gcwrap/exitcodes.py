@@ -21,8 +21,8 @@ NOT_FOUND = 127  # COMMAND not found
 TABLE = [
     ("0-255", "the job's own exit status (128+N if signal N killed it)"),
     (str(USAGE), "usage error: bad option or NAME; the job was not started"),
-    (str(LOST), "output is lost: bytes held only in memory could go neither to disk nor home "
-                "(first in precedence: the rest may also be spooled, refused or killed)"),
+    (str(LOST), ("output is lost: bytes held only in memory could go neither to disk nor home "
+                 "(first in precedence: the rest may also be spooled, refused or killed)")),
     (str(UNDELIVERED), "the job ended but output is still spooled; `gcwrap resume` delivers it"),
     (str(REFUSED), "the shadow refused the job (forbidden path, file owned by another job...)"),
     (str(RETRY_LIMIT), "disk and network both failed past --retry-limit; the job was killed"),

@@ -58,8 +58,8 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 DEFAULT_SEGMENT = 16 << 20
 MIN_SEGMENT = 64 << 10

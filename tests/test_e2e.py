@@ -354,8 +354,8 @@ def test_a_shadow_with_no_stream_named_is_a_plain_pass_through(home: Path, spool
         lines = told.err.decode().splitlines()
         assert "err" in lines
         said = [line for line in lines if "nothing goes to the shadow" in line]
-        assert said == [f"gcwrap: no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at "
-                        f"127.0.0.1:{port}, the job's streams pass through"], lines
+        assert said == [(f"gcwrap: no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at "
+                         f"127.0.0.1:{port}, the job's streams pass through")], lines
         assert not any("retrying" in line or "refused" in line for line in lines), lines
     finally:
         sh.stop()
