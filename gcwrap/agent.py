@@ -45,7 +45,7 @@ from .events import STDERR, STDIN, STDOUT, ErrorCode, Exit, StreamSpec
 from .outbox import OutStream, cached
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionEnd, StdinFeeder
-from .spool import Chunk, Extent, JobRecord, Spool, SpoolError, describe_os_error
+from .spool import Chunk, Extent, JobRecord, Spool, SpoolError, describe_os_error, loss_text
 from .spooler import UNSUPPORTED_ERRNOS, Spooler, lock_spool
 from .sync import Signal, first_error
 
@@ -69,6 +69,12 @@ ACK_COMMIT_INTERVAL = 0.2  # seconds an acknowledgement alone may wait to be rec
 COMMIT_PACE = 0.01
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
+# The final flush (see Agent.final_flush) leaves this much free for the rows
+# and WAL pages that record its pieces, and gives up on pieces smaller than
+# FLUSH_MIN that the disk still refuses.
+FLUSH_MARGIN = 64 << 10
+FLUSH_MIN = 4 << 10
+DRAIN_GRACE = 2.0  # seconds to read what a job's pipes still hold after gcwrap ended it
 
 
 @dataclass
@@ -100,6 +106,9 @@ class Outcome:
     message: str = ""
     spool: Path | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    lost: str = ""  # what output is lost, in words (then status is LOST)
+    pending: int = 0  # bytes of output the spool keeps for `gcwrap resume`
+    refused: bool = False  # the shadow refused the job for good
 
 
 def exit_status(returncode: int) -> int:
@@ -140,6 +149,7 @@ class Agent:
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
+        self.lost: dict[int, tuple[int, int]] = {}  # stream -> [start, end) that nothing holds (see final_flush)
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
         }
@@ -171,7 +181,8 @@ class Agent:
             "exit_signal": f.get("exit_signal"),
             "reason": f.get("reason", ""),
             "streams": {
-                str(sid): {"written": o.read_end, "acked": o.acked, "memory_only": o.unsafe_bytes}
+                str(sid): {"written": o.read_end, "acked": o.acked, "memory_only": o.unsafe_bytes,
+                           "lost": self.lost[sid][1] - self.lost[sid][0] if sid in self.lost else 0}
                 for sid, o in self.out.items()
             },
         }
@@ -387,26 +398,43 @@ class Agent:
             self.note(last_error=reason)
         self.disk_error = reason
 
-    async def final_flush(self) -> int:
-        """Last chance at the end: spool every byte still only in memory,
-        ignoring the reserve (the job no longer needs the disk). Returns the
-        bytes that could not be saved."""
-        chunks = self._unspooled(1 << 62)
-        if not chunks:
-            return 0
-        try:
-            await self.spooler.commit(chunks, {}, [], {})
-        except SpoolError as e:
-            log.error("%s", e)
-            return sum(c.size for c in chunks)
-        for c in chunks:
-            self.out[c.stream].mark_spooled(c.end)
-        eof = [s for s, o in self.out.items() if o.eof]
-        try:
-            await self.spooler.commit([], {}, eof, {})
-        except SpoolError:
-            pass
-        return 0
+    async def final_flush(self) -> None:
+        """Last chance at the end: spool what is still only in memory,
+        ignoring the reserve (the job no longer needs the disk), as much of
+        each stream as the disk takes, in order, in pieces that fit its free
+        space. What does not fit is the tail of its stream, and lost: its
+        range goes to `self.lost`."""
+        spooler = self.spooler
+        if spooler.spool is not None and spooler.spool.segments is not None:
+            spooler.spool.segments.drop_spares()  # their blocks can hold output now
+        error = ""
+        for out in self.out.values():
+            piece = COMMIT_BATCH
+            while out.unsafe_bytes and piece >= FLUSH_MIN and not (error and spooler.spool is None):
+                budget = min(piece, spooler.free_space() - FLUSH_MARGIN)
+                chunks = _fit(out.unspooled(max(budget, 1)), budget)
+                if not chunks:
+                    break
+                try:
+                    await spooler.commit(chunks, {}, [], {})
+                except SpoolError as e:
+                    if not error:
+                        log.error("%s", e)
+                    error = str(e)
+                    piece = sum(cached(c) for c in chunks) // 2
+                    continue
+                out.mark_spooled(chunks[-1].end)
+        eof = [s for s, o in self.out.items() if o.eof and s not in self.committed_eof]
+        if eof and spooler.spool is not None:
+            try:
+                await spooler.commit([], {}, eof, {})
+            except SpoolError:
+                pass  # (the final record says what the job wrote; EOF only saves a resume a question)
+        self.lost = {s: (o.safe_end, o.read_end) for s, o in self.out.items() if o.unsafe_bytes}
+
+    def loss(self) -> str:
+        """What is lost, in words ("" if nothing)."""
+        return loss_text((self.out[s].kind, start, end) for s, (start, end) in sorted(self.lost.items()))
 
     # -- delivery --------------------------------------------------------
 
@@ -525,6 +553,8 @@ class Agent:
             failed_attempts=int(self.stats["failures"]),
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
         )
+        if self.lost:
+            out["lost"] = sum(end - start for start, end in self.lost.values())
         return out
 
     def interrupt(self, reason: str) -> None:
@@ -554,6 +584,25 @@ class Agent:
 
 
 # -- running a job ------------------------------------------------------------
+
+
+def _fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
+    """The first of a stream's unspooled chunks, holding at most `budget`
+    bytes of memory (the last one cut to fit); extents, already on disk,
+    cost nothing."""
+    out: list[Chunk | Extent] = []
+    for c in chunks:
+        if isinstance(c, Extent):
+            out.append(c)
+            continue
+        if budget <= 0:
+            break
+        if c.size > budget:
+            out.append(Chunk(c.stream, c.start, bytes(c.data[:budget])))
+            break
+        out.append(c)
+        budget -= c.size
+    return out
 
 
 def grow_pipe(fd: int) -> int:
@@ -651,9 +700,16 @@ async def run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
 ) -> Outcome:
     specs = stream_specs(opts)
+    if not specs and opts.shadow is not None:
+        # Nothing to deliver: every stream passes through. No spool, no
+        # session, no retries: the shadow's state cannot hold the job up.
+        log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s:%d, "
+                 "the job's streams pass through", *opts.shadow)
+        opts = dataclasses.replace(opts, shadow=None)
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )
+    spool_error = ""
     if specs:
         # The spool exists before the job writes a byte: a wrapper killed in
         # the first instant must not lose what the job wrote. If the disk
@@ -662,9 +718,10 @@ async def run_job(
             await spooler.ensure()
         except SpoolError as e:
             log.warning("%s; the job runs anyway, its output goes home from memory", e)
+            spool_error = str(e)
     agent = Agent(opts, spooler, job, specs)
     if specs and spooler.spool is None:
-        agent.disk_error = f"cannot create spool {spool_path}"
+        agent.disk_error = spool_error
     pipe = subprocess.PIPE
     try:
         proc = await trio.lowlevel.open_process(
@@ -686,8 +743,9 @@ async def run_job(
     agent.note(child_pid=proc.pid, state="running")
     with first_error():
         status = await _supervise(agent, proc)
-    lost = 0 if agent.delivered.is_set() else await agent.final_flush()
-    outcome = _finish(agent, status, lost)
+    if not agent.delivered.is_set():
+        await agent.final_flush()
+    outcome = _finish(agent, status)
     outcome.stats = agent.summary()
     return outcome
 
@@ -729,9 +787,11 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
             agent.commit_soon.set()
             agent.changed.fire()
             if delivery_done.is_set() and not agent.delivered.is_set():
-                # gcwrap gave up and ended the job: readers paused by
-                # backpressure would wait for room forever.
-                readers.cancel_scope.cancel()
+                # gcwrap gave up and ended the job. What its pipes still hold
+                # is read (so it is counted: kept if the disk takes it, else
+                # reported lost), but a process that outlived the job and
+                # keeps a pipe open must not hold gcwrap for long.
+                readers.cancel_scope.deadline = trio.current_time() + DRAIN_GRACE
         returncode = proc.returncode
         assert returncode is not None
         agent.exit_event = Exit(
@@ -762,13 +822,21 @@ async def _report_progress(agent: Agent, progress: Callable[[int, int], None], s
         progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
 
 
-def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
-    """Delete a delivered spool; keep one that still holds output and say why."""
+def _finish(agent: Agent, job_status: int | None) -> Outcome:
+    """Delete a delivered spool; keep one that still holds output and say
+    why; say what is lost (`agent.lost`), which comes first in the status."""
     spooler = agent.spooler
-    if agent.delivered.is_set():
+    if agent.delivered.is_set() and not agent.lost:
         spooler.close(remove=True)
         return Outcome(job_status if job_status is not None else 0, job_status)
     path = spooler.path if spooler.spool is not None else None
+    loss = agent.loss()
+    if agent.delivered.is_set():
+        # (A resumed spool whose run lost its tail: what it held is home.)
+        spooler.close(remove=True)
+        where = f"{agent.opts.shadow[0]}:{agent.opts.shadow[1]}" if agent.opts.shadow else "home"
+        return Outcome(exitcodes.LOST, job_status, f"what the spool held is delivered to {where}; lost when the "
+                                                   f"job ran: {loss}")
     final = dict(agent.job_updates, connected=False, summary=agent.summary())
     if agent.give_up is not None:
         final.update(state="gave-up", last_error=agent.give_up.message)
@@ -778,18 +846,25 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
         final.update(state="refused", last_error=describe(agent.refusal))
     agent.live_fields.update({k: v for k, v in final.items() if k != "summary"})
     spooler.write_live(agent.live_snapshot())
-    if not spooler.last_commit(final) and path is not None:
+    acked = {s: o.acked for s, o in agent.out.items()}
+    # What the job wrote: bytes past what the spool holds are on record as lost.
+    # (A resume knows only what its spool holds, and keeps the record it found.)
+    written = None if agent.resuming else {s: o.read_end for s, o in agent.out.items()}
+    if not spooler.last_commit(final, acked, written) and path is not None:
         log.error("could not record the job's final state in %s", path)
     spooler.close()
     if agent.refusal is not None:
-        outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)
+        outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path, refused=True)
     elif agent.give_up is not None:
         outcome = agent.give_up
         outcome.job_status, outcome.spool = job_status, path
     else:
         outcome = Outcome(exitcodes.UNDELIVERED, job_status, "output was not delivered", path)
-    if lost:
-        outcome.message += f"; {lost} bytes could neither be spooled nor delivered and are lost"
+    outcome.pending = sum(max(0, o.safe_end - o.acked) for o in agent.out.values()) if path is not None else 0
+    if loss:
+        outcome.status = exitcodes.LOST
+        outcome.lost = (f"LOST: {loss}: held only in memory, and neither the disk nor home could take them"
+                        if not agent.resuming else f"lost when the job ran: {loss}")
     return outcome
 
 
@@ -822,12 +897,17 @@ async def resume_spool(
         out.eof = True
         agent.committed_acked[sid] = st.acked
         agent.committed_eof.add(sid)
+        if st.lost:
+            agent.lost[sid] = (st.appended, st.appended + st.lost)
     lengths = tuple((sid, o.read_end) for sid, o in agent.out.items())
+    # Home is told what the run lost, with why the job ended.
+    loss = f"lost: {agent.loss()}" if agent.lost else ""
     if job.exit_code is None and job.exit_signal is None:
         reason = "gcwrap ended before the job did; the job's exit status is unknown"
-        agent.exit_event = Exit(None, None, lengths, reason=reason)
+        agent.exit_event = Exit(None, None, lengths, reason="; ".join(filter(None, (reason, loss))))
     else:
-        agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths, reason=job.reason)
+        agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths,
+                                reason="; ".join(filter(None, (job.reason, loss))))
     with first_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
@@ -843,7 +923,7 @@ async def resume_spool(
     elif job.exit_code is not None:
         job_status = job.exit_code
     outcome = _finish(agent, job_status)
-    if agent.delivered.is_set():
+    if agent.delivered.is_set() and not agent.lost:
         outcome.status = 0
     outcome.stats = agent.summary()
     return outcome

@@ -117,6 +117,15 @@ class Size(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class SpoolDir(click.Path):
+    """`run --spool DIR`: a directory that cannot serve (a file, not
+    writable...) is no usage error. The job runs, its output goes home from
+    memory, and gcwrap says why (as for a directory it cannot create)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if isinstance(value, Path) else Path(os.fsdecode(value))
+
+
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by `run` and `resume`."""
     options = [
@@ -182,7 +191,7 @@ def main() -> None:
                    "Templates as for --stdout.")
 @click.option("--job-id", metavar="ID", envvar="GCWRAP_JOB_ID", show_envvar=True,
               help="Job id at the shadow. Default: the batch system's (Slurm, HTCondor, PBS), else host-pid-time.")
-@click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--spool", "spool_dir", metavar="DIR", type=SpoolDir(file_okay=False, path_type=Path),
               envvar="GCWRAP_SPOOL", show_envvar=True,
               help="Directory for the spool. Default: gcwrap-UID in the batch system's scratch directory "
                    "($_CONDOR_SCRATCH_DIR, $SLURM_TMPDIR) or $TMPDIR, else in /tmp.")
@@ -256,7 +265,7 @@ def _run(
 
     import trio
 
-    from .agent import run_job
+    from .agent import run_job, stream_specs
     from .identity import default_job_id, hostname, username
     from .render import Reporter
     from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
@@ -273,13 +282,23 @@ def _run(
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
     say = Reporter(fmt=log_format)
-    if not quiet and address is not None and outcome.job_status is not None:
+    delivering = address is not None and bool(stream_specs(opts))  # (else a plain pass-through)
+    if not quiet and delivering and outcome.job_status is not None:
         say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
         say.say(outcome.message)
-    if outcome.spool is not None and outcome.status in (exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED):
-        say.say(f"undelivered output is kept in {outcome.spool}", spool=str(outcome.spool))
-        if outcome.status == exitcodes.REFUSED:
+    if outcome.lost:
+        say.say(outcome.lost, lost=outcome.stats.get("lost", 0))
+    if outcome.spool is not None and outcome.status in (
+        exitcodes.UNDELIVERED, exitcodes.RETRY_LIMIT, exitcodes.REFUSED, exitcodes.LOST
+    ):
+        if outcome.pending or not outcome.lost:
+            say.say(f"undelivered output {'before the lost bytes ' if outcome.lost else ''}is kept in "
+                    f"{outcome.spool}", spool=str(outcome.spool))
+        else:
+            say.say(f"no output is kept: the spool {outcome.spool} holds the job's record, for home",
+                    spool=str(outcome.spool))
+        if outcome.refused:
             say.say(f"once that is fixed at home, deliver it with: "
                     f"gcwrap resume --include-refused --spool {outcome.spool.parent}")
         else:
@@ -335,7 +354,8 @@ def resume(
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
 
     With no SPOOLS, every spool in the spool directory that no gcwrap is
-    using is resumed. Exits 0 when everything is home, 122 when something is
+    using is resumed. Exits 0 when everything is home, 121 when the run had
+    lost output (the rest is delivered, home is told), 122 when something is
     still undelivered, 123 when the shadow refused a spool, 125 when a spool
     cannot be read or is in use.
 
@@ -364,16 +384,19 @@ def resume(
             continue
         try:
             recorded = Spool.open(path, readonly=True)
-            job = recorded.job()
-            recorded.close()
+            try:
+                job = recorded.job()
+                recorded.streams()  # (readable before a progress bar is shown for it)
+            finally:
+                recorded.close()
         except SpoolError as e:
             say.say(str(e))
-            worst = max(worst, exitcodes.INTERNAL)
+            worst = exitcodes.worst(worst, exitcodes.INTERNAL)
             continue
         if job.state == "refused" and not include_refused:
             say.say(f"job {job.job_id}: skipped, the shadow refused it: {job.reason or job.last_error} "
                     "(--include-refused to try again)", "warning")
-            worst = max(worst, exitcodes.REFUSED)
+            worst = exitcodes.worst(worst, exitcodes.REFUSED)
             continue
         address = shadow_address(shadow) if shadow else None
         if address is None:
@@ -381,7 +404,7 @@ def resume(
                 address = parse_hostport(job.shadow)
             except ValueError:
                 say.say(f"{path}: no shadow recorded; use --shadow HOST:PORT")
-                worst = max(worst, exitcodes.USAGE)
+                worst = exitcodes.worst(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
                             **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
@@ -389,9 +412,13 @@ def resume(
             outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:
             say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
+        elif outcome.status == exitcodes.LOST and outcome.spool is None:
+            say.say(f"job {job.job_id}: {outcome.message}")  # (delivered: the spool is gone)
         else:
             say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
-        worst = max(worst, outcome.status)
+            if outcome.lost and outcome.lost not in outcome.message:
+                say.say(f"job {job.job_id}: {outcome.lost}")
+        worst = exitcodes.worst(worst, outcome.status)
     sys.exit(worst)
 
 

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import IO, TYPE_CHECKING, Any, Iterable
 
+from .spool import loss_text
+
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from rich.console import Console
     from rich.table import Table
@@ -100,7 +102,7 @@ def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> Table:
                 sp["job_id"] if i == 0 else "",
                 sp["state"] if i == 0 else "",
                 f"{st['kind']} {st['name']}".strip(),
-                human_bytes(st["appended"]),
+                human_bytes(st.get("written", st["appended"])),
                 human_bytes(st["acked"]),
                 human_bytes(st["pending"]),
                 f"{oldest:.0f}s" if oldest is not None else "-",
@@ -121,6 +123,10 @@ def status_details(spools: Iterable[dict[str, Any]]) -> list[str]:
         line += f"spool {sp['spool']} ({size})"
         if sp.get("last_error"):
             line += f"; last error: {sp['last_error']}"
+        lost = loss_text((st["kind"], st["lost_from"], st["lost_from"] + st["lost"])
+                         for st in sp.get("streams", ()) if st.get("lost"))
+        if lost:
+            line += f"; LOST {lost}"
         lines.append(line)
     return lines
 
@@ -204,6 +210,7 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
     streams = [
         f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items() if key.endswith("_bytes")
     ]
+    lost = int(summary.get("lost", 0))
     return [
         f"job {job_id} ended with {status}; wall {summary.get('wall_s', 0):.1f} s",
         "  output: " + (", ".join(streams) or "none") + f"; {summary.get('throughput_mb_s', 0):.1f} MB/s",
@@ -211,7 +218,7 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
         f"job paused {summary.get('paused_s', 0):.1f} s",
         f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
         f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all",
-    ]
+    ] + ([f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
 
 
 class Reporter:

@@ -33,22 +33,38 @@ garbage nobody points to; after a restart they are simply written over.
 Durability is the spool's: the page cache survives a killed wrapper; after a
 power loss the job is gone too, and the shadow's offsets make resends exact.
 
+One `Segments` per spool. The spool's writer and the connection that reads
+rows back for the sender share it, so a released segment's one descriptor
+is closed and its blocks go back to the disk. (A second table of
+descriptors kept deleted segments allocated, one descriptor each.)
+
+Descriptors. At most MAX_OPEN are kept open between uses, least recently
+used closed first, so a backlog of any number of segments needs a handful:
+each stream's write head and read head, and what is being read or written
+this instant. A descriptor is pinned while used (`_open`), and only an
+unpinned one is ever closed.
+
 Threads: the commit thread writes and releases, the readers' worker threads
 splice, the sender reads; the descriptor table is guarded by a lock. A
 segment is released only once every byte in it is acknowledged, and nobody
-reads or writes acknowledged bytes, so no descriptor is closed under a user.
+reads or writes acknowledged bytes; a descriptor still pinned when its
+segment goes is closed by its last user all the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_SEGMENT = 16 << 20
 MIN_SEGMENT = 64 << 10
 SPARE = "spare"
+MAX_OPEN = 16  # segment descriptors kept open between uses (see "Descriptors")
 
 
 class Segments:
@@ -61,7 +77,9 @@ class Segments:
         self.natural = natural
         self.keep_spares = True  # the spooler turns this off when the disk is tight
         self.lock = threading.Lock()
-        self.fds: dict[tuple[int, int], int] = {}
+        self.fds: OrderedDict[tuple[int, int], int] = OrderedDict()  # open descriptors, least recently used first
+        self.pins: dict[int, int] = {}  # descriptor -> its users at this instant
+        self.orphans: set[int] = set()  # pinned descriptors of segments gone: the last user closes them
         self.known: dict[int, set[int]] = {}  # stream -> segment numbers on disk
         self.spares: dict[int, int] = {}  # stream -> descriptor of its spare segment
 
@@ -71,30 +89,64 @@ class Segments:
     def spare_path(self, stream: int) -> Path:
         return self.dir / f"{stream}-{SPARE}"
 
-    def _fd(self, stream: int, seg: int, create: bool) -> int:
+    @contextlib.contextmanager
+    def _open(self, stream: int, seg: int, create: bool) -> Iterator[int]:
+        """The segment's descriptor, pinned (never closed) while in use."""
+        fd = self._pin(stream, seg, create)
+        try:
+            yield fd
+        finally:
+            with self.lock:
+                left = self.pins[fd] - 1
+                if left:
+                    self.pins[fd] = left
+                else:
+                    del self.pins[fd]
+                    if fd in self.orphans:
+                        self.orphans.discard(fd)
+                        os.close(fd)
+                self._trim()
+
+    def _pin(self, stream: int, seg: int, create: bool) -> int:
         key = (stream, seg)
         with self.lock:
             fd = self.fds.get(key)
-            if fd is not None:
-                return fd
-            if create:
-                self.dir.mkdir(mode=0o700, exist_ok=True)
-                spare = self.spares.pop(stream, None)
-                if spare is not None:
-                    try:
-                        os.rename(self.spare_path(stream), self.path(stream, seg))
-                        fd = spare
-                    except OSError:
-                        os.close(spare)
-                if fd is None:
-                    fd = os.open(self.path(stream, seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self.known.setdefault(stream, set()).add(seg)
+            if fd is None:
+                fd = self._open_file(stream, seg, create)
+                self.fds[key] = fd
             else:
-                # A writer's read may later be followed by writes on the same fd.
-                mode = os.O_RDONLY if self.readonly else os.O_RDWR
-                fd = os.open(self.path(stream, seg), mode | os.O_CLOEXEC)
-            self.fds[key] = fd
+                self.fds.move_to_end(key)
+            self.pins[fd] = self.pins.get(fd, 0) + 1
+            self._trim()
             return fd
+
+    def _open_file(self, stream: int, seg: int, create: bool) -> int:
+        fd: int | None = None
+        if create and seg not in self.known.get(stream, ()):
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+            # (Only for a new segment: one whose descriptor was closed holds bytes.)
+            spare = self.spares.pop(stream, None)
+            if spare is not None:
+                try:
+                    os.rename(self.spare_path(stream), self.path(stream, seg))
+                    fd = spare
+                except OSError:
+                    os.close(spare)
+            if fd is None:
+                fd = os.open(self.path(stream, seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self.known.setdefault(stream, set()).add(seg)
+        else:
+            # A writer's read may later be followed by writes on the same fd.
+            mode = os.O_RDONLY if self.readonly else os.O_RDWR
+            fd = os.open(self.path(stream, seg), mode | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+        return fd
+
+    def _trim(self) -> None:
+        """Close least recently used descriptors not in use, down to MAX_OPEN (lock held)."""
+        if len(self.fds) <= MAX_OPEN:
+            return
+        for key in [k for k, fd in self.fds.items() if fd not in self.pins][: len(self.fds) - MAX_OPEN]:
+            os.close(self.fds.pop(key))
 
     def where(self, offset: int) -> tuple[int, int, int]:
         """Natural layout: the (segment, position) of stream byte `offset`,
@@ -114,11 +166,11 @@ class Segments:
         while view:
             seg, pos, room = self.where(at)
             piece = view[:room]
-            fd = self._fd(stream, seg, create=True)
-            p = pos
-            while piece:
-                n = os.pwrite(fd, piece, p)
-                piece, p = piece[n:], p + n
+            with self._open(stream, seg, create=True) as fd:
+                p = pos
+                while piece:
+                    n = os.pwrite(fd, piece, p)
+                    piece, p = piece[n:], p + n
             size = min(room, len(view))
             out.append((seg, pos, at, at + size))
             view, at = view[size:], at + size
@@ -131,14 +183,17 @@ class Segments:
         BlockingIOError when the (non-blocking) pipe is empty; other OSErrors
         (ENOSPC...) are the disk's."""
         seg, pos, room = self.where(start)
-        fd = self._fd(stream, seg, create=True)
-        return os.splice(pipe, fd, min(size, room), offset_dst=pos)
+        with self._open(stream, seg, create=True) as fd:
+            return os.splice(pipe, fd, min(size, room), offset_dst=pos)
 
-    def fd_at(self, stream: int, offset: int) -> tuple[int, int, int]:
+    @contextlib.contextmanager
+    def opened_at(self, stream: int, offset: int) -> Iterator[tuple[int, int, int]]:
         """Natural layout: (descriptor, position, bytes to the segment's end)
-        for reading stream byte `offset`."""
+        for reading stream byte `offset`; the descriptor stays open while
+        the `with` block runs."""
         seg, pos, room = self.where(offset)
-        return self._fd(stream, seg, create=False), pos, room
+        with self._open(stream, seg, create=False) as fd:
+            yield fd, pos, room
 
     def release_below(self, stream: int, acked: int) -> None:
         """Natural layout: drop the segments whose every byte is acknowledged;
@@ -183,6 +238,9 @@ class Segments:
         with self.lock:
             fd = self.fds.pop((stream, seg), None)
             self.known.get(stream, set()).discard(seg)
+            if fd is not None and fd in self.pins:
+                self.orphans.add(fd)  # (its last user closes it)
+                fd = None
             if reuse and fd is not None and self.keep_spares and stream not in self.spares:
                 try:
                     os.rename(self.path(stream, seg), self.spare_path(stream))
@@ -200,8 +258,8 @@ class Segments:
     # -- reading ---------------------------------------------------------
 
     def read(self, stream: int, seg: int, pos: int, size: int) -> bytes:
-        fd = self._fd(stream, seg, create=False)
-        data = os.pread(fd, size, pos)
+        with self._open(stream, seg, create=False) as fd:
+            data = os.pread(fd, size, pos)
         if len(data) != size:
             raise OSError(f"segment {self.path(stream, seg)} ends before byte {pos + size}")
         return data
@@ -217,7 +275,10 @@ class Segments:
         self.drop_spares()  # a kept spool holds only what is undelivered
         with self.lock:
             for fd in self.fds.values():
-                os.close(fd)
+                if fd in self.pins:
+                    self.orphans.add(fd)
+                else:
+                    os.close(fd)
             self.fds.clear()
 
     def size(self) -> int:

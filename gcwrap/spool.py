@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
+import resource
 import sqlite3
 import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
 
 from .segments import DEFAULT_SEGMENT, Segments
 
@@ -98,10 +100,26 @@ class StreamState:
     appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
     acked: int = 0  # bytes durable at home
     eof: bool = False
+    written: int | None = None  # bytes the job wrote, recorded when the run ended (None: not recorded)
 
     @property
     def pending(self) -> int:
         return self.appended - self.acked
+
+    @property
+    def lost(self) -> int:
+        """Bytes the job wrote that neither the spool nor home holds: the
+        tail [appended, written), held only in memory when the run ended."""
+        return max(0, self.written - self.appended) if self.written is not None else 0
+
+
+def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
+    """In words, what is lost: (stream kind, first lost offset, end) each,
+    e.g. "the last 1,024 bytes of stdout (offsets 4,096 to 5,120)". Lost
+    bytes are always a stream's tail: what was held only in memory."""
+    parts = [f"the last {end - start:,} bytes of {kind} (offsets {start:,} to {end:,})"
+             for kind, start, end in losses if end > start]
+    return ", and ".join(parts)
 
 
 @dataclass
@@ -191,11 +209,20 @@ def _m004_layout(db: AnyDatabase) -> None:
     db.execute("ALTER TABLE job ADD COLUMN segment_size INTEGER")
 
 
+def _m005_written(db: AnyDatabase) -> None:
+    # What the job wrote to each stream, recorded when the run ends. Bytes
+    # from `appended` to `written` were held only in memory and never reached
+    # the spool nor home: they are lost (always a stream's tail). NULL: not
+    # recorded (the run has not ended, or gcwrap was killed).
+    db.execute("ALTER TABLE streams ADD COLUMN written INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
     (4, "layout", _m004_layout),
+    (5, "written", _m005_written),
 ]
 
 
@@ -267,14 +294,36 @@ class SpoolError(Exception):
     """The spool could not be read or written (disk full, I/O error, corrupt)."""
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _reads(fn: F) -> F:
+    """A read of the spool: a damaged database (or record) is a SpoolError
+    that says so, like every other failure of the spool."""
+    @functools.wraps(fn)
+    def read(self: Spool, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (sqlite3.DatabaseError, ValueError, TypeError) as e:
+            raise SpoolError(f"spool {self.path}: cannot be read, it is damaged ({e})") from None
+    return read  # type: ignore[return-value]
+
+
 class Spool:
     """Read and write one job's spool. Not thread-safe: one owner thread."""
 
-    def __init__(self, db: AnyDatabase, path: Path | None = None, *, readonly: bool = False) -> None:
+    def __init__(
+        self, db: AnyDatabase, path: Path | None = None, *, readonly: bool = False, segments: Segments | None = None
+    ) -> None:
         self.db = db
         self.path = path
         # On disk the bytes live in segment files; in memory (tests) in the rows.
-        self.segments = Segments(Path(f"{path}.seg"), readonly=readonly) if path is not None else None
+        # A second connection to a spool borrows the first one's segments (one
+        # `Segments` per spool: see gcwrap.segments), and leaves them to it.
+        self.owns_segments = segments is None
+        if segments is None and path is not None:
+            segments = Segments(Path(f"{path}.seg"), readonly=readonly)
+        self.segments = segments
 
     # -- opening ---------------------------------------------------------
 
@@ -300,19 +349,28 @@ class Spool:
         if path.exists():
             raise SpoolError(f"spool {path} already exists")
         draft = path.with_name(path.name + ".new")
-        for suffix in ("", "-journal"):
-            Path(f"{draft}{suffix}").unlink(missing_ok=True)
+
+        def discard_draft() -> None:
+            for suffix in ("", "-journal"):
+                with contextlib.suppress(OSError):
+                    Path(f"{draft}{suffix}").unlink(missing_ok=True)
+
         try:
+            discard_draft()
+            # Made here, not by SQLite, whose "unable to open database file"
+            # does not say why (a directory not writable, read-only, full...).
+            os.close(os.open(draft, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
             conn = sqlite3.connect(str(draft), isolation_level=None, check_same_thread=False)
-            cls._build(conn, None, job, streams, segment_size).close()
+            cls._build(conn, None, job, streams, segment_size, where=path).close()
             os.rename(draft, path)
         except OSError as e:
-            for suffix in ("", "-journal"):
-                Path(f"{draft}{suffix}").unlink(missing_ok=True)
+            discard_draft()
             raise SpoolError(describe_os_error(e, path)) from None
+        except sqlite3.Error as e:
+            discard_draft()
+            raise SpoolError(describe_sqlite_error(e, path)) from None
         except SpoolError:
-            for suffix in ("", "-journal"):
-                Path(f"{draft}{suffix}").unlink(missing_ok=True)
+            discard_draft()
             raise
         try:
             return cls.open(path)
@@ -333,9 +391,11 @@ class Spool:
         job: JobRecord,
         streams: Iterable[tuple[int, str, str]],
         segment_size: int,
+        where: Path | None = None,
     ) -> Spool:
         """Schema, job record and streams, in a fresh database (rollback
-        journal until the spool is in place; `open` switches to WAL)."""
+        journal until the spool is in place; `open` switches to WAL).
+        `where`: the spool's path, for messages."""
         try:
             conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
             db = Database(conn)
@@ -354,11 +414,20 @@ class Spool:
                 configure(conn, new=False)
         except sqlite3.Error as e:
             conn.close()
-            raise SpoolError(describe_sqlite_error(e, path)) from None
+            raise SpoolError(describe_sqlite_error(e, path or where)) from None
         return spool
 
     @classmethod
-    def open(cls, path: Path, *, readonly: bool = False) -> Spool:
+    def open(cls, path: Path, *, readonly: bool = False, segments: Segments | None = None) -> Spool:
+        """Open a spool on disk; with `segments`, a second connection to an
+        open one, sharing its segments (the spooler's reader)."""
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))  # (SQLite would say "unable to open database file")
+        except FileNotFoundError:
+            pass  # (said below)
+        except OSError as e:
+            why = os_reason(e) if e.errno in (errno.EMFILE, errno.ENFILE) else e.strerror
+            raise SpoolError(f"spool {path}: cannot be read ({why})") from None
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
         # Quote the path: in a URI "?" and "#" end it and "%" escapes, so
@@ -374,14 +443,23 @@ class Spool:
             if not readonly:
                 migrate(db)
             conn.execute("SELECT 1 FROM job").fetchall()
-        except sqlite3.OperationalError as e:
-            if "no such table" not in str(e):  # the disk, the descriptors, the permissions
-                raise SpoolError(describe_sqlite_error(e, path)) from None
-            raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
         except sqlite3.DatabaseError as e:
-            raise SpoolError(f"{path} is not a gcwrap spool: {e}") from None
-        spool = cls(db, path, readonly=readonly)
-        spool._resume_segments()
+            if "conn" in locals():
+                conn.close()
+            # A schema not as migrations left it: another database, or a damaged spool.
+            damaged = ("no such table", "no such column", "already exists")
+            if isinstance(e, sqlite3.OperationalError) and not any(d in str(e) for d in damaged):
+                raise SpoolError(describe_sqlite_error(e, path)) from None  # the disk, the descriptors, the permissions
+            raise SpoolError(f"{path} is not a gcwrap spool, or is damaged: {e}") from None
+        spool = cls(db, path, readonly=readonly, segments=segments)
+        if spool.owns_segments:
+            try:
+                spool._resume_segments()
+            except (OSError, sqlite3.Error) as e:
+                conn.close()
+                if isinstance(e, OSError):
+                    raise SpoolError(describe_os_error(e, path)) from None
+                raise SpoolError(describe_sqlite_error(e, path)) from None
         return spool
 
     @property
@@ -404,7 +482,7 @@ class Spool:
 
     def close(self) -> None:
         self.db.conn.close()
-        if self.segments is not None:
+        if self.segments is not None and self.owns_segments:
             self.segments.close()
 
     # -- job and streams -------------------------------------------------
@@ -418,6 +496,7 @@ class Spool:
         row["delivered"] = int(job.delivered)
         return row
 
+    @_reads
     def job(self) -> JobRecord:
         cur = self.db.execute(f"SELECT {', '.join(_JOB_FIELDS)} FROM job WHERE id = 1")
         row = cur.fetchone()
@@ -433,9 +512,16 @@ class Spool:
             values[key] = values[key] or ""
         return JobRecord(**values)
 
+    @_reads
     def streams(self) -> dict[int, StreamState]:
-        rows = self.db.execute("SELECT id, kind, name, appended, acked, eof FROM streams ORDER BY id")
-        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows.fetchall()}
+        try:
+            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, written FROM streams ORDER BY id")
+        except sqlite3.OperationalError as e:
+            if "no such column" not in str(e):
+                raise
+            # A spool from before migration 5, opened read-only.
+            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, NULL FROM streams ORDER BY id")
+        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6]) for r in rows.fetchall()}
 
     # -- the hot path ----------------------------------------------------
 
@@ -445,10 +531,12 @@ class Spool:
         acked: dict[int, int] | None = None,
         eof: Iterable[int] = (),
         job: dict[str, Any] | None = None,
+        written: dict[int, int] | None = None,
     ) -> None:
         """One transaction: append `chunks`, record `acked` offsets (deleting
         every chunk that lies wholly below them), mark streams ended, update
-        job fields. Group commit: callers batch many pipe reads into one call.
+        job fields, record what the job `written` to each stream (at the end
+        of a run). Group commit: callers batch many pipe reads into one call.
         Raises SpoolError (with the OS reason) when the disk refuses."""
         conn = self.db.conn
         segments = self.segments
@@ -516,6 +604,8 @@ class Spool:
                     )
                 for sid in eof:
                     conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
+                for sid, end in (written or {}).items():
+                    conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
                 if job:
                     values = dict(job)
                     for key in ("command", "summary"):
@@ -547,6 +637,7 @@ class Spool:
         except OSError as e:
             raise SpoolError(f"spool {self.path}: cannot read bytes {start}..{end} of stream {stream}: {e}") from None
 
+    @_reads
     def read(self, stream: int, offset: int, max_bytes: int) -> list[Chunk]:
         """Chunks of `stream` holding bytes at or after `offset`, in order,
         about `max_bytes` in all (at least one chunk if any)."""
@@ -570,6 +661,7 @@ class Spool:
         ).fetchall():
             yield Chunk(stream, start, self._bytes(stream, start, end, data, seg, pos))
 
+    @_reads
     def oldest_pending(self) -> dict[int, float]:
         """Per stream, when its oldest chunk still in the spool was spooled."""
         try:
@@ -578,6 +670,7 @@ class Spool:
             return {}  # a spool from before migration 2, opened read-only
         return {r[0]: r[1] for r in rows if r[1] is not None}
 
+    @_reads
     def pending_bytes(self) -> int:
         row = self.db.execute('SELECT coalesce(sum("end" - start), 0) FROM chunks').fetchone()
         return int(row[0])
@@ -602,37 +695,49 @@ class Spool:
                     os.unlink(f"{self.path}{suffix}")
                 except FileNotFoundError:
                     pass
-        if self.segments is not None:
+        if self.segments is not None and self.owns_segments:
             self.segments.remove()
 
 
 def describe_os_error(e: OSError, path: Path | None) -> str:
-    where = f"spool {path}" if path else "spool"
+    return f"spool {path}: {os_reason(e)}" if path else f"spool: {os_reason(e)}"
+
+
+def os_reason(e: OSError) -> str:
+    """Why the disk refused, in words."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{where}: disk full ({e.strerror})"
-    if e.errno == errno.EROFS:
-        return f"{where}: not writable ({e.strerror})"
+        return f"disk full ({e.strerror})"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"not writable ({e.strerror})"
     if e.errno in (errno.EMFILE, errno.ENFILE):
-        return f"{where}: out of file descriptors (raise `ulimit -n`)"
-    return f"{where}: {e.strerror or e}"
+        return "out of file descriptors (raise `ulimit -n`)"
+    if e.errno == errno.EEXIST and e.filename is not None:
+        return f"{e.filename} exists and is not a directory"
+    if e.errno == errno.ENOTDIR and e.filename is not None:
+        return f"{e.filename}: a part of the path is a file, not a directory"
+    return str(e.strerror or e)
 
 
 def describe_sqlite_error(e: sqlite3.Error, path: Path | None) -> str:
+    return f"spool {path}: {sqlite_reason(e, path)}" if path else f"spool: {sqlite_reason(e, path)}"
+
+
+def sqlite_reason(e: sqlite3.Error, path: Path | None) -> str:
+    """Why SQLite refused, in words."""
     text = str(e)
-    where = f"spool {path}" if path else "spool"
     if "full" in text:
-        return f"{where}: disk full ({text})"
+        return f"disk full ({text})"
     if "readonly" in text or "read-only" in text:
-        return f"{where}: not writable ({text})"
+        return f"not writable ({text})"
     if "disk I/O" in text:
         # What SQLite says when it cannot grow its shared-memory file, or a
         # write fails, on a file system that is full.
         if path is not None and _nearly_full(path.parent):
-            return f"{where}: disk full ({text})"
-        return f"{where}: I/O error ({text})"
+            return f"disk full ({text})"
+        return f"I/O error ({text})"
     if "unable to open" in text and _out_of_descriptors():
-        return f"{where}: out of file descriptors (raise `ulimit -n`)"
-    return f"{where}: {text}"
+        return "out of file descriptors (raise `ulimit -n`)"
+    return text
 
 
 def _nearly_full(directory: Path) -> bool:
@@ -644,8 +749,13 @@ def _nearly_full(directory: Path) -> bool:
 
 
 def _out_of_descriptors() -> bool:
+    """SQLite's "unable to open database file" hides errno. By the time it
+    is raised SQLite has closed what it had opened: so count what is left
+    (SQLite needs up to three descriptors: database, journal, shared memory)."""
     try:
         os.close(os.open(os.devnull, os.O_RDONLY))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own)
     except OSError as e:
         return e.errno in (errno.EMFILE, errno.ENFILE)
-    return False
+    return soft != resource.RLIM_INFINITY and soft - used < 4

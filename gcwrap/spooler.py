@@ -10,11 +10,13 @@ memory and tries again later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -25,7 +27,7 @@ log = logging.getLogger("gcwrap")
 T = TypeVar("T")
 
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
-from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError
+from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError, os_reason, sqlite_reason
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
@@ -137,7 +139,9 @@ class Spooler:
             try:
                 await trio.to_thread.run_sync(self._create, limiter=self.write_limiter)
             except OSError as e:
-                raise SpoolError(f"cannot create spool {self.path}: {e.strerror or e}") from None
+                raise SpoolError(f"cannot create spool {self.path}: {os_reason(e)}") from None
+            except sqlite3.Error as e:
+                raise SpoolError(f"cannot create spool {self.path}: {sqlite_reason(e, self.path)}") from None
             assert self.spool is not None
         return self.spool
 
@@ -183,6 +187,14 @@ class Spooler:
             # A spare segment is worth its blocks only while the disk has plenty.
             segments.keep_spares = disk_room > 8 * segments.segment_size
         return max(0, min(rooms))
+
+    def free_space(self) -> int:
+        """Free bytes on the spool's file system, the reserve included (0 if unknown)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     # -- transactions ----------------------------------------------------
 
@@ -235,14 +247,17 @@ class Spooler:
         except OSError:
             pass  # the live view is a convenience; never a reason to fail
 
-    def last_commit(self, updates: dict[str, Any]) -> bool:
-        """Record the final job fields; on a full disk, give up the ballast to
-        make room. Synchronous: called once everything else has stopped."""
+    def last_commit(
+        self, updates: dict[str, Any], acked: dict[int, int] | None = None, written: dict[int, int] | None = None
+    ) -> bool:
+        """Record the final job fields, acknowledgements and what the job
+        wrote (so a loss is on record); on a full disk, give up the ballast
+        to make room. Synchronous: called once everything else has stopped."""
         if self.spool is None:
             return False
         for attempt in range(2):
             try:
-                self.spool.commit(job=updates)
+                self.spool.commit(acked=acked, job=updates, written=written)
                 return True
             except SpoolError as e:
                 if attempt or not self.ballast.exists():
@@ -336,20 +351,20 @@ class Spooler:
         assert segments is not None
 
         def send() -> int:
-            fd, pos, _ = segments.fd_at(stream, offset)
-            try:
-                if self.no_sendfile:
-                    return copy(fd, pos)
+            with segments.opened_at(stream, offset) as (fd, pos, _):
                 try:
-                    return os.sendfile(sock, fd, pos, size)
-                except OSError as e:
-                    if e.errno not in UNSUPPORTED_ERRNOS:
-                        raise
-                    log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
-                    self.no_sendfile = True
-                    return copy(fd, pos)
-            except BlockingIOError:
-                return 0
+                    if self.no_sendfile:
+                        return copy(fd, pos)
+                    try:
+                        return os.sendfile(sock, fd, pos, size)
+                    except OSError as e:
+                        if e.errno not in UNSUPPORTED_ERRNOS:
+                            raise
+                        log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
+                        self.no_sendfile = True
+                        return copy(fd, pos)
+                except BlockingIOError:
+                    return 0
 
         def copy(fd: int, pos: int) -> int:
             data = os.pread(fd, min(size, 1 << 20), pos)
@@ -366,14 +381,28 @@ class Spooler:
                              f"{e.strerror or e}") from None
 
     async def read(self, stream: int, offset: int, limit: int) -> list[Chunk]:
-        """Chunks evicted from memory, read back through a second connection."""
-        if self.reader is None:
-            self.reader = await trio.to_thread.run_sync(Spool.open, self.path, limiter=self.read_limiter)
-        return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+        """Chunks evicted from memory, read back through a second connection
+        (which shares the spool's segments: the writer's releases close
+        the descriptors it reads through). SpoolError if the spool cannot."""
+        spool = self.spool
+        if spool is None:
+            raise SpoolError(f"spool {self.path}: nothing to read back, no spool was made")
+        try:
+            if self.reader is None:
+                self.reader = await trio.to_thread.run_sync(
+                    lambda: Spool.open(self.path, segments=spool.segments), limiter=self.read_limiter
+                )
+            return await trio.to_thread.run_sync(self.reader.read, stream, offset, limit, limiter=self.read_limiter)
+        except OSError as e:
+            raise SpoolError(f"spool {self.path}: cannot read back stream {stream} from byte {offset}: "
+                             f"{e.strerror or e}") from None
 
     # -- ending ----------------------------------------------------------
 
     def close(self, *, remove: bool = False) -> None:
+        if remove or self.spool is None:
+            with contextlib.suppress(OSError):  # (a read-only disk: there is none)
+                self.ballast.unlink(missing_ok=True)  # (no spool: nothing to record at the end)
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -387,8 +416,8 @@ class Spooler:
             os.close(self.live_fd)
             self.live_fd = None
         if remove:
-            self.ballast.unlink(missing_ok=True)
-            self.live.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.live.unlink(missing_ok=True)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None

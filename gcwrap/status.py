@@ -63,6 +63,7 @@ def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
         if st is None or not isinstance(ls, dict):
             continue
         st["appended"] = max(st["appended"], int(ls.get("written", 0)))
+        st["written"] = max(st["written"], st["appended"])
         st["acked"] = max(st["acked"], int(ls.get("acked", 0)))
         st["pending"] = st["appended"] - st["acked"]
         st["memory_only"] = int(ls.get("memory_only", 0))
@@ -123,13 +124,29 @@ def read_spool(path: Path) -> dict[str, Any]:
         "streams": [
             {"id": s.id, "kind": s.kind, "name": s.name, "appended": s.appended, "acked": s.acked,
              "pending": s.pending, "eof": s.eof,
-             "oldest_pending_s": round(now - oldest[s.id], 3) if s.id in oldest and s.pending else None}
+             "oldest_pending_s": round(now - oldest[s.id], 3) if s.id in oldest and s.pending else None,
+             # What the job wrote past what the spool holds, held only in memory when the run ended.
+             "written": s.written if s.written is not None else s.appended,
+             "lost": s.lost, "lost_from": s.appended}
             for s in streams.values() if s.kind != "stdin"
         ],
     }
     if live:
         _overlay(info, live)
+    elif final:
+        # The spool refused the final record, which says what was lost: the live file has it.
+        _final_loss(info, final)
     return info
+
+
+def _final_loss(info: dict[str, Any], final: dict[str, Any]) -> None:
+    by_id = {str(s["id"]): s for s in info["streams"]}
+    for sid, ls in (final.get("streams") or {}).items():
+        st = by_id.get(sid)
+        if st is not None and isinstance(ls, dict) and int(ls.get("lost") or 0) and not st["lost"]:
+            st["written"] = int(ls.get("written", 0))
+            st["lost"] = int(ls["lost"])
+            st["lost_from"] = st["written"] - st["lost"]
 
 
 def read_spools(directory: Path) -> list[dict[str, Any]]:
@@ -151,11 +168,14 @@ def read_spools(directory: Path) -> list[dict[str, Any]]:
                 "streams": [{"id": int(k), "kind": {"1": "stdout", "2": "stderr"}.get(k, k), "name": "",
                              "appended": v.get("written", 0), "acked": v.get("acked", 0),
                              "pending": v.get("written", 0) - v.get("acked", 0),
-                             "memory_only": v.get("memory_only", 0)} for k, v in live.get("streams", {}).items()]})
+                             "memory_only": v.get("memory_only", 0), "written": v.get("written", 0),
+                             "lost": v.get("lost", 0), "lost_from": v.get("written", 0) - v.get("lost", 0)}
+                            for k, v in live.get("streams", {}).items()]})
     for path in paths:
         try:
             out.append(read_spool(path))
-        except SpoolError as e:
-            out.append({"spool": str(path), "job_id": "?", "state": "unreadable", "last_error": str(e),
+        except (SpoolError, OSError) as e:
+            error = str(e) if isinstance(e, SpoolError) else f"spool {path}: cannot be read ({e.strerror or e})"
+            out.append({"spool": str(path), "job_id": "?", "state": "unreadable", "last_error": error,
                         "streams": [], "shadow": "", "connected": False})
     return out

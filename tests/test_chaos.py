@@ -15,12 +15,14 @@ import resource
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
+from gcwrap.render import human_bytes
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -229,34 +231,156 @@ def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_pa
 
 @pytest.mark.timeout(120)
 def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
+    """The spool stops at --min-free, the job is paused with output in
+    memory, and the retry limit ends it. Then the job no longer needs the
+    space kept for it: what memory held (and its pipe) is spooled there,
+    nothing is lost (exit 124, not 121), and resume delivers all of it."""
     need_root()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
     port = sh.start()
     sh.stop()
-    with Tmpfs(tmp_path / "small", "4m") as fs:
-        fs.fill(leave=2 << 20)  # room for the spool to start and take some output, then full
+    report = tmp_path / "written"
+    with Tmpfs(tmp_path / "small", "16m") as fs:
+        fs.fill(leave=10 << 20)  # room for the spool to start and take some output, then the reserve
         started = time.monotonic()
         w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "doomed",
-                     "--retry-timeout", "0.2", "--retry-limit", "5", "--memory-limit", "1MiB",
-                     "--stdout", "z.out", "--", *genjob(50 * MB, 0, seed=97, rate=10 * MB)])
+                     "--retry-timeout", "0.2", "--retry-limit", "5", "--memory-limit", "1MiB", "--min-free", "7MiB",
+                     "--stdout", "z.out", "--", *genjob(50 * MB, 0, seed=97, rate=10 * MB, term_report=report)])
         rc = w.wait(60)
         elapsed = time.monotonic() - started
-        assert rc == 124, w.err.decode()
-        assert elapsed < 30
         text = w.err.decode()
+        assert rc == 124, text
+        assert elapsed < 30
         assert "retry limit reached" in text and "5 consecutive failed attempts" in text
-        assert "gcwrap resume --spool" in text
+        assert "gcwrap resume --spool" in text and "LOST" not in text
         (st,) = spool_status(fs.path)
         assert st["state"] == "gave-up, job killed by signal 15"
         assert st["exit_signal"] == signal.SIGTERM, "killed with SIGTERM"
         assert "retry limit reached" in str(st["reason"])
-        pending = st["streams"][0]["pending"]  # type: ignore[index]
-        assert pending > 0, "the spool keeps what it holds"
+        (out,) = st["streams"]  # type: ignore[misc]
+        written = int(report.read_text().split()[0])
+        assert out["pending"] == out["written"] == written and out["lost"] == 0, (out, written)
+        sh.start(port)
+        try:
+            res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(fs.path), "--retry-timeout", "0.5"],
+                                 capture_output=True, timeout=60)
+        finally:
+            sh.stop()
+        assert res.returncode == 0, res.stderr.decode()
+    assert (home / "z.out").read_bytes() == random.Random(97).randbytes(50 * MB)[:written]
+
+
+@pytest.mark.timeout(180)
+def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, tmp_path: Path) -> None:
+    """A 2 MiB spool disk and home down, with the default --memory-limit
+    (32 MiB): the retry limit ends the job with up to 32 MiB held only in
+    memory. What the disk can still take is kept; the rest, the tail of
+    each stream, is lost, and gcwrap says exactly which bytes (checked
+    against what the job itself says it wrote), exits 121, records it in
+    the spool for `gcwrap status`, and `gcwrap resume` delivers the rest
+    and tells home."""
+    need_root()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    report = tmp_path / "written"
+    out_n, err_n = 60 * MB, 6 * MB
+    with Tmpfs(tmp_path / "small", "2m") as fs:
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "tail",
+                     "--retry-timeout", "0.2", "--retry-limit", "5", "--stdout", "t.out", "--stderr", "t.err", "--",
+                     *genjob(out_n, err_n, seed=31, rate=20 * MB, term_report=report)])
+        rc = w.wait(90)
+        text = w.err.decode()
+        assert rc == 121, text
+        assert "Traceback" not in text
+        # The job's own count of what it wrote before the SIGTERM: the ground truth.
+        truth = dict(zip(("stdout", "stderr"), map(int, report.read_text().split())))
+        (st,) = spool_status(fs.path)
+        assert st["state"] == "gave-up, job killed by signal 15", st
+        streams = {s["kind"]: s for s in st["streams"]}  # type: ignore[union-attr, index]
+        lost = {}
+        for kind in ("stdout", "stderr"):
+            s = streams[kind]
+            assert s["written"] == truth[kind], f"{kind}: gcwrap counted {s['written']}, the job wrote {truth[kind]}"
+            assert s["lost_from"] == s["appended"] and s["lost"] == truth[kind] - s["appended"]
+            if s["lost"]:
+                lost[kind] = (s["appended"], truth[kind])
+        assert lost, "32 MiB in memory and a 2 MiB disk: something is lost"
+        assert sum(e - b for b, e in lost.values()) <= (32 << 20) + 2 * (1 << 20), "at most memory and two pipes"
+        said = ", and ".join(f"the last {e - b:,} bytes of {k} (offsets {b:,} to {e:,})" for k, (b, e) in lost.items())
+        assert f"LOST: {said}: held only in memory" in text, text
+        assert f"LOST: {human_bytes(sum(e - b for b, e in lost.values()))}" in text
+        assert "retry limit reached" in text and "gcwrap resume --spool" in text
+        status_text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(fs.path)], capture_output=True,
+                                     text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "400"}).stdout
+        assert f"LOST {said}" in " ".join(status_text.split()), status_text
+        # Later, home is back: resume delivers what the spool kept, says what is lost, and exits 121 again.
+        sh.start(port)
+        try:
+            res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(fs.path), "--retry-timeout", "0.5"],
+                                 capture_output=True, text=True, timeout=60)
+        finally:
+            sh.stop()
+        assert res.returncode == 121, res.stderr
+        assert f"lost when the job ran: {said}" in res.stderr, res.stderr
+        assert list(fs.path.glob("*.spool")) == []
+    for kind, name, seed in (("stdout", "t.out", 31), ("stderr", "t.err", 32)):
+        landed = (home / name).read_bytes()
+        assert len(landed) == streams[kind]["appended"]
+        assert landed == random.Random(seed).randbytes(out_n if kind == "stdout" else err_n)[: len(landed)]
+    jobs = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                                     check=True, timeout=30).stdout)
+    assert jobs[0]["state"] == "finished" and f"lost: {said}" in jobs[0]["reason"], jobs[0]
+    assert "retry limit reached" in jobs[0]["reason"]
 
 
 # -- descriptors and an unwritable root -----------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_resume_of_a_backlog_of_more_segments_than_descriptors(home: Path, tmp_path: Path) -> None:
+    """A backlog of 300 segments resumed under `ulimit -n 64`: the reader
+    must not keep a descriptor per segment (nor the deleted segments'
+    blocks). Segments are small because the spool's file system was small
+    when the spool was made (fs_size // 64, 64 KiB); it grows afterwards,
+    so the backlog spans many of them."""
+    need_root()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh_ = ShadowProc(home, logs)
+    port = sh_.start()
+    sh_.stop()
+    go = tmp_path / "go"
+    n = 20 * MB
+    with Tmpfs(tmp_path / "spool", "4m") as fs:
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(fs.path), "--job-id", "many",
+                     "--retry-timeout", "0.1", "--retry-limit", "2", "--stdout", "m.out", "--",
+                     "sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; exec \"$@\"", "sh",
+                     *genjob(n, 0, seed=23, rate=40 * MB)])
+        wait_until(lambda: any(fs.path.glob("*.spool")), 30, "the spool")
+        subprocess.run(["mount", "-o", "remount,size=64m", str(fs.path)], check=True, timeout=30)
+        go.touch()
+        assert w.wait(60) == 122, w.err.decode()
+        (seg_dir,) = fs.path.glob("*.spool.seg")
+        segments = len(list(seg_dir.iterdir()))
+        assert segments >= 300, f"{segments} segments"
+
+        def low_limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+        sh_.start(port)
+        try:
+            res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(fs.path), "--retry-timeout", "0.5",
+                                  "--retry-limit", "3"], capture_output=True, timeout=120, preexec_fn=low_limit)
+        finally:
+            sh_.stop()
+        assert res.returncode == 0, res.stderr.decode()
+        assert list(fs.path.glob("*.spool*")) == []
+    check_landed(home, "m.out", n, 23)
 
 
 @pytest.mark.timeout(120)
@@ -285,6 +409,54 @@ def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None
             assert max_gap(ts) < 1.0, "the job does not wait for the shadow's disk"
         finally:
             sh.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["read-only mount", "unprivileged user"])
+def test_a_spool_directory_that_exists_but_cannot_be_written(shadow: ShadowProc, home: Path, tmp_path: Path,
+                                                             how: str) -> None:
+    """The spool directory exists but refuses new files: a read-only mount
+    (EROFS), or a directory owned by root, 0755, with gcwrap run as nobody
+    (EACCES). The job runs anyway, its output goes home from memory,
+    byte-exact, and gcwrap says why in one line (before: a traceback,
+    `sqlite3.OperationalError: unable to open database file`, exit 1, and
+    the job never started)."""
+    need_root()
+    out_n, err_n = 3 * MB, 300_000
+    args = ["--shadow", shadow.address, "--job-id", "nospool", "--stdout", "n.out", "--stderr", "n.err", "--",
+            *genjob(out_n, err_n, seed=41, rate=4 * MB)]
+    if how == "read-only mount":
+        with Tmpfs(tmp_path / "ro", "4m") as fs:
+            spools = fs.path / "spools"
+            spools.mkdir()
+            fs.remount(readonly=True)
+            w = Wrapper(["--spool", str(spools), *args])
+            rc, err = w.wait(60), w.err
+            assert list(spools.iterdir()) == []
+        reason = "not writable (Read-only file system)"
+    else:
+        # nobody, with one capability: to read and search (never to write)
+        # what it could not, so it can reach the interpreter under /root (0700).
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv (util-linux)")
+        spools = Path(tempfile.mkdtemp(prefix="gcwrap-rootdir-", dir="/var/tmp"))  # (its parents: world-searchable)
+        try:
+            os.chmod(spools, 0o755)
+            as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                         "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+            proc = subprocess.run([*as_nobody, *tool("gcwrap"), "--spool", str(spools), *args], capture_output=True,
+                                  timeout=60, env={**os.environ, "HOME": "/nonexistent"})
+            err, rc = proc.stderr, proc.returncode
+            assert list(spools.iterdir()) == []
+        finally:
+            shutil.rmtree(spools, ignore_errors=True)
+        reason = "not writable (Permission denied)"
+    text = err.decode()
+    assert rc == 0, text
+    assert "Traceback" not in text
+    assert f"{reason}; the job runs anyway, its output goes home from memory" in text, text
+    check_landed(home, "n.out", out_n, 41)
+    check_landed(home, "n.err", err_n, 42)
 
 
 @pytest.mark.timeout(60)

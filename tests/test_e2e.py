@@ -5,6 +5,7 @@ Every test compares sha256 of what the job wrote with what landed at home.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -293,3 +294,73 @@ def test_quiet_prints_nothing_on_success(shadow: ShadowProc, home: Path, spool_d
     assert w.wait(30) == 0
     assert w.err == b"" and w.out == b""
     assert (home / "q.out").read_bytes() == b"out\n" and (home / "q.err").read_bytes() == b"err\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_spool_directory_that_is_a_file(shadow: ShadowProc, home: Path, tmp_path: Path, where: str) -> None:
+    """`--spool` names a file, or a path through one: no spool can be made
+    there, so, as for any directory that cannot be used, the job runs and
+    its output goes home from memory (before: for a file, a usage error,
+    exit 2, and the job never ran)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n")
+    spool = afile if where == "a file" else afile / "sub"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool), "--job-id", "filespool", "--stdout", "f.out",
+                 "--", *genjob(2 * MB, 0, seed=43)])
+    assert w.wait(60) == 0, w.err.decode()
+    text = w.err.decode()
+    why = f"{afile} exists and is not a directory" if where == "a file" else "a part of the path is a file"
+    assert why in text and "the job runs anyway, its output goes home from memory" in text, text
+    assert "Traceback" not in text
+    assert sha256_file(home / "f.out") == expected(2 * MB, 43)
+    assert afile.read_text() == "not a directory\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["--shadow", "BYPASS_SHADOW_HOST/PORT"])
+@pytest.mark.parametrize("home_is", ["down", "up"])
+def test_a_shadow_with_no_stream_named_is_a_plain_pass_through(home: Path, spool_dir: Path, tmp_path: Path,
+                                                               how: str, home_is: str) -> None:
+    """A shadow is known (the batch environment's BYPASS_SHADOW_HOST/PORT,
+    or --shadow) but no stream is named: nothing is to be delivered. The
+    job's streams pass through, gcwrap makes no spool nor live file, never
+    waits for the shadow (up or down: it never connects), and exits with the
+    job's status; at -v it says once that nothing goes to the shadow (before:
+    "output waits in memory (no spool)", retries up to the retry limit,
+    exit 122, a `.spool.live` file left behind)."""
+    spool_dir.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    if home_is == "down":
+        sh.stop()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRID_CONSOLE_", "GCWRAP_", "BYPASS_"))}
+    args = ["--spool", str(spool_dir), "--retry-timeout", "5"]
+    if how == "--shadow":
+        args += ["--shadow", f"127.0.0.1:{port}"]
+    else:
+        env.update(BYPASS_SHADOW_HOST="127.0.0.1", BYPASS_SHADOW_PORT=str(port))
+    try:
+        started = time.monotonic()
+        quiet = Wrapper([*args, "--", "sh", "-c", "echo out; echo err >&2; exit 3"], env=env)
+        assert quiet.wait(30) == 3, quiet.err.decode()
+        assert time.monotonic() - started < 10, "never waits for the shadow"
+        assert quiet.out == b"out\n" and quiet.err == b"err\n", quiet.err.decode()
+        told = Wrapper(["-v", *args, "--", "sh", "-c", "echo out; echo err >&2"], env=env)
+        assert told.wait(30) == 0, told.err.decode()
+        assert told.out == b"out\n"
+        lines = told.err.decode().splitlines()
+        assert "err" in lines
+        said = [line for line in lines if "nothing goes to the shadow" in line]
+        assert said == [(f"gcwrap: no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at "
+                         f"127.0.0.1:{port}, the job's streams pass through")], lines
+        assert not any("retrying" in line or "refused" in line for line in lines), lines
+    finally:
+        sh.stop()
+    assert list(spool_dir.iterdir()) == [], "no spool, no live file"
+    if home_is == "up":
+        jobs = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                              text=True, timeout=30)
+        assert jobs.returncode == 0 and json.loads(jobs.stdout) == [], "no job at home: gcwrap never said HELLO"

@@ -8,8 +8,9 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -528,3 +529,210 @@ def test_disk_full_raises_spool_error_and_recovers(small_tmpfs: Path) -> None:
     assert r.streams()[OUT].appended == len(written)
     assert joined(r.read(OUT, 50_000, BIG), 50_000) == bytes(written[50_000:])
     r.close()
+
+
+# -- a spool that cannot be made, or read: a SpoolError that says why, never a traceback ---------
+
+
+async def try_spool(path: Path) -> str:
+    """Try to make a spool as a run does; "" if made, else the SpoolError's text."""
+    from gcwrap.spooler import Spooler
+
+    spooler = Spooler(path, job(), [(OUT, "stdout", "out.log")])
+    try:
+        await spooler.ensure()
+    except SpoolError as e:
+        spooler.close()
+        return str(e)
+    spooler.close(remove=True)
+    return ""
+
+
+def make_spool(path: Path) -> str:
+    import trio
+
+    return trio.run(try_spool, path)
+
+
+@pytest.mark.root
+def test_a_spool_directory_that_exists_but_refuses_writes(small_tmpfs: Path) -> None:
+    """EROFS (read-only mount), EPERM (immutable directory, where the file
+    system has the attribute), and a spool "directory" that is a file: each
+    a SpoolError naming the cause (was: sqlite3.OperationalError, "unable
+    to open database file", for a directory that exists)."""
+    spools = small_tmpfs / "spools"
+    spools.mkdir()
+    (small_tmpfs / "file").write_text("")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True, timeout=30)
+    try:
+        assert make_spool(spools / f"j{SPOOL_SUFFIX}") == (
+            f"spool {spools / f'j{SPOOL_SUFFIX}'}: not writable (Read-only file system)"
+        )
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True, timeout=30)
+    assert make_spool(small_tmpfs / "file" / f"j{SPOOL_SUFFIX}").endswith(
+        f"{small_tmpfs / 'file'} exists and is not a directory")
+    immutable = Path(tempfile.mkdtemp(prefix="gcwrap-immutable-", dir="/var/tmp"))
+    try:
+        if subprocess.run(["chattr", "+i", str(immutable)], capture_output=True, timeout=30).returncode != 0:
+            pytest.skip("no immutable attribute here (chattr +i)")
+        try:
+            assert make_spool(immutable / f"j{SPOOL_SUFFIX}") == (
+                f"spool {immutable / f'j{SPOOL_SUFFIX}'}: not writable (Operation not permitted)")
+        finally:
+            subprocess.run(["chattr", "-i", str(immutable)], check=True, timeout=30)
+        assert list(immutable.iterdir()) == []
+    finally:
+        shutil.rmtree(immutable, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_while_the_spool_is_made(small_tmpfs: Path) -> None:
+    """Free space from 0 to 128 KiB, 4 KiB apart: the spool's database, its
+    WAL and shared-memory files, or the live file and the ballast, hit the
+    full disk in turn. Each time the spool is made whole, or not at all with
+    a SpoolError that says the disk is full."""
+    filler = small_tmpfs / "filler"
+    outcomes = set()
+    for leave in range(0, 132 << 10, 4 << 10):
+        filler.unlink(missing_ok=True)
+        st = os.statvfs(small_tmpfs)
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+            except OSError:
+                pass
+        path = small_tmpfs / f"j{SPOOL_SUFFIX}"
+        error = make_spool(path)
+        assert error == "" or "disk full" in error, (leave, error)
+        outcomes.add("made" if not error else "refused")
+        assert not path.exists() and not Path(f"{path}.new").exists(), "whole or nothing, and a made one removed"
+        for stray in small_tmpfs.iterdir():
+            assert stray.name in ("filler", f"j{SPOOL_SUFFIX}.live"), stray
+    assert outcomes == {"made", "refused"}
+
+
+def test_out_of_descriptors_while_the_spool_is_made(tmp_path: Path) -> None:
+    """Every limit on descriptors from what is open now to 16 more: the
+    spool is made, or a SpoolError says to raise `ulimit -n`; no descriptor
+    is left open by a failed attempt."""
+    script = f"""
+import os, resource, sys
+from pathlib import Path
+import trio
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_spool import try_spool
+
+async def main():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    await trio.to_thread.run_sync(lambda: None)  # (the worker thread exists before the limits)
+    base = max(int(n) for n in os.listdir("/proc/self/fd")) + 1
+    seen = set()
+    for extra in range(17):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (base + extra, hard))
+        try:
+            error = await try_spool(Path({str(tmp_path)!r}) / f"j{{extra}}.spool")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert error == "" or "out of file descriptors (raise `ulimit -n`)" in error, (extra, error)
+        left = [os.readlink(f"/proc/self/fd/{{n}}") for n in os.listdir("/proc/self/fd") if int(n) >= base]
+        assert not left, (extra, error, left)
+        seen.add(bool(error))
+    assert seen == {{True, False}}, seen
+    print("ok")
+
+trio.run(main)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "zeros"])
+def test_a_damaged_spool_is_a_spool_error_wherever_it_is_read(tmp_path: Path, damage: str) -> None:
+    """Each page of a spool damaged in turn: opening it, or reading its job,
+    streams, chunks or ages, raises SpoolError, never sqlite3's errors."""
+    path = tmp_path / f"j{SPOOL_SUFFIX}"
+    s = Spool.create(path, job(), STREAMS)
+    s.commit([Chunk(OUT, 0, b"x" * 1000), Chunk(ERR, 0, b"y" * 10)])
+    s.commit(acked={OUT: 10}, job={"state": "exited", "exit_code": 0})
+    s.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    s.close()
+    whole = path.read_bytes()
+    pages = len(whole) // 4096
+    assert pages >= 5
+    failed = 0
+    for page in range(1, pages):
+        data = bytearray(whole)
+        for i in range(page * 4096 + 8, (page + 1) * 4096):
+            data[i] = (i * 7919) % 256 if damage == "garbage" else 0
+        path.write_bytes(bytes(data))
+        for readonly in (True, False):
+            try:
+                r = Spool.open(path, readonly=readonly)
+            except SpoolError:
+                failed += 1
+                continue
+            try:
+                r.job(), r.streams(), r.read(OUT, 0, BIG), r.oldest_pending(), r.pending_bytes()
+            except SpoolError as e:
+                failed += 1
+                assert str(path) in str(e)
+            finally:
+                r.close()
+    assert failed, "some damage must show"
+
+
+def as_nobody(fn: Callable[[], str]) -> str:
+    """fn() in a forked child that runs as nobody; its result, or its error.
+    (Forked, not run: the interpreter may lie where nobody cannot reach it.)"""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            text = fn()
+        except BaseException as e:  # noqa: BLE001 - any failure is the answer
+            text = f"{type(e).__name__}: {e}"
+        os.write(w, text.encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return data.decode()
+
+
+@pytest.mark.root
+def test_a_spool_its_user_cannot_read() -> None:
+    """A spool file another user owns (0600), in a directory anyone may
+    read: opening it, and `gcwrap status` over its directory, say it cannot
+    be read and why (was: "unable to open database file")."""
+    from gcwrap.status import read_spools
+
+    spools = Path(tempfile.mkdtemp(prefix="gcwrap-spools-", dir="/var/tmp"))  # (its parents: world-searchable)
+    try:
+        os.chmod(spools, 0o755)
+        path = spools / f"j{SPOOL_SUFFIX}"
+        Spool.create(path, job(), STREAMS).close()
+        os.chmod(path, 0o600)
+        want = f"spool {path}: cannot be read (Permission denied)"
+
+        def open_it() -> str:
+            try:
+                Spool.open(path, readonly=True)
+            except SpoolError as e:
+                return str(e)
+            return "opened"
+
+        assert as_nobody(lambda: str(sorted(p.name for p in spools.iterdir()))) == str([path.name])
+        assert as_nobody(open_it) == want
+        assert as_nobody(lambda: repr([(s["state"], s["last_error"]) for s in read_spools(spools)])) == repr(
+            [("unreadable", want)])
+    finally:
+        shutil.rmtree(spools, ignore_errors=True)

@@ -271,6 +271,95 @@ def test_spool_of_an_earlier_version_is_delivered_through_its_rows(tmp_path: Pat
     old.close()
 
 
+def open_descriptors(under: Path) -> tuple[int, int, int]:
+    """(descriptors of this process open on files under `under`, of them to
+    deleted files, and the bytes those deleted files still hold on disk)."""
+    count = deleted = held = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if not target.startswith(str(under)):
+                continue
+            count += 1
+            if target.endswith(" (deleted)"):
+                deleted += 1
+                held += os.fstat(int(name)).st_blocks * 512
+        except OSError:
+            continue  # (closed meanwhile: the listing's own descriptor)
+    return count, deleted, held
+
+
+async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor_nor_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender reads a backlog back through the spooler's second
+    connection while the writer releases what home acknowledged: one
+    `Segments` for both, so every released segment's descriptor is closed
+    (before: one descriptor per segment read, to a deleted file holding its
+    blocks), and the descriptors open at once stay few however long the
+    backlog."""
+    from gcwrap import segments as segments_mod
+    from gcwrap import spooler as spooler_mod
+    from gcwrap.spooler import Spooler
+
+    size = 64 << 10
+    monkeypatch.setattr(spooler_mod, "DEFAULT_SEGMENT", size)  # 200 segments of 64 KiB, not of 16 MiB
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
+    await spooler.ensure()
+    assert spooler.spool is not None and spooler.spool.segments is not None
+    assert spooler.spool.segments.segment_size == size
+    data = os.urandom(200 * size)
+    for at in range(0, len(data), 8 * size):
+        await spooler.commit([Chunk(OUT, at, data[at : at + 8 * size])], {}, [], {})
+    seg_dir = tmp_path / f"j{SPOOL_SUFFIX}.seg"
+    assert len(list(seg_dir.iterdir())) == 200
+    # Read the whole backlog back (a sender far ahead of home's acknowledgements)...
+    got = bytearray()
+    most_open = 0
+    while len(got) < len(data):
+        for c in await spooler.read(OUT, len(got), size):
+            got += c.data[len(got) - c.start :]
+        most_open = max(most_open, open_descriptors(seg_dir)[0])
+    assert bytes(got) == data
+    assert most_open <= segments_mod.MAX_OPEN, f"{most_open} segment descriptors open at once"
+    # ...then home acknowledges it, a segment at a time, reading on as a resend would.
+    for at in range(0, len(data), size):
+        await spooler.commit([], {OUT: at + size}, [], {})
+        if at + size < len(data):
+            assert (await spooler.read(OUT, at + size, 1))[0].start == at + size
+    assert [p.name for p in seg_dir.iterdir()] == [f"{OUT}-spare"]
+    count, deleted, held = open_descriptors(seg_dir)
+    assert (deleted, held) == (0, 0), f"{deleted} descriptors to deleted segments hold {held} bytes"
+    assert count <= 1, "only the spare's"
+    spooler.close(remove=True)
+
+
+def test_a_descriptor_in_use_is_never_closed_under_its_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_OPEN the least recently used descriptors are closed, but
+    never one pinned by a reader or writer; a segment released while one is
+    pinned has its descriptor closed by the last user."""
+    from gcwrap import segments as segments_mod
+
+    monkeypatch.setattr(segments_mod, "MAX_OPEN", 2)
+    seg = Segments(tmp_path / "seg", segment_size=100, natural=True)
+    seg.place_at(OUT, 0, bytes(range(250)) * 2)  # segments 0..4
+    with seg.opened_at(OUT, 0) as (fd0, _, _):
+        for at in (100, 200, 300, 400):
+            assert seg.read_at(OUT, at, 1) == bytes([(at % 250)])
+            assert len(seg.fds) <= 3 and fd0 in seg.fds.values(), "pinned: kept open past MAX_OPEN"
+        assert os.pread(fd0, 3, 0) == b"\x00\x01\x02"
+        seg.keep_spares = False
+        seg.release_below(OUT, 100)  # (never while in use, but if it were...)
+        assert os.pread(fd0, 3, 0) == b"\x00\x01\x02", "...its user can still read"
+    with pytest.raises(OSError):
+        os.fstat(fd0)  # closed by its last user
+    assert len(seg.fds) <= 2
+    # A segment whose descriptor was closed is opened again, with its bytes, for writing as for reading.
+    seg.place_at(OUT, 150, b"X")
+    assert seg.read_at(OUT, 100, 100) == (bytes(range(250)) * 2)[100:150] + b"X" + (bytes(range(250)) * 2)[151:200]
+    seg.close()
+
+
 # -- the spooler's zero-copy I/O ------------------------------------------------------
 
 

@@ -5,7 +5,11 @@ The bytes of each stream are `random.Random(seed).randbytes(n)` (stdout) and
 chunks of varying size, so a test can compute the expected sha256 itself.
 
     genjob.py --out N --err M --seed S [--rate BYTES_PER_S] [--exit K | --signal SIG]
-              [--done-file PATH] [--timestamps PATH]
+              [--done-file PATH] [--timestamps PATH] [--term-report PATH]
+
+With --term-report, SIGTERM ends the job exactly: it is held blocked, the
+writes are non-blocking, and once one is pending the job writes to PATH how
+many bytes of stdout and stderr it has written ("OUT ERR"), then dies of it.
 """
 
 from __future__ import annotations
@@ -13,15 +17,34 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import select
 import signal
 import sys
 import time
 
+WRITTEN = {1: 0, 2: 0}  # bytes written so far, per descriptor
+TERM_REPORT = ""  # see --term-report
+
+
+def end_if_terminated() -> None:
+    if TERM_REPORT and signal.SIGTERM in signal.sigpending():
+        with open(TERM_REPORT, "w") as f:
+            f.write(f"{WRITTEN[1]} {WRITTEN[2]}\n")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pause()
+
 
 def write_all(fd: int, data: memoryview) -> None:
     while data:
-        n = os.write(fd, data)
+        end_if_terminated()
+        try:
+            n = os.write(fd, data)
+        except BlockingIOError:
+            select.select([], [fd], [], 0.05)
+            continue
         data = data[n:]
+        WRITTEN[fd] += n
 
 
 def main() -> None:
@@ -34,7 +57,15 @@ def main() -> None:
     p.add_argument("--signal", type=int, default=0)
     p.add_argument("--done-file", default="")
     p.add_argument("--timestamps", default="", help="append a wall-clock time per write to this file")
+    p.add_argument("--term-report", default="", help="on SIGTERM, write the bytes written to this file, then die")
     a = p.parse_args()
+    if a.term_report:
+        global TERM_REPORT
+        TERM_REPORT = a.term_report
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        for fd, n in ((1, a.out), (2, a.err)):
+            if n:
+                os.set_blocking(fd, False)
     out = memoryview(random.Random(a.seed).randbytes(a.out))
     err = memoryview(random.Random(a.seed + 1).randbytes(a.err))
     sizes = random.Random(a.seed + 2)
@@ -60,6 +91,7 @@ def main() -> None:
             ahead = written / a.rate - (time.monotonic() - start)
             if ahead > 0:
                 time.sleep(ahead)
+        end_if_terminated()
     if stamps:
         stamps.close()
     if a.done_file:
