@@ -24,12 +24,20 @@ def stderr_console() -> Console:
 
 
 class _PlainFormatter(logging.Formatter):
-    def __init__(self, prog: str) -> None:
+    """`prog: message`, after the local time to the millisecond when the lines
+    are a server's log (read later, next to other logs)."""
+
+    def __init__(self, prog: str, timestamps: bool = False) -> None:
         super().__init__()
         self.prog = prog
+        self.timestamps = timestamps
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"{self.prog}: {record.getMessage()}"
+        line = f"{self.prog}: {record.getMessage()}"
+        if self.timestamps:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+            line = f"{stamp}.{int(record.msecs):03d} {line}"
+        return line
 
 
 class _JsonFormatter(logging.Formatter):
@@ -40,10 +48,10 @@ class _JsonFormatter(logging.Formatter):
         )
 
 
-def setup_logging(prog: str, verbose: int, fmt: str = "text") -> None:
+def setup_logging(prog: str, verbose: int, fmt: str = "text", timestamps: bool = False) -> None:
     """Log to stderr: warnings by default, -v info, -vv debug, -1 (quiet) errors only."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog))
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog, timestamps))
     level = (
         logging.ERROR if verbose < 0 else logging.WARNING if verbose == 0 else logging.INFO if verbose == 1
         else logging.DEBUG

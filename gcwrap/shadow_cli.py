@@ -23,6 +23,18 @@ class DefaultServeGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+class Port(click.ParamType):
+    """A TCP port, 0-65535; the error says so."""
+
+    name = "PORT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value).strip()
+        if text.isdigit() and int(text) <= 65535:
+            return int(text)
+        self.fail(f"{value!r} is not a port number: give 0-65535 (0: any free port)", param, ctx)
+
+
 root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
@@ -46,7 +58,7 @@ def main() -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--port", type=click.IntRange(0, 65535), default=50000, show_default=True,
+@click.option("--port", type=Port(), default=50000, show_default=True,
               envvar="GCSHADOW_PORT", show_envvar=True, help="TCP port to listen on (0: any free port).")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="GCSHADOW_HOST", show_envvar=True,
               help="Address to listen on.")
@@ -103,10 +115,10 @@ def serve(
     import trio
 
     from .render import setup_logging
-    from .shadow import ShadowOptions, run_shadow
-    from .shadow_store import StoreError
+    from .shadow import ListenError, ShadowOptions, run_shadow
+    from .shadow_store import StoreError, check_root
 
-    setup_logging("gcshadow", verbose + 1, log_format)
+    setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
@@ -114,11 +126,12 @@ def serve(
         min_free=min_free, quota=quota, max_jobs_per_identity=max_jobs_per_identity, **security,
     )
     try:
+        check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
         trio.run(run_shadow, opts)
-    except StoreError as e:
+    except (StoreError, ListenError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
-        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+        raise click.ClickException(f"gcshadow failed: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
 
