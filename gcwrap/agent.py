@@ -579,7 +579,11 @@ class Agent:
             # Attempts that never got a session; a session lost later is a reconnect.
             failed_attempts=int(self.stats["attempts"] - self.stats["connects"]),
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
+            job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
+        ended = self.live_fields.get("ended") or self.job.ended
+        if ended:
+            out["job_ended"] = round(ended, 3)
         return out
 
     def interrupt(self, reason: str) -> None:

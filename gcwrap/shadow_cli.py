@@ -183,7 +183,8 @@ def _security(
 def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
     """List the jobs the shadow at ROOT knows: host, state, exit status, bytes, rate.
 
-    With JOB, show everything known of that job, including its I/O summary.
+    With JOB, show everything known of that job, including its I/O summary;
+    with --watch, keep showing it (or the list) live.
 
     \b
     Examples:
@@ -195,46 +196,62 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
     import sqlite3
     import time
 
-    from rich.console import Console
-    from rich.live import Live
-
-    from .render import job_bytes, job_detail, jobs_table
+    from .render import job_bytes, job_detail, job_figures, jobs_view, output_width, print_view, stdout_console
     from .shadow_store import list_jobs
 
     def load() -> list[dict[str, Any]]:
         try:
-            return list_jobs(root)
+            found = list_jobs(root)
         except sqlite3.Error as e:
             raise click.ClickException(f"no shadow state under {root}: {e}") from None
-
-    found = load()
-    if job is not None:
+        if job is None:
+            return found
         match = [j for j in found if j["job_id"] == job]
         if not match:
             raise click.ClickException(f"no job {job!r} at this shadow")
-        if as_json:
-            click.echo(json.dumps(match[0], indent=2))
-        else:
-            job_detail(Console(), match[0])
-        return
+        return match
+
+    found = load()
     if as_json:
-        click.echo(json.dumps(found, indent=2))
+        now = time.time()
+        shown = [job_figures(j, now) for j in found]
+        click.echo(json.dumps(shown[0] if job is not None else shown, indent=2))
         return
-    console = Console()
+    console = stdout_console()
+
+    def view(rates: dict[str, float] | None = None) -> Any:
+        now = time.time()
+        if job is not None:
+            return job_detail(found[0], rates.get(job) if rates else None, now)
+        return jobs_view(found, rates, now, output_width(console))
+
     if not watch:
-        console.print(jobs_table(console, found))
+        print_view(console, view())
         return
+    # --watch: the rate is how fast each job's bytes arrive between two refreshes.
     last = {j["job_id"]: job_bytes(j) for j in found}
     last_t = time.monotonic()
+
+    def refresh() -> Any:
+        nonlocal found, last, last_t
+        time.sleep(interval)
+        found, now_t = load(), time.monotonic()
+        rates = {j["job_id"]: max(0.0, (job_bytes(j) - last.get(j["job_id"], 0)) / (now_t - last_t)) for j in found}
+        last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now_t
+        return view(rates)
+
     try:
-        with Live(jobs_table(console, found), console=console, auto_refresh=False) as live:
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(view(), console=console, auto_refresh=False) as live:
+                while True:
+                    live.update(refresh(), refresh=True)
+        else:  # through a pipe: one view after another, like `top -b`
+            print_view(console, view())
             while True:
-                time.sleep(interval)
-                found, now = load(), time.monotonic()
-                rates = {j["job_id"]: max(0.0, (job_bytes(j) - last.get(j["job_id"], 0)) / (now - last_t))
-                         for j in found}
-                last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now
-                live.update(jobs_table(console, found, rates), refresh=True)
+                print_view(console, refresh())
+                sys.stdout.flush()
     except KeyboardInterrupt:
         pass
 

@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import random
-import re
 import sqlite3
 import stat
 import threading
@@ -760,17 +759,8 @@ def list_jobs(root: Path) -> list[dict[str, Any]]:
                 ).fetchall()
             ]
             job["command"] = json.loads(job["command"] or "[]")
-            job["summary"] = {k: _number(v) for k, v in json.loads(job["summary"] or "{}").items()}
+            job["summary"] = json.loads(job["summary"] or "{}")
         return jobs
     finally:
         db.conn.close()
 
-
-def _number(value: Any) -> Any:
-    """A summary value as its agent meant it: the wire carries text ("12", "3.5")."""
-    if isinstance(value, str) and _NUMBER.fullmatch(value):
-        return float(value) if any(c in value for c in ".eE") else int(value)
-    return value
-
-
-_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
