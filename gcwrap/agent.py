@@ -393,12 +393,8 @@ class Agent:
             for c in chunks:
                 self.out[c.stream].mark_spooled(c.end)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "spool commit in %.1f ms: %d bytes in %d row(s), acknowledged %s, ended %s%s",
-                    (time.monotonic() - started) * 1000, sum(c.size for c in chunks), len(chunks),
-                    {self.out[s].kind: n for s, n in acked.items()}, [self.out[s].kind for s in eof],
-                    f", job fields {sorted(updates)}" if updates else "",
-                )
+                log.debug("spool commit in %.1f ms: %s", (time.monotonic() - started) * 1000,
+                          self._commit_text(chunks, acked, eof, updates))
             if chunks and took_all and self.disk_said and not self.disk_error and (
                     time.monotonic() - self.disk_failed_at >= DISK_CALM):
                 log.warning("the spool takes output again")
@@ -415,6 +411,20 @@ class Agent:
                 self.commit_soon = trio.Event()
                 with trio.move_on_after(COMMIT_PACE):
                     await self.commit_soon.wait()
+
+    def _commit_text(self, chunks: list[Chunk | Extent], acked: dict[int, int], eof: list[int],
+                     updates: dict[str, Any]) -> str:
+        """What a commit recorded, for -vv."""
+        parts = []
+        if chunks:
+            parts.append(f"{sum(c.size for c in chunks)} bytes in {len(chunks)} row(s)")
+        if acked:
+            parts.append("acknowledged up to " + ", ".join(f"{self.out[s].kind} {n}" for s, n in acked.items()))
+        if eof:
+            parts.append("the end of " + ", ".join(self.out[s].kind for s in eof))
+        if updates:
+            parts.append("job fields " + ", ".join(sorted(updates)))
+        return "; ".join(parts)
 
     def _disk_failed(self, reason: str) -> None:
         self.disk_failed_at = time.monotonic()
@@ -610,7 +620,7 @@ class Agent:
                         "for the first time" if first else "again", time.monotonic() - self.outage_since)
             self.outage_reported = False
         if log.isEnabledFor(logging.INFO):
-            held = ", ".join(f"{o.kind} {o.name} {o.acked} of {o.read_end} bytes" for o in self.out.values())
+            held = ", ".join(f"{o.acked} of {o.read_end} bytes of {o.kind} ({o.name})" for o in self.out.values())
             log.info("welcomed by the shadow (connection %d): it holds %s; sending from there",
                      int(self.stats["connects"]), held or "no output stream")
         self.net_error = ""

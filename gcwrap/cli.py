@@ -163,7 +163,7 @@ def main() -> None:
 
     \b
     Example:
-      gcwrap --shadow home.example.org:50000 --stdout out.5 --stderr err.5 -- ./app -n 5
+      gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token --stdout out.5 --stderr err.5 -- ./app
     """
 
 
@@ -216,10 +216,11 @@ def run(
     the job's status once every byte is acknowledged.
 
     \b
-    Examples:
-      gcwrap --shadow home:50000 --stdout outfile.5 -- ./app
-      gcwrap --shadow home:50000 --stdout 'out/%j.%a.out' -- ./app    # in a batch job: out/4242.7.out
-      BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5 gcwrap -- ./app
+    Examples (the token: see gcshadow's; a shadow beyond loopback requires one, or TLS):
+      gcwrap --shadow home:50000 --token-file ~/.gcshadow-token --stdout outfile.5 -- ./app
+      gcwrap --shadow home:50000 --token-file ~/.gcshadow-token --stdout 'out/%j.%a.out' -- ./app    # out/4242.7.out
+      export BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5
+      GCWRAP_TOKEN_FILE=~/.gcshadow-token gcwrap -- ./app
     """
     from .render import setup_logging
 

@@ -52,8 +52,9 @@ def main() -> None:
     gcshadow tail JOB                           print a job's output
 
     \b
-    Example:
-      gcshadow --port 50000 --root ~/results
+    Examples:
+      gcshadow --port 50000 --root ~/results                  # loopback only
+      gcshadow --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
     """
 
 
@@ -109,8 +110,10 @@ def serve(
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
     \b
-    Example:
-      gcshadow serve --port 50000 --root ~/results
+    Examples:
+      gcshadow serve --port 50000 --root ~/results            # loopback only
+      umask 077; openssl rand -hex 32 > ~/.gcshadow-token     # a token for the agents (copy it to them)
+      gcshadow serve --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
     """
     import trio
 
