@@ -134,7 +134,10 @@ def fit_table(title: str, columns: list[Column], width: int | None, caption: str
     from rich.table import Table
 
     natural = [max(_widest_line(t) for t in (c.header, *c.cells)) for c in columns]
-    least = [max(_widest_word(t) for t in (c.header, *c.cells)) if c.wrap else n for c, n in zip(columns, natural)]
+    # Prose may wrap between words, onto two lines or so: a column of one word
+    # per line is no table (the compact form reads better then).
+    least = [max(max(_widest_word(t) for t in (c.header, *c.cells)), (n + 1) // 2) if c.wrap else n
+             for c, n in zip(columns, natural)]
     chrome = TABLE_EDGES + TABLE_PER_COLUMN * len(columns)
     if width is None or sum(natural) + chrome <= width:
         widths = natural
@@ -209,7 +212,7 @@ def output_width(console: Console) -> int | None:
 
 def print_view(console: Console, view: Any) -> None:
     """Print what a *_view function made (its lines are wrapped already)."""
-    console.print(view, crop=False, soft_wrap=True)
+    console.print(view, crop=False)
 
 
 # -- gcwrap status -------------------------------------------------------------
@@ -331,7 +334,9 @@ def job_duration(job: dict[str, Any], now: float | None = None) -> float:
     if job["state"] == "finished" and started and ended:
         return max(0.0, ended - started)
     end = (job.get("ended") if job["state"] == "finished" else None) or now or time.time()
-    return max(0.0, end - (job.get("first_seen") or end))
+    seen = max(0.0, end - (job.get("first_seen") or end))
+    # (An older gcwrap's summary has only its own wall time: the job ran at least that long.)
+    return max(seen, number(summary.get("wall_s")) or 0.0) if job["state"] == "finished" else seen
 
 
 def job_rate(job: dict[str, Any], now: float | None = None) -> float:

@@ -78,7 +78,8 @@ def _main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GCWRAP_", "GCSHADOW_", "GRID_CONSOLE_",
                                                                       "BYPASS_SHADOW_", "SLURM_", "PBS_"))}
     env.update(HOME=str(HOME), TMPDIR="/tmp", **request["env"])
-    env.pop("_CONDOR_SCRATCH_DIR", None)
+    for name in ("_CONDOR_SCRATCH_DIR", "SLURM_TMPDIR", "COLUMNS", "LINES"):  # (no width: tables as through a pipe)
+        env.pop(name, None)
     background: dict[str, tuple[subprocess.Popen[bytes], Any]] = {}
     results: list[dict[str, Any]] = []
 

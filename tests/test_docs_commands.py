@@ -330,3 +330,195 @@ def test_the_checks_catch_what_they_are_for() -> None:
             parse(inv)
     good = Line("x:5", "gcshadow --host 0.0.0.0 --root ~/r --token-file ~/.t; gcwrap --shadow 127.0.0.1:1 -- true", {})
     assert [security_problems(inv) for inv in invocations(good)] == [[], []]
+
+
+# -- 3. the README's sessions, run for real ------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    heading: str  # the nearest heading above it
+    line: int
+    lang: str
+    lines: list[str]
+
+    def transcript(self) -> list[tuple[str, list[str]]]:
+        """A console block as (command, the lines it printed)."""
+        out: list[tuple[str, list[str]]] = []
+        for line in self.lines:
+            if line.startswith("$ "):
+                out.append((line[2:], []))
+            elif out:
+                out[-1][1].append(line)
+        return out
+
+
+def readme_blocks() -> list[Block]:
+    out = []
+    heading = ""
+    block: Block | None = None
+    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        if block is None and line.startswith("#") and not line.startswith("#!"):
+            heading = line.lstrip("# ").strip()
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence and block is None:
+            block = Block(heading, n, fence.group(1), [])
+        elif fence and block is not None:
+            out.append(block)
+            block = None
+        elif block is not None:
+            block.lines.append(line.strip() if block.lang == "sh" else line)
+    return out
+
+
+def block(heading: str, containing: str) -> Block:
+    found = [b for b in readme_blocks() if b.heading == heading and any(containing in x for x in b.lines)]
+    assert len(found) == 1, f"README.md: no single block under {heading!r} with {containing!r}"
+    return found[0]
+
+
+def shape(line: str) -> str:
+    """A line with what changes from run to run made equal: figures, times,
+    ports, sizes and their units, instance ids, temporary names, checksums,
+    and the spacing of table cells."""
+    line = re.sub(r"gcwrap-demo-[\w-]+", "gcwrap-demo-X", line)
+    line = re.sub(r"\b[0-9a-f]{64}\b", "SHA256", line)
+    line = re.sub(r"\b[0-9a-f]{16}\b", "INSTANCE", line)
+    line = re.sub(r"\d+(\.\d+)?(?:e[-+]?\d+)?", "#", line)
+    line = re.sub(r"# ?[smh] ago", "# ago", line)
+    line = re.sub(r"\b(B|KiB|MiB|GiB|TiB|kB|MB|GB)\b", "U", line)
+    line = re.sub(r"[━─]+", "─", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def same_lines(where: str, expected: list[str], printed: str) -> None:
+    want = Counter(shape(x) for x in expected if x.strip())
+    got = Counter(shape(x) for x in printed.splitlines() if x.strip())
+    missing, extra = want - got, got - want
+    assert not missing and not extra, (
+        f"{where}: the README's transcript is not what the commands print now\n"
+        f"in the README only: {sorted(missing)}\nprinted only: {sorted(extra)}\nprinted:\n{printed}"
+    )
+
+
+APP = """#!/bin/sh
+# Stands in for the user's program: `./app -n N` prints N steps, and a note on stderr.
+n=3; [ "$1" = -n ] && n=$2
+i=1; while [ "$i" -le "$n" ]; do echo "step $i"; i=$((i + 1)); done
+echo "done after $n steps" >&2
+"""
+
+
+def need_sandbox() -> None:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        pytest.skip("needs root, unshare and ip: the documented commands run in namespaces of their own")
+
+
+def sandbox_run(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import sandbox
+
+    results = sandbox.run(steps)
+    assert len(results) == len(steps)
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_quick_start_and_the_seeds_variables_work_as_written() -> None:
+    """The quick start's commands, unchanged, on one machine whose /etc/hosts
+    names it home.example.org; then the seed's variables against the same shadow."""
+    need_sandbox()
+    serve, wrap = [b for b in readme_blocks() if b.heading == "Quick start on two machines" and b.lang == "sh"]
+    token, shadow = serve.lines[0], serve.lines[1]
+    seed = block("Environment variables", "export BYPASS_SHADOW_HOST")
+    steps: list[dict[str, Any]] = [
+        {"file": "app", "text": APP, "mode": "755"},
+        {"sh": token},
+        {"serve": shadow, "name": "shadow", "port": 50000},
+        {"sh": wrap.lines[0], "timeout": 60},
+        {"sh": "cat ~/results/run1/out.5 ~/results/run1/err.5"},
+        {"sh": "\n".join(seed.lines), "timeout": 60},
+        {"sh": "cat ~/results/outfile.5 ~/results/errfile.5"},
+        {"stop": "shadow"},
+    ]
+    r = sandbox_run(steps)
+    assert r[1]["rc"] == 0, r[1]
+    assert "error" not in r[2], r[2]
+    assert r[3]["rc"] == 0, r[3]["output"]
+    assert r[4]["output"] == "step 1\nstep 2\nstep 3\nstep 4\nstep 5\ndone after 5 steps\n", r[4]
+    assert r[5]["rc"] == 0, r[5]["output"]
+    assert r[6]["output"] == "step 1\nstep 2\nstep 3\ndone after 3 steps\n", r[6]
+    assert "job " in r[7]["output"] and "refused" not in r[7]["output"], r[7]["output"]
+
+
+@pytest.mark.timeout(300)
+def test_the_token_setup_in_security_works_as_written() -> None:
+    need_sandbox()
+    lines = block("Security", "openssl rand").lines
+    assert len(lines) == 3 and lines[1].startswith("gcshadow") and lines[2].startswith("gcwrap")
+    r = sandbox_run([
+        {"file": "app", "text": APP, "mode": "755"},
+        {"sh": lines[0]},
+        {"serve": lines[1], "name": "shadow", "port": 50000},
+        {"sh": lines[2], "timeout": 60},
+        {"sh": "cat ~/results/out.5; stat -c %a ~/.gcshadow-token"},
+        {"stop": "shadow"},
+    ])
+    assert "error" not in r[2], r[2]
+    assert r[3]["rc"] == 0, r[3]["output"]
+    assert r[4]["output"] == "step 1\nstep 2\nstep 3\n600\n", r[4]
+
+
+@pytest.mark.timeout(400)
+def test_the_readme_sessions_print_what_the_readme_shows() -> None:
+    """The session of the quick start, the demo, and the failures (an outage,
+    the retry limit, resume, `gcwrap status` during each), run in README order
+    against one shadow on 127.0.0.1:50000 that the test stops and starts
+    where the text says so. Every line printed must be in the transcript, and
+    every line of the transcript printed."""
+    need_sandbox()
+    log_block, session = [b for b in readme_blocks() if b.heading == "Quick start on two machines"
+                          and b.lang == "console"]
+    ((serve, log_lines),) = log_block.transcript()
+    demo = block("The demo", "$ gcwrap demo").transcript()
+    (outage,) = block("When things fail", "--job-id example-4").transcript()
+    (outage_status,) = [b for b in readme_blocks() if b.heading == "When things fail" and b.lang == "console"
+                        and b.lines[0] == "$ gcwrap status" and any("example-4" in x for x in b.lines)][0].transcript()
+    late = block("When things fail", "--job-id example-5").transcript()
+    resume = block("When things fail", "$ gcwrap resume").transcript()
+    # Each step, and the README's lines for what it prints (None: not shown there).
+    plan: list[tuple[dict[str, Any], tuple[str, list[str]] | None]] = [
+        ({"serve": serve, "name": "shadow", "port": 50000}, None)]
+    plan += [({"sh": cmd, "timeout": 120}, (f"README.md:{session.line} `{cmd}`", lines))
+             for cmd, lines in session.transcript() + demo]
+    # "the shadow was stopped while a job ran, and started again three seconds later"
+    plan += [({"start": outage[0], "name": "outage"}, None), ({"sleep": 1.2}, None),
+             ({"stop": "shadow"}, None), ({"sleep": 1.5}, None),
+             ({"sh": outage_status[0]}, ("`gcwrap status` during the outage", outage_status[1])),
+             ({"sleep": 1.5}, None), ({"serve": serve, "name": "shadow2", "port": 50000}, None),
+             ({"wait": "outage", "timeout": 60}, (f"`{outage[0]}`", outage[1])), ({"stop": "shadow2"}, None)]
+    # the retry limit, with the shadow down; then resume with it back
+    plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in late]
+    plan += [({"serve": serve, "name": "shadow3", "port": 50000}, None)]
+    plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in resume]
+    plan += [({"stop": "shadow3"}, None)]
+    r = sandbox_run([step for step, _ in plan])
+    if os.environ.get("GCWRAP_DOCS_TRANSCRIPTS"):  # for whoever updates the README: what the commands print now
+        Path(os.environ["GCWRAP_DOCS_TRANSCRIPTS"]).write_text("\n".join(
+            f"$ {x['step'].get('sh') or x['step'].get('start') or x['step'].get('stop') or x['step'].get('wait') or ''}"
+            f"\n{x.get('output', '')}" for x in r))
+    failures = []
+    for (step, check), result in zip(plan, r):
+        assert "error" not in result, result
+        if check is not None:
+            try:
+                same_lines(check[0], check[1], result["output"])
+            except AssertionError as e:
+                failures.append(str(e))
+    # The shadow's log up to the outage is the README's (the outage job's own session comes after).
+    (log,) = [x["output"] for x in r if x["step"].get("stop") == "shadow"]
+    try:
+        same_lines(f"README.md:{log_block.line} the shadow's log", log_lines,
+                   "\n".join(log.splitlines()[: len([x for x in log_lines if x.strip()])]))
+    except AssertionError as e:
+        failures.append(str(e))
+    assert not failures, "\n\n".join(failures)
