@@ -94,12 +94,11 @@ def exit_text(code: int | None, signal: int | None) -> str:
 
 # -- tables that fit ----------------------------------------------------------
 #
-# A table is drawn only at a width where no name or figure is broken: each
-# column is at least as wide as its longest line (its longest word, for the
-# few columns of prose that may wrap between words). Where a layout does not
-# fit, a narrower one is tried (fewer columns), then a compact form: a line
-# per job, wrapped between whole fields. Through a pipe there is no width
-# limit (unless COLUMNS says one): every row is one line, for grep.
+# A table is drawn only at a width where every cell is whole: a name, a size
+# or a state is never broken across lines. Where a layout does not fit, a
+# narrower one is tried (fewer columns), then a compact form: a line per job
+# (and per stream), wrapped between whole fields. Through a pipe there is no
+# width limit (unless COLUMNS says one): every row is one line, for grep.
 
 TABLE_EDGES = 1  # a heavy-head table: one rule before each column, one after the last...
 TABLE_PER_COLUMN = 3  # ...and one space of padding each side of every column
@@ -107,51 +106,30 @@ TABLE_PER_COLUMN = 3  # ...and one space of padding each side of every column
 
 @dataclass
 class Column:
-    """A column of a table: its cells are whole fields; `wrap` lets them break
-    between words (never inside one), as prose may."""
+    """A column of a table; each cell is whole ("\n" starts another line of it)."""
 
     header: str
     cells: list[str] = field(default_factory=list)
-    wrap: bool = False
     justify: Literal["left", "right"] = "left"
 
+    @property
+    def width(self) -> int:
+        from rich.cells import cell_len
 
-def _widest_line(text: str) -> int:
-    from rich.cells import cell_len
-
-    return max((cell_len(line) for line in text.split("\n")), default=0)
-
-
-def _widest_word(text: str) -> int:
-    from rich.cells import cell_len
-
-    return max((cell_len(word) for word in text.split()), default=0)
+        return max(cell_len(line) for text in (self.header, *self.cells) for line in text.split("\n"))
 
 
 def fit_table(title: str, columns: list[Column], width: int | None, caption: str = "") -> Table | None:
     """The columns as a table no wider than `width` (None: any width), or
-    None when they cannot fit without breaking a field."""
+    None when it would not fit without breaking a cell."""
     from rich.table import Table
 
-    natural = [max(_widest_line(t) for t in (c.header, *c.cells)) for c in columns]
-    # Prose may wrap between words, onto two lines or so: a column of one word
-    # per line is no table (the compact form reads better then).
-    least = [max(max(_widest_word(t) for t in (c.header, *c.cells)), (n + 1) // 2) if c.wrap else n
-             for c, n in zip(columns, natural)]
-    chrome = TABLE_EDGES + TABLE_PER_COLUMN * len(columns)
-    if width is None or sum(natural) + chrome <= width:
-        widths = natural
-    elif sum(least) + chrome <= width:
-        widths, spare = list(least), width - chrome - sum(least)
-        for i, c in enumerate(columns):  # what is left widens the prose, leftmost first
-            grow = min(spare, natural[i] - least[i]) if c.wrap else 0
-            widths[i] += grow
-            spare -= grow
-    else:
+    widths = [c.width for c in columns]
+    if width is not None and sum(widths) + TABLE_EDGES + TABLE_PER_COLUMN * len(columns) > width:
         return None
     table = Table(title=title, caption=caption or None)
     for c, w in zip(columns, widths):
-        table.add_column(c.header, width=w, no_wrap=not c.wrap, overflow="fold", justify=c.justify)
+        table.add_column(c.header, width=w, no_wrap=True, justify=c.justify)
     for row in zip(*(c.cells for c in columns)):
         table.add_row(*row)
     return table
@@ -233,7 +211,7 @@ def status_table(spools: list[dict[str, Any]], width: int | None = None) -> Tabl
     long fields (shadow, retries, spool size, last error) are in `status_details`."""
     rows = [(sp, i, st) for sp in spools for i, st in enumerate(_stream_rows(sp))]
     job = Column("job", [sp["job_id"] if i == 0 else "" for sp, i, _ in rows])
-    state = Column("state", [sp["state"] if i == 0 else "" for sp, i, _ in rows], wrap=True)
+    state = Column("state", [sp["state"] if i == 0 else "" for sp, i, _ in rows])
     stream = Column("stream", [f"{st['kind']} {st['name']}".strip() for _, _, st in rows])
 
     def figure(header: str, key: str) -> Column:
@@ -257,7 +235,7 @@ def status_compact(spools: list[dict[str, Any]], width: int | None) -> list[str]
     """`gcwrap status` on a narrow screen: a line per job, one per stream."""
     lines: list[str] = []
     for sp in spools:
-        lines += wrap_fields([f"{sp['job_id']}:", *sp["state"].split()], width)
+        lines += wrap_fields([f"{sp['job_id']}:", sp["state"]], width)
         for st in _stream_rows(sp):
             fields = [f"{st['kind']} {st['name']}:".strip(), f"{human_bytes(st['appended'])} written,",
                       f"{human_bytes(st['acked'])} acked,", f"{human_bytes(st['pending'])} pending"]
@@ -275,8 +253,8 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
         conn = "connected" if sp.get("connected") else "not connected"
         free = sp.get("disk_free")
         size = human_bytes(sp.get("spool_bytes") or 0) + (f", {human_bytes(free)} free" if free is not None else "")
-        fields = [f"{sp['job_id']}:", f"shadow {sp.get('shadow') or '-'} ({conn}),",
-                  f"{sp.get('retries', 0)} failed attempts,", f"spool {sp['spool']}", f"({size})"]
+        fields = [f"{sp['job_id']}:", "shadow", sp.get("shadow") or "-", f"({conn}),",
+                  f"{sp.get('retries', 0)} failed attempts,", "spool", sp["spool"], f"({size})"]
         if sp.get("last_error"):
             fields[-1] += ";"
             fields += ["last error:", *str(sp["last_error"]).split()]
@@ -365,7 +343,7 @@ def jobs_table(
     rate_of = {j["job_id"]: rates[j["job_id"]] if rates and j["job_id"] in rates else job_rate(j, now) for j in jobs}
     job = Column("job", [j["job_id"] for j in jobs])
     host = Column("host", [j["host"] or "-" for j in jobs])
-    state = Column("state", [job_state_text(j, now) for j in jobs], wrap=True)
+    state = Column("state", [job_state_text(j, now) for j in jobs])
     size = Column("bytes", [human_bytes(job_bytes(j)) for j in jobs], justify="right")
     rate = Column("rate", [f"{human_bytes(rate_of[j['job_id']])}/s" for j in jobs], justify="right")
     seen = Column("last seen", [ago(j["last_seen"], now) for j in jobs], justify="right")
@@ -388,10 +366,12 @@ def jobs_compact(
     lines: list[str] = []
     for j in jobs:
         rate = rates[j["job_id"]] if rates and j["job_id"] in rates else job_rate(j, now)
-        lines += wrap_fields([f"{j['job_id']}:", *f"{job_state_text(j, now)};".split(),
+        lines += wrap_fields([f"{j['job_id']}:", f"{job_state_text(j, now)};",
                               f"{human_bytes(job_bytes(j))}", f"at {human_bytes(rate)}/s;",
                               f"last seen {ago(j['last_seen'], now)};", f"host {j['host'] or '-'}"], width)
-        lines += [line for s in _streams(j) for line in wrap_fields(["  " + s], width)]
+        for st in j["streams"]:
+            if st["kind"] != "stdin":
+                lines += wrap_fields([f"  {st['kind']}", st["name"], human_bytes(st["durable"])], width)
     return lines or ["no jobs"]
 
 
@@ -444,39 +424,49 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _when(t: float | None, now: float | None) -> str:
-    if not t:
-        return "-"
-    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({ago(t, now)})"
+def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None = None,
+               width: int | None = None) -> Any:
+    """`gcshadow jobs JOB`: everything the shadow knows of one job (`rate`:
+    from --watch). A two-column table, its values wrapped between whole
+    fields; where even that does not fit, `field: value` lines."""
+    import shlex
 
-
-def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None = None) -> Table:
-    """`gcshadow jobs JOB`: everything the shadow knows of one job (`rate`: from --watch)."""
+    from rich.cells import cell_len
     from rich.table import Table
 
-    table = Table(title=f"job {job['job_id']}", show_header=False)
-    table.add_column("field", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    table.add_row("state", job_state_text(job, now))
-    for key in ("host", "user", "peer", "instance"):
-        table.add_row(key, str(job.get(key) or "-"))
-    table.add_row("command", " ".join(job["command"]) or "-")
-    table.add_row("first seen", _when(job["first_seen"], now))
-    table.add_row("last seen", _when(job["last_seen"], now))
+    def when(t: float | None) -> list[str]:
+        return [_clock(t), f"({ago(t, now)})"] if t else ["-"]
+
+    rows: list[tuple[str, list[str]]] = [("state", [job_state_text(job, now)])]
+    rows += [(key, [str(job.get(key) or "-")]) for key in ("host", "user", "peer", "instance")]
+    rows += [("command", [shlex.quote(a) for a in job["command"]] or ["-"]),
+             ("first seen", when(job["first_seen"])), ("last seen", when(job["last_seen"]))]
     if job["state"] == "finished":
-        table.add_row("ended", _when(job.get("ended"), now))
+        rows.append(("ended", when(job.get("ended"))))
     if job.get("reason"):
-        table.add_row("reason", job["reason"])
+        rows.append(("reason", str(job["reason"]).split()))
     total = job_bytes(job)
     shown = rate if rate is not None else job_rate(job, now)
-    how = "now" if rate is not None else f"average over {job_duration(job, now):.1f} s"
-    table.add_row("bytes", f"{human_bytes(total)} ({total:,} bytes), {human_bytes(shown)}/s {how}")
-    for s in job["streams"]:
-        held = "served from" if s["kind"] == "stdin" else f"{human_bytes(s['durable'])} ({s['durable']:,} bytes) in"
-        table.add_row(s["kind"], f"{held} {s['name']}")
-    rows = summary_rows(job.get("summary") or {})
-    for i, (label, value) in enumerate(rows):
-        table.add_row("I/O summary" if i == 0 else "", f"{label}: {value}")
+    how = ["now"] if rate is not None else ["average over", f"{job_duration(job, now):.1f} s"]
+    rows.append(("bytes", [human_bytes(total), f"({total:,} bytes),", f"{human_bytes(shown)}/s", *how]))
+    for st in job["streams"]:
+        held = ["served from"] if st["kind"] == "stdin" else [human_bytes(st["durable"]), f"({st['durable']:,} bytes)",
+                                                              "in"]
+        rows.append((st["kind"], [*held, st["name"]]))
+    rows += [("I/O summary" if i == 0 else "", [f"{label}:", value])
+             for i, (label, value) in enumerate(summary_rows(job.get("summary") or {}))]
+    keys = max(cell_len(k) for k, _ in rows)
+    room = None if width is None else width - keys - TABLE_EDGES - 2 * TABLE_PER_COLUMN
+    if room is not None and room < max(cell_len(f) for _, fields in rows for f in fields):
+        lines = [f"job {job['job_id']}"]
+        for k, fields in rows:
+            lines += wrap_fields([f"{k}:" if k else " ", *fields], width)
+        return _group(_lines(lines))
+    table = Table(title=f"job {job['job_id']}", show_header=False)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", no_wrap=True)
+    for k, fields in rows:
+        table.add_row(k, "\n".join(wrap_fields(fields, room, indent="")))
     return table
 
 

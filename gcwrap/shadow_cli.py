@@ -225,7 +225,7 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
     def view(rates: dict[str, float] | None = None) -> Any:
         now = time.time()
         if job is not None:
-            return job_detail(found[0], rates.get(job) if rates else None, now)
+            return job_detail(found[0], rates.get(job) if rates else None, now, output_width(console))
         return jobs_view(found, rates, now, output_width(console))
 
     if not watch:

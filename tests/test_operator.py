@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from rich.console import Console
 
 from faults import Tmpfs, need_root
 from gcwrap.cli import main as gcwrap_main
-from gcwrap.render import jobs_table, status_details, status_table
+from gcwrap.render import (UNLIMITED, job_detail, jobs_table, jobs_view, print_view, status_details, status_table,
+                           status_view)
 from gcwrap.shadow_cli import main as gcshadow_main
 from helpers import ShadowProc, Wrapper, file_size, genjob, spool_status, tool, wait_until
 
@@ -104,7 +106,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
         assert states["killed"]["state"] == "gave-up, job killed by signal 15"
         assert "retry limit" in str(states["killed"]["reason"])
         # the table says the same
-        text = render(status_table(Console(), list(states.values())))
+        text = render(status_table(list(states.values())))
         assert row_of(text, "ended")[1:6] == ["gave-up, job exited 3", "stdout e.out", "5 B", "0 B", "5 B"]
         assert row_of(text, "running")[1:6] == ["running", "stdout r.out", "3 B", "0 B", "3 B"]
         assert row_of(text, "paused")[1] == "paused"
@@ -176,12 +178,15 @@ def test_jobs_table_and_detail(shadow: ShadowProc, home: Path, spool_dir: Path) 
                  "--", "sh", "-c", "echo 123456789; exit 7"])
     assert w.wait(30) == 7
     data = json.loads(CliRunner().invoke(gcshadow_main, ["jobs", "--json", "--root", str(home)]).output)
-    text = render(jobs_table(Console(), data))
+    text = render(jobs_table(data))
     cells = row_of(text, "done-7")
     assert cells[2] == "finished with status 7" and cells[3] == "10 B"
     res = CliRunner().invoke(gcshadow_main, ["jobs", "--root", str(home), "done-7"])
     assert res.exit_code == 0
-    assert "finished with status 7" in res.output and "summary stdout_bytes" in res.output
+    assert "finished with status 7" in res.output
+    # The I/O summary in words, not as the agent's keys.
+    assert "stdout written: 10 B (10 bytes)" in res.output and "failed connection attempts: 0" in res.output
+    assert "summary" not in res.output.replace("I/O summary", "") and "_" not in res.output.split("I/O summary")[1]
     res = CliRunner().invoke(gcshadow_main, ["jobs", "--root", str(home), "nope"])
     assert res.exit_code == 1 and "no job 'nope'" in res.output
 
@@ -222,3 +227,121 @@ def test_status_with_no_spools(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "no spools" in res.output
     res = CliRunner().invoke(gcwrap_main, ["status", "--json", "--spool", str(tmp_path / "none")])
     assert json.loads(res.output) == []
+
+
+# -- 80 columns and pipes: no field broken, fewer columns when narrow ----------------------------------------
+
+NOW = 1_800_000_000.0
+SPOOLS = [
+    {"job_id": "slurm-4242_17", "state": "wrapper gone", "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+     "shadow": "home.example.org:50000", "connected": False, "retries": 12, "spool_bytes": 123 << 20,
+     "disk_free": 40 << 30, "last_error": "connection refused by the shadow home.example.org:50000",
+     "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "appended": 123456789, "acked": 12345678,
+                  "pending": 111111111, "oldest_pending_s": 33.0},
+                 {"kind": "stderr", "name": "results/cased2/err.txt", "appended": 1234, "acked": 1234, "pending": 0,
+                  "oldest_pending_s": None}]},
+    {"job_id": "example-5", "state": "gave-up, job exited 0", "spool": "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool",
+     "shadow": "127.0.0.1:50000", "connected": False, "retries": 4, "spool_bytes": 64 << 10, "disk_free": None,
+     "last_error": "", "streams": [{"kind": "stdout", "name": "late/out.5", "appended": 6, "acked": 0, "pending": 6,
+                                    "oldest_pending_s": 3.0}]},
+]
+JOBS = [
+    {"job_id": "slurm-4242_17", "host": "node017.cluster", "state": "finished", "reason": "", "exit_code": 0,
+     "exit_signal": None, "first_seen": NOW - 100, "last_seen": NOW - 5, "ended": NOW - 5,
+     "summary": {"job_started": str(NOW - 110), "job_ended": str(NOW - 10)}, "command": ["sim", "--steps", "9"],
+     "user": "alice", "peer": "10.0.0.17:40312", "instance": "0123456789abcdef",
+     "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "durable": 123456789},
+                 {"kind": "stderr", "name": "results/cased2/err.txt", "durable": 1234}]},
+    {"job_id": "example-5", "host": "vm", "state": "finished", "reason": "retry limit reached", "exit_code": None,
+     "exit_signal": 15, "first_seen": NOW - 100, "last_seen": NOW - 5, "ended": NOW - 5, "summary": {},
+     "streams": [{"kind": "stdout", "name": "late/out.5", "durable": 6}]},
+    {"job_id": "live-1", "host": "vm", "state": "disconnected", "reason": "", "exit_code": None, "exit_signal": None,
+     "first_seen": NOW - 60, "last_seen": NOW - 30, "ended": None, "summary": {},
+     "streams": [{"kind": "stdout", "name": "a/very/long/directory/name/for/the/output/of/this/job.out",
+                  "durable": 2 << 20}]},
+]
+# Fields that must each stay whole on one line, whatever the width.
+STATUS_FIELDS = ["slurm-4242_17", "wrapper gone", "results/cased2/out.txt", "117.7 MiB", "106.0 MiB", "11.8 MiB",
+                 "gave-up, job exited 0", "late/out.5", "33s", "home.example.org:50000",
+                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool", "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
+JOBS_FIELDS = ["slurm-4242_17", "finished with status 0", "results/cased2/out.txt", "117.7 MiB", "1.2 MiB/s",
+               "killed by retry limit (signal 15)", "node017.cluster", "disconnected since 30s ago",
+               "a/very/long/directory/name/for/the/output/of/this/job.out", "5s ago", "2.0 MiB"]
+
+
+def rendered(view: object, width: int | None, terminal: bool = True) -> list[str]:
+    buf = io.StringIO()
+    console = Console(file=buf, width=width or UNLIMITED, force_terminal=terminal, color_system=None)
+    print_view(console, view)  # type: ignore[arg-type]
+    return [line.rstrip() for line in buf.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 120, 200, None])
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_status_and_jobs_keep_every_field_whole_at_any_width(width: int | None, terminal: bool) -> None:
+    """Every name, size and state is on one line; no line is wider than the
+    screen; at 80 columns a job takes at most 3 lines. (Before: a table
+    folded at any width, "cased2/out.\\ntxt", "wrapper\\ngone", 6-7 lines a job.)"""
+    views = [(status_view(SPOOLS, width), STATUS_FIELDS, SPOOLS),
+             (jobs_view(JOBS, None, NOW, width), JOBS_FIELDS, JOBS)]
+    for view, fields, items in views:
+        lines = rendered(view, width, terminal)
+        text = "\n".join(lines)
+        # (Narrower layouts leave the written and acknowledged figures out: those must be whole where shown.)
+        shown = [f for f in fields if f not in ("117.7 MiB", "11.8 MiB") or "written" in text]
+        broken = [f for f in shown if not any(f in line for line in lines)]
+        assert not broken, f"broken across lines at width {width}: {broken}\n{text}"
+        if width is not None:  # (a field wider than the screen has a line of its own, and overflows it)
+            assert all(len(line) <= width or line.strip() in fields for line in lines), text
+        if items is JOBS and width is not None and width >= 80:
+            body = [line for line in lines if line.strip() and not set(line.strip()) <= set("┏┳━┓┡╇┩└┴─┘")
+                    and "gcshadow jobs" not in line and "┃ job" not in line]
+            most = sum(2 + len(j["streams"]) for j in JOBS)  # type: ignore[arg-type]
+            assert len(body) <= most, f"{len(body)} lines for {len(JOBS)} jobs at {width}:\n{text}"
+        if width is None:  # through a pipe: one line per stream row, for grep
+            assert any("slurm-4242_17" in line and "results/cased2/out.txt" in line for line in lines), text
+
+
+def test_narrow_screens_get_fewer_columns_then_a_line_per_job() -> None:
+    wide = "\n".join(rendered(status_view(SPOOLS, 200), 200))
+    assert "written" in wide and "acked" in wide
+    middle = "\n".join(rendered(status_view(SPOOLS[1:], 80), 80))
+    assert "pending" in middle and "written" not in middle and "┃ job" in middle, middle
+    narrow = rendered(jobs_view(JOBS, None, NOW, 60), 60)
+    assert not any(c in "\n".join(narrow) for c in "┃│"), "a line per job below the narrowest table"
+    assert narrow[0].startswith("slurm-4242_17: finished with status 0;"), narrow
+    assert "  stdout results/cased2/out.txt 117.7 MiB" in narrow
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_job_detail_keeps_fields_whole(width: int) -> None:
+    lines = rendered(job_detail(JOBS[0], None, NOW, width), width)
+    text = "\n".join(lines)
+    assert max(len(line) for line in lines) <= width, text
+    for field in ("results/cased2/out.txt", "117.7 MiB", "finished with status 0", "node017.cluster"):
+        assert any(field in line for line in lines), f"{field!r} broken at {width}:\n{text}"
+
+
+@pytest.mark.timeout(120)
+def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    """The real commands, their stdout a pipe: a row per line (for grep), as
+    wide as it takes; with COLUMNS=60, the narrow layout, names whole."""
+    name = "results/a-rather-long-directory/cased2/out.txt"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "piped-job-with-a-long-id",
+                 "--stdout", name, "--", "sh", "-c", "echo hello; exit 3"])
+    assert w.wait(30) == 3
+    left = tmp_path / "left"  # a spool left behind: its shadow never answered
+    w = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(left), "--job-id", "left-behind", "--retry-limit", "1",
+                 "--retry-timeout", "0.1", "--stdout", name, "--", "echo", "hi"])
+    assert w.wait(30) == 122
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    for argv, key in (([*tool("gcshadow"), "jobs", "--root", str(home)], "piped-job-with-a-long-id"),
+                      ([*tool("gcwrap"), "status", "--spool", str(left)], "left-behind")):
+        wide = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+        row = [line for line in wide.splitlines() if key in line and "│" in line]
+        assert len(row) == 1 and name in row[0] and ("status 3" in row[0] or "gave-up" in row[0]), wide
+        narrow = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "60"},
+                                check=True).stdout
+        # (A path longer than the screen has a line of its own.)
+        assert all(len(line) <= 60 or " " not in line.strip() for line in narrow.splitlines()), narrow
+        assert any(name in line for line in narrow.splitlines()) and any(key in line for line in narrow.splitlines())
