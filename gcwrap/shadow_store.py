@@ -116,8 +116,14 @@ def check_root(root: Path) -> None:
     """Make sure the shadow can work under `root` (creating it if missing),
     before anything listens; StoreError naming the path and what is wrong
     with it otherwise."""
-    if root.exists() or root.is_symlink():
-        if not root.is_dir():
+    try:
+        st: os.stat_result | None = os.stat(root)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise StoreError(None, f"cannot reach the root {root}: {_why_not(e, root)}") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
             raise StoreError(None, f"the root {root} is not a directory")
     else:
         try:
@@ -146,13 +152,20 @@ def check_root(root: Path) -> None:
 
 
 def _why_not(e: OSError, path: Path) -> str:
-    """Why `path` cannot be created, in terms of the nearest directory that exists."""
+    """Why `path` cannot be reached or created, in terms of the nearest
+    directory above it that this user can see."""
     parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    while parent != parent.parent:
+        try:
+            os.stat(parent)
+            break
+        except OSError:
+            parent = parent.parent
     if not parent.is_dir():
         return f"{parent} is not a directory"
     if e.errno == errno.EACCES:
+        if not os.access(parent, os.X_OK):
+            return f"{parent} is closed to this user ({_user()})"
         return f"no permission to create it in {parent} (as {_user()})"
     if e.errno == errno.EROFS:
         return f"{parent} is on a read-only file system"

@@ -9,9 +9,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -345,3 +348,105 @@ def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_di
         # (A path longer than the screen has a line of its own.)
         assert all(len(line) <= 60 or " " not in line.strip() for line in narrow.splitlines()), narrow
         assert any(name in line for line in narrow.splitlines()) and any(key in line for line in narrow.splitlines())
+
+
+# -- gcshadow names a root it cannot use, and tells root errors from address errors ---------------------------
+
+
+def serve_fails(args: list[str], user: int | None = None, timeout: float = 30) -> str:
+    """gcshadow serve exits 1 at once; its error line."""
+    # As an unprivileged user, the way a home machine runs it.
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    res = subprocess.run([*prefix, *tool("gcshadow"), "serve", "--port", "0", *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 1, (res.returncode, res.stderr)
+    (error,) = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    return error
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_root_is_named_not_the_address(tmp_path: Path) -> None:
+    """Before: `cannot serve on 127.0.0.1:0: Permission denied`."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv (util-linux) to run gcshadow as another user")
+    nobody = 65534
+    # (Not under tmp_path: pytest keeps that closed to other users.)
+    top = Path(tempfile.mkdtemp(prefix="gcshadow-root-test-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        locked = top / "locked"
+        locked.mkdir()
+        error = serve_fails(["--root", str(locked)], user=nobody)
+        assert error == f"Error: the root {locked} is not writable by this user (nobody, uid {nobody})", error
+        error = serve_fails(["--root", str(locked / "sub")], user=nobody)
+        assert error == (f"Error: cannot create the root {locked / 'sub'}: no permission to create it in {locked} "
+                         f"(as nobody, uid {nobody})"), error
+        error = serve_fails(["--root", str(tmp_path / "home")], user=nobody)
+        assert error.startswith(f"Error: cannot reach the root {tmp_path / 'home'}: ") and "is closed to this user" \
+            in error, error
+    finally:
+        shutil.rmtree(top)
+
+
+@pytest.mark.timeout(60)
+def test_root_on_a_read_only_file_system_is_named(tmp_path: Path) -> None:
+    need_root()
+    with Tmpfs(tmp_path / "ro", "1m") as fs:
+        fs.remount(readonly=True)
+        error = serve_fails(["--root", str(fs.path)])
+    assert error == f"Error: the root {fs.path} is on a read-only file system", error
+
+
+def test_root_under_proc_sys_is_named() -> None:
+    """Before: `cannot serve on 127.0.0.1:0: No such file or directory`."""
+    error = serve_fails(["--root", "/proc/sys/gcshadow-root"])
+    assert error == ("Error: cannot create the root /proc/sys/gcshadow-root: /proc/sys does not take new "
+                     "directories (No such file or directory)"), error
+    error = serve_fails(["--root", "/proc/sys"])
+    assert error.startswith("Error: the root /proc/sys is not writable") or "/proc/sys" in error, error
+    assert "127.0.0.1" not in error
+
+
+def test_root_that_is_a_file_is_named(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = subprocess.run([*tool("gcshadow"), "serve", "--port", "0", "--root", str(afile)], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and f"'{afile}' is a file" in res.stderr, res.stderr
+    error = serve_fails(["--root", str(afile / "below")])
+    assert error == f"Error: cannot reach the root {afile / 'below'}: {afile} is not a directory", error
+
+
+def test_port_in_use_is_named_with_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        error = serve_fails(["--port", str(port), "--root", str(tmp_path / "r")])
+    assert error == (f"Error: cannot listen on 127.0.0.1:{port}: Address already in use (another program has it: "
+                     "choose another --port, or --port 0 for any free one)"), error
+
+
+def test_port_errors_say_the_valid_range() -> None:
+    """Before: `'abc' is not a valid integer range`."""
+    for value in ("abc", "70000", "-1"):
+        res = CliRunner().invoke(gcshadow_main, ["serve", "--port", value])
+        assert res.exit_code == 2 and "is not a port number: give 0-65535 (0: any free port)" in res.output, res.output
+    res = CliRunner().invoke(gcwrap_main, ["--shadow", "h:abc", "--", "true"])
+    assert res.exit_code == 2 and "the port must be a number, 1-65535" in res.output, res.output
+
+
+@pytest.mark.timeout(60)
+def test_the_shadows_log_lines_have_timestamps(shadow: ShadowProc, spool_dir: Path) -> None:
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "stamped", "--stdout", "s.out",
+                 "--", "echo", "hi"])
+    assert w.wait(30) == 0
+    shadow.stop()
+    lines = [line for line in shadow.log().splitlines() if line.strip()]
+    assert any("job stamped finished with status 0" in line for line in lines)
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} gcshadow: "
+    assert all(re.match(stamp, line) for line in lines), lines
+    first = time.mktime(time.strptime(lines[0][:19], "%Y-%m-%d %H:%M:%S"))
+    assert abs(first - time.time()) < 120, "local time, now"
