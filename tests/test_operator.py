@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from gcwrap.cli import main as gcwrap_main
 from gcwrap.render import (UNLIMITED, job_detail, jobs_table, jobs_view, print_view, status_details, status_table,
                            status_view)
 from gcwrap.shadow_cli import main as gcshadow_main
-from helpers import ShadowProc, Wrapper, file_size, genjob, spool_status, tool, wait_until
+from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, tool, wait_until
 
 MB = 1_000_000
 
@@ -450,3 +451,174 @@ def test_the_shadows_log_lines_have_timestamps(shadow: ShadowProc, spool_dir: Pa
     assert all(re.match(stamp, line) for line in lines), lines
     first = time.mktime(time.strptime(lines[0][:19], "%Y-%m-%d %H:%M:%S"))
     assert abs(first - time.time()) < 120, "local time, now"
+
+
+# -- -v and -vv, watching one job, the resume bar, the demo through a pipe ------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_verbose_shows_connections_offsets_and_commits(shadow: ShadowProc, spool_dir: Path) -> None:
+    """On a normal run: nothing but the summary by default; -v adds the job's
+    start and end, the connection (addresses, time), what home held when it
+    welcomed us, the connection's end and the delivery; -vv adds each commit.
+    (Before, -v and -vv added nothing on a normal run.)"""
+    job = ["--", "sh", "-c", "echo out; echo err >&2; sleep 0.2; echo more"]
+    runs = {}
+    for flags in ([], ["-v"], ["-vv"]):
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", f"verbose{len(flags)}",
+                     "--stdout", f"v{len(flags)}.out", "--stderr", f"v{len(flags)}.err", *flags, *job])
+        assert w.wait(30) == 0
+        runs[len(flags) and len(flags[0]) - 1] = w.err.decode().splitlines()
+    quiet, v, vv = runs[0], runs[1], runs[2]
+    assert [line for line in quiet if not line.startswith("gcwrap:   ")] == [
+        "gcwrap: job verbose0 ended with status 0; " + quiet[0].split("; ", 1)[1]]
+    text = "\n".join(v)
+    assert re.search(r"job verbose1 started: pid \d+, spool \S+\.spool", text), text
+    assert re.search(rf"connected to {re.escape(shadow.address)} from 127\.0\.0\.1:\d+ in \d\.\d{{3}} s \(attempt 1\)",
+                     text), text
+    assert re.search(r"welcomed by the shadow \(connection 1\): it holds 0 of \d+ bytes of stdout \(v1.out\), "
+                     r"0 of \d+ bytes of stderr \(v1.err\); sending from there", text), text
+    assert re.search(r"the job ended with status 0 after \d+\.\d s; \d+ bytes not yet home", text), text
+    assert re.search(rf"connection to {re.escape(shadow.address)} closed after \d+\.\d s", text), text
+    assert "the shadow holds every byte and the exit status: stdout 9 bytes, stderr 4 bytes" in text, text
+    assert not any("spool commit" in line for line in v)
+    commits = [line for line in vv if "spool commit in" in line]
+    assert any("bytes in" in line and "row(s)" in line for line in commits), vv
+    assert any("acknowledged up to stdout" in line for line in commits), vv
+    assert any("the end of stdout" in line or "the end of stderr, stdout" in line for line in commits), vv
+
+
+@pytest.mark.timeout(60)
+def test_verbose_says_why_it_reconnects(home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    w = Wrapper(["-v", "--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "why",
+                 "--retry-timeout", "0.3", "--stdout", "w.out", "--", "sh", "-c", "echo a; sleep 1.5; echo b"])
+    time.sleep(1)
+    try:
+        sh.start(port)
+        assert w.wait(30) == 0
+    finally:
+        sh.stop()
+    text = w.err.decode()
+    assert "connection refused by the shadow" in text and re.search(r"next attempt in \d+\.\d s", text), text
+    assert re.search(r"\(attempt [2-9]\d*\)", text), text
+    # the first connection after an outage is not "again"
+    assert re.search(r"connected to the shadow for the first time after \d+\.\d s; delivering the backlog", text), text
+    assert "again" not in text
+
+
+@pytest.mark.timeout(60)
+def test_jobs_watch_one_job(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    """`gcshadow jobs -w JOB` keeps showing that job (before: -w was ignored
+    and it exited at once), with the rate its bytes arrive at."""
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "watched", "--stdout", "w.out",
+                 "--", *genjob(3 * MB, 0, seed=7, rate=1 * MB)])
+    wait_until(lambda: file_size(home / "w.out") > 0, 30, "output at home")
+    watch = subprocess.Popen([*tool("gcshadow"), "jobs", "--root", str(home), "-w", "--interval", "0.3", "watched"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)
+        assert watch.poll() is None, "it keeps watching"
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=10)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, err
+    views = out.count("job watched")
+    assert views >= 4, out  # one view per refresh (a pipe gets them one after another)
+    rates = [float(m) for m in re.findall(r"([\d.]+) KiB/s now", out)] + \
+        [float(m) * 1024 for m in re.findall(r"([\d.]+) MiB/s now", out)]
+    assert rates and max(rates) > 200, out  # 1 MB/s written: KiB/s now, not an average from the start
+    assert "slurm" not in out and "state" in out
+    assert w.wait(30) == 0
+
+
+@pytest.mark.timeout(90)
+def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> None:
+    """Through a pipe: no bar, no "?" rate, just the outcome (before: a bar
+    with rate "?" in every log). On a terminal: the bar."""
+    import pty
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    outputs = []
+    for terminal in (False, True):
+        spool = tmp_path / f"spool-{terminal}"
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool), "--job-id", f"bar-{terminal}",
+                     "--retry-limit", "1", "--retry-timeout", "0.1", "--stdout", f"bar-{terminal}.out", "--",
+                     "echo", "hello"])
+        assert w.wait(30) == 122
+        sh.start(port)
+        try:
+            if terminal:
+                leader, follower = pty.openpty()
+                res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], stdout=subprocess.PIPE,
+                                     stderr=follower, timeout=60)
+                os.close(follower)
+                chunks = []
+                while True:
+                    try:
+                        data = os.read(leader, 65536)
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    chunks.append(data)
+                os.close(leader)
+                err = b"".join(chunks).decode(errors="replace")
+            else:
+                res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], capture_output=True,
+                                     timeout=60)
+                err = res.stderr.decode()
+        finally:
+            sh.stop()
+        assert res.returncode == 0, err
+        outputs.append(err)
+    piped, terminal_err = outputs
+    assert piped == f"gcwrap: job bar-False: all output delivered to 127.0.0.1:{port}\n", piped
+    assert "━" in terminal_err and "bar-True" in terminal_err, terminal_err
+    assert " ? " not in terminal_err and "all output delivered" in terminal_err
+
+
+@pytest.mark.timeout(120)
+def test_demo_through_a_pipe_keeps_its_lines_whole() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    res = subprocess.run([*tool("gcwrap"), "demo", "--size", "1MiB"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=100, env=env)
+    assert res.returncode == 0, res.stdout
+    lines = res.stdout.splitlines()
+    sums = [line for line in lines if "sha256" in line]
+    assert len(sums) == 2 and all(re.search(r": +[0-9a-f]{64}$", line) for line in sums), res.stdout
+    assert not any("━" in line for line in lines), "no progress bar in a pipe"
+    assert any(re.fullmatch(r"arrived at home: 1,048,576 of 1,048,576 bytes in \d+\.\d s \(\d+\.\d MB/s\)", line)
+               for line in lines), res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_full_spool_is_said_once_not_at_every_commit(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    """A spool on a nearly full tmpfs, the network up, a job faster than
+    delivery: the spool takes a little each time acknowledgements free some.
+    gcwrap says "cannot take more bytes" once and does not flip back and forth
+    (before: 20 such lines and 2 "takes output again" in 0.4 s), and says
+    nothing of pauses that are mere flow control while home is reachable."""
+    need_root()
+    with Tmpfs(tmp_path / "spool", "8m") as fs:
+        fs.fill(leave=2 << 20)
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(fs.path), "--job-id", "hyst", "--memory-limit",
+                     "1MiB", "--stdout", "h.out", "--stderr", "h.err", "--", *genjob(12 * MB, 12 * MB, seed=9)])
+        assert w.wait(90) == 0, w.err.decode()
+    text = w.err.decode()
+    said = [line for line in text.splitlines() if not line.startswith("gcwrap:   ")]
+    assert len([line for line in said if "output goes home from memory" in line]) == 1, text
+    assert len([line for line in said if "the spool takes output again" in line]) <= 1, text
+    assert not [line for line in said if "paused" in line or "resumes" in line], text
+    assert sha256_file(home / "h.out") == expected(12 * MB, 9) and sha256_file(home / "h.err") == expected(12 * MB, 10)
