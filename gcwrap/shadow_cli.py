@@ -23,10 +23,13 @@ class DefaultServeGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-class Port(click.ParamType):
-    """A TCP port, 0-65535; the error says so."""
+class Port(click.IntRange):
+    """A TCP port, 0-65535; the error says so (click's: "not a valid integer range")."""
 
-    name = "PORT"
+    name = "port"
+
+    def __init__(self) -> None:
+        super().__init__(0, 65535)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         text = str(value).strip()

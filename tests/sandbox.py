@@ -47,6 +47,7 @@ def run(steps: list[dict[str, Any]], env: dict[str, str] | None = None, timeout:
         ["unshare", "--mount", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", "--", sys.executable,
          __file__],
         input=json.dumps({"steps": steps, "env": env or {}}), capture_output=True, text=True, timeout=timeout,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the sandbox failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -88,7 +89,7 @@ def _main() -> int:
         return log.read_text(errors="replace") if log.exists() else ""
 
     def start(cmd: str, name: str) -> subprocess.Popen[bytes]:
-        log = open(WORK / f".{name}.log", "wb")
+        log = open(WORK / f".{name}.log", "wb")  # noqa: SIM115 - open while the command runs, closed at the end
         p = subprocess.Popen(["bash", "-c", cmd], cwd=WORK, env=env, stdout=log, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         background[name] = (p, log)
@@ -100,7 +101,8 @@ def _main() -> int:
             result: dict[str, Any] = {"step": step}
             if "sh" in step:
                 p = subprocess.run(["bash", "-c", step["sh"]], cwd=WORK, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=step.get("timeout", 60))
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=step.get("timeout", 60),
+                                   check=False)
                 result.update(rc=p.returncode, output=p.stdout.decode(errors="replace"))
             elif "serve" in step or "start" in step:
                 p = start(step.get("serve") or step["start"], step["name"])

@@ -27,9 +27,10 @@ import re
 import shlex
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 import pytest
@@ -294,17 +295,17 @@ def security_problems(inv: Invocation) -> list[str]:
     """What is wrong with the invocation's security posture (see the module's docstring)."""
     name, params = parse(inv)
     shown = f"{inv.where}: `{shlex.join([inv.prog, *inv.args])}`"
-    if inv.prog == "gcshadow" and name == "serve" and not is_loopback(params["host"]):
-        if not (params["token_file"] or (params["tls_cert"] and params["tls_ca"]) or params["insecure"]):
-            return [f"{shown}: listens on {params['host']} without --token-file, --tls-cert with --tls-ca, "
-                    "or --insecure (gcshadow refuses to start)"]
+    if inv.prog == "gcshadow" and name == "serve" and not is_loopback(params["host"]) and not (
+            params["token_file"] or (params["tls_cert"] and params["tls_ca"]) or params["insecure"]):
+        return [(f"{shown}: listens on {params['host']} without --token-file, --tls-cert with --tls-ca, "
+                 "or --insecure (gcshadow refuses to start)")]
     if inv.prog == "gcwrap" and name == "run":
         shadow = _shadow_of(params, inv.env)
         host = parse_hostport(shadow)[0] if shadow else "127.0.0.1"
         if not is_loopback(host) and not (params["token_file"] or params["tls_on"] or params["tls_ca"]
                                           or params["tls_cert"]):
-            return [f"{shown}: talks to the shadow {shadow} with neither a token nor TLS (such a shadow "
-                    "requires one: give --token-file, as the shadow's examples do)"]
+            return [(f"{shown}: talks to the shadow {shadow} with neither a token nor TLS (such a shadow "
+                     "requires one: give --token-file, as the shadow's examples do)")]
     return []
 
 
@@ -481,8 +482,8 @@ def test_the_readme_sessions_print_what_the_readme_shows() -> None:
     ((serve, log_lines),) = log_block.transcript()
     demo = block("The demo", "$ gcwrap demo").transcript()
     (outage,) = block("When things fail", "--job-id example-4").transcript()
-    (outage_status,) = [b for b in readme_blocks() if b.heading == "When things fail" and b.lang == "console"
-                        and b.lines[0] == "$ gcwrap status" and any("example-4" in x for x in b.lines)][0].transcript()
+    (outage_status,) = next(b for b in readme_blocks() if b.heading == "When things fail" and b.lang == "console"
+                            and b.lines[0] == "$ gcwrap status" and any("example-4" in x for x in b.lines)).transcript()
     late = block("When things fail", "--job-id example-5").transcript()
     resume = block("When things fail", "$ gcwrap resume").transcript()
     # Each step, and the README's lines for what it prints (None: not shown there).

@@ -170,7 +170,7 @@ def test_tail_all_prefixes_each_job(shadow: ShadowProc, home: Path, spool_dir: P
                      "--stdout", f"j{i}.out", "--stderr", f"j{i}.err", "--", "sh", "-c",
                      f"echo out {i}; echo err {i} >&2"])
         assert w.wait(30) == 0
-    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30)
+    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30, check=False)
     lines = set(res.stdout.decode().splitlines())
     assert {f"[j{i} stdout] out {i}" for i in range(3)} <= lines
     assert {f"[j{i} stderr] err {i}" for i in range(3)} <= lines
@@ -359,7 +359,7 @@ def serve_fails(args: list[str], user: int | None = None, timeout: float = 30) -
     # As an unprivileged user, the way a home machine runs it.
     prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
     res = subprocess.run([*prefix, *tool("gcshadow"), "serve", "--port", "0", *args], capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, check=False)
     assert res.returncode == 1, (res.returncode, res.stderr)
     (error,) = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
     return error
@@ -412,7 +412,7 @@ def test_root_that_is_a_file_is_named(tmp_path: Path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")
     res = subprocess.run([*tool("gcshadow"), "serve", "--port", "0", "--root", str(afile)], capture_output=True,
-                         text=True, timeout=30)
+                         text=True, timeout=30, check=False)
     assert res.returncode == 2 and f"'{afile}' is a file" in res.stderr, res.stderr
     error = serve_fails(["--root", str(afile / "below")])
     assert error == f"Error: cannot reach the root {afile / 'below'}: {afile} is not a directory", error
@@ -562,7 +562,7 @@ def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> No
             if terminal:
                 leader, follower = pty.openpty()
                 res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], stdout=subprocess.PIPE,
-                                     stderr=follower, timeout=60)
+                                     stderr=follower, timeout=60, check=False)
                 os.close(follower)
                 chunks = []
                 while True:
@@ -577,7 +577,7 @@ def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> No
                 err = b"".join(chunks).decode(errors="replace")
             else:
                 res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], capture_output=True,
-                                     timeout=60)
+                                     timeout=60, check=False)
                 err = res.stderr.decode()
         finally:
             sh.stop()
@@ -593,7 +593,7 @@ def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> No
 def test_demo_through_a_pipe_keeps_its_lines_whole() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     res = subprocess.run([*tool("gcwrap"), "demo", "--size", "1MiB"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=100, env=env)
+                         stderr=subprocess.STDOUT, text=True, timeout=100, env=env, check=False)
     assert res.returncode == 0, res.stdout
     lines = res.stdout.splitlines()
     sums = [line for line in lines if "sha256" in line]
