@@ -586,6 +586,7 @@ def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> No
     piped, terminal_err = outputs
     assert piped == f"gcwrap: job bar-False: all output delivered to 127.0.0.1:{port}\n", piped
     assert "━" in terminal_err and "bar-True" in terminal_err, terminal_err
+    assert "6/6 bytes" in terminal_err, "the bar reached the end"
     assert " ? " not in terminal_err and "all output delivered" in terminal_err
 
 
