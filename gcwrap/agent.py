@@ -288,6 +288,7 @@ class Agent:
             self.pause_said = False
             self.note(state="paused")
         finished = False
+        took = 0.0
         try:
             # Once the job has ended, what is left in its pipes is bounded by
             # the pipe buffer: read it to EOF so the end can be recorded.
