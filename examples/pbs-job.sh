@@ -12,6 +12,6 @@
 #PBS -t 0-9
 
 cd "$PBS_O_WORKDIR" || exit 1
-exec gcwrap --shadow home.example.org:50000 \
+exec gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token \
     --stdout 'sim/%j.%a.out' --stderr 'sim/%j.%a.err' \
     -- ./sim --point "${PBS_ARRAYID:-${PBS_ARRAY_INDEX:-0}}"

@@ -11,6 +11,6 @@
 #SBATCH --time=00:30:00
 #SBATCH --output=gcwrap-%A_%a.log
 
-exec gcwrap --shadow home.example.org:50000 \
+exec gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token \
     --stdout 'sweep/%j/%a.out' --stderr 'sweep/%j/%a.err' \
     -- python3 sweep.py --point "$SLURM_ARRAY_TASK_ID"

@@ -3,7 +3,8 @@
 #
 #   sbatch slurm-job.sh
 #
-# At home: gcshadow --host 0.0.0.0 --port 50000 --root ~/results
+# At home: gcshadow --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
+# (~/.gcshadow-token is the shared secret, copied here too: see Quick start).
 # The output lands in ~/results/sim/JOBID.out and sim/JOBID.err; the job is
 # slurm-JOBID in `gcshadow jobs`. If Slurm requeues the job, the new attempt
 # starts both files afresh; write 'sim/%j.%n.out' to keep each attempt's
@@ -15,6 +16,6 @@
 
 # exec: gcwrap is the job step itself, so the job's exit status is Slurm's
 # and Slurm counts the job as running until its output is home.
-exec gcwrap --shadow home.example.org:50000 \
+exec gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token \
     --stdout 'sim/%j.out' --stderr 'sim/%j.err' \
     -- ./sim --steps 1000

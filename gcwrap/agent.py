@@ -75,6 +75,10 @@ LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
 DRAIN_GRACE = 2.0  # seconds to read what a job's pipes still hold after gcwrap ended it
+# "The spool takes output again" is said only once the spool has taken every
+# byte that waited in memory, and no write failed for this long: a full disk
+# that frees a little at a time must not flip the message back and forth.
+DISK_CALM = 2.0
 
 
 @dataclass
@@ -142,10 +146,15 @@ class Agent:
         self.delivered = trio.Event()
         self.commit_soon = trio.Event()  # set: the commit loop stops gathering (see COMMIT_PACE)
         self.failures_blocked = 0  # consecutive failed attempts while output could go nowhere
-        self.blocked_since: float | None = None
+        self.blocked_since: float | None = None  # when the job's current pause began (None: not paused)
+        self.readers_paused = 0  # pipe readers held by backpressure now: the job is paused while any is
+        self.pause_said = False  # the current pause was announced (the disk had failed)
         self.disk_error = ""
         self.net_error = ""
         self.outage_reported = False
+        self.outage_since = 0.0  # when the outage that was reported began
+        self.disk_said = False  # "the spool cannot take..." was said, and its recovery not yet
+        self.disk_failed_at = 0.0  # the last time the spool refused bytes
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
@@ -279,29 +288,44 @@ class Agent:
             return 0
 
     async def _wait_for_room(self) -> None:
-        """Backpressure: stop reading so the job blocks in write()."""
-        started = time.monotonic()
-        self.blocked_since = started
-        # A slow disk pauses the job for moments: that is ordinary flow
-        # control. Say so only when the disk has failed, and when it ends.
-        announced = bool(self.disk_error)
-        if announced:
-            log.warning(
-                "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
-                self.disk_error, self.net_error or "sending slowly",
-            )
-        self.note(state="paused")
+        """Backpressure: stop reading so the job blocks in write().
+
+        The job is paused while any of its readers waits here: the pause is
+        one wall-clock interval, from the first reader that stops to the
+        last that goes on (two streams paused together are one pause)."""
+        self.readers_paused += 1
+        if self.readers_paused == 1:
+            self.blocked_since = time.monotonic()
+            self.pause_said = False
+            self.note(state="paused")
+        finished = False
+        took = 0.0
         try:
             # Once the job has ended, what is left in its pipes is bounded by
             # the pipe buffer: read it to EOF so the end can be recorded.
             while self.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
+                # A slow disk, or a network slower than the job, pauses the job
+                # for moments: that is ordinary flow control. Say so only when
+                # the disk has failed and home is out of reach, and when it ends.
+                if self.disk_error and not self.streaming and not self.pause_said:
+                    self.pause_said = True
+                    log.warning(
+                        "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
+                        self.disk_error, self.net_error or "sending slowly",
+                    )
                 await self.changed.wait()
+            finished = True
         finally:
-            self.blocked_since = None
-            self.stats["paused"] += time.monotonic() - started
-        self.note(state="running")
-        if announced:
-            log.warning("the job resumes after %.1f s paused", time.monotonic() - started)
+            self.readers_paused -= 1
+            last = self.readers_paused == 0
+            if last and self.blocked_since is not None:
+                took = time.monotonic() - self.blocked_since
+                self.stats["paused"] += took
+                self.blocked_since = None
+        if finished and last:
+            self.note(state="running")
+            if self.pause_said:
+                log.warning("the job resumes after %.1f s paused", took)
 
     # -- the spool writer ------------------------------------------------
 
@@ -341,6 +365,7 @@ class Agent:
             room = min(COMMIT_BATCH, spooler.room(self.spooled_pending)) if spooler.spool else COMMIT_BATCH
             chunks = self._unspooled(room)
             waiting = any(o.unsafe_bytes for o in self.out.values())
+            took_all = sum(c.size for c in chunks) >= self.unsafe_bytes  # (this commit catches the spool up)
             if waiting and not chunks:
                 self._disk_failed(spooler.full_reason or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > self.committed_acked.get(s, 0)}
@@ -362,6 +387,7 @@ class Agent:
                 continue
             if acked:
                 last_acks = trio.current_time()
+            started = time.monotonic()
             try:
                 await spooler.commit(chunks, acked, eof, updates)
             except BaseException as e:
@@ -375,10 +401,16 @@ class Agent:
                 continue
             backoff.reset()
             if chunks and self.disk_error:
-                log.warning("the spool takes output again")
                 self.disk_error = ""
             for c in chunks:
                 self.out[c.stream].mark_spooled(c.end)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("spool commit in %.1f ms: %s", (time.monotonic() - started) * 1000,
+                          self._commit_text(chunks, acked, eof, updates))
+            if chunks and took_all and self.disk_said and not self.disk_error and (
+                    time.monotonic() - self.disk_failed_at >= DISK_CALM):
+                log.warning("the spool takes output again")
+                self.disk_said = False
             self.committed_acked.update(acked)
             self.committed_eof.update(eof)
             held = sum(o.mem_bytes for o in self.out.values())
@@ -392,10 +424,30 @@ class Agent:
                 with trio.move_on_after(COMMIT_PACE):
                     await self.commit_soon.wait()
 
+    def _commit_text(self, chunks: list[Chunk | Extent], acked: dict[int, int], eof: list[int],
+                     updates: dict[str, Any]) -> str:
+        """What a commit recorded, for -vv."""
+        parts = []
+        if chunks:
+            parts.append(f"{sum(c.size for c in chunks)} bytes in {len(chunks)} row(s)")
+        if acked:
+            parts.append("acknowledged up to " + ", ".join(f"{self.out[s].kind} {n}" for s, n in acked.items()))
+        if eof:
+            parts.append("the end of " + ", ".join(self.out[s].kind for s in eof))
+        if updates:
+            parts.append("job fields " + ", ".join(sorted(updates)))
+        return "; ".join(parts)
+
     def _disk_failed(self, reason: str) -> None:
+        self.disk_failed_at = time.monotonic()
         if not self.disk_error:
-            log.warning("%s; output goes home from memory until the spool takes it again", reason)
             self.note(last_error=reason)
+        if not self.disk_said:
+            # Once per episode (see DISK_CALM): not at every commit a full disk refuses.
+            log.warning("%s; output goes home from memory until the spool takes it again", reason)
+            self.disk_said = True
+        elif reason != self.disk_error:
+            log.info("the spool still cannot take output: %s", reason)
         self.disk_error = reason
 
     async def final_flush(self) -> None:
@@ -471,18 +523,25 @@ class Agent:
             session = Session(self, where)
             error: BaseException
             try:
+                dialled = time.monotonic()
                 stream, tcp = await self._connect(host, port)
                 self.connected_since = time.monotonic()
+                log.info("connected to %s from %s in %.3f s (attempt %d)", where, _local_address(tcp),
+                         self.connected_since - dialled, int(self.stats["attempts"]))
                 try:
                     await session.run(stream, tcp.socket)
                 finally:
                     self.streaming = False
-                    self.stats["connected_s"] += time.monotonic() - self.connected_since
+                    up = time.monotonic() - self.connected_since
+                    self.stats["connected_s"] += up
                     self.connected_since = None
+                    log.info("connection to %s closed after %.1f s", where, up)
                     with trio.CancelScope(shield=True):
                         await trio.aclose_forcefully(tcp)
                     self.note(connected=False)
             except SessionEnd:
+                log.info("the shadow holds every byte and the exit status: %s",
+                         ", ".join(f"{o.kind} {o.acked} bytes" for o in self.out.values()) or "no output")
                 self.delivered.set()
                 self.changed.fire()
                 return
@@ -513,6 +572,7 @@ class Agent:
                 where_now = f"the spool {self.spooler.path}" if self.spooler.spool else "memory (no spool)"
                 log.warning("%s; output waits in %s, retrying", reason, where_now)
                 self.outage_reported = True
+                self.outage_since = time.monotonic()
             else:
                 log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
             limit = self.opts.retry_limit
@@ -530,6 +590,10 @@ class Agent:
             delay = self.opts.retry_timeout if refused else backoff.next_delay()
             if isinstance(error, ShadowRefused) and error.retry_after:
                 delay = max(delay, min(error.retry_after, self.opts.retry_timeout))
+            if self.blocked and limit:
+                log.info("next attempt in %.1f s (%d of --retry-limit %d used)", delay, self.failures_blocked, limit)
+            else:
+                log.info("next attempt in %.1f s", delay)
             with trio.move_on_after(delay):
                 # ...but a refused job that ends gets its last try at once.
                 while not (refused and self.exit_event is not None):
@@ -542,19 +606,25 @@ class Agent:
         out: dict[str, Any] = {f"{o.kind}_bytes": o.read_end for o in self.out.values()}
         live = time.monotonic() - self.connected_since if self.connected_since is not None else 0.0
         connected = min(self.stats["connected_s"] + live, wall)
+        paused = self.stats["paused"] + (time.monotonic() - self.blocked_since if self.blocked_since is not None else 0)
         out.update(
             wall_s=round(wall, 3),
             throughput_mb_s=round(total / wall / 1e6, 3),
             connected_s=round(connected, 3),
             disconnected_s=round(wall - connected, 3),
-            paused_s=round(self.stats["paused"], 3),
+            paused_s=round(min(paused, wall), 3),
             connections=int(self.stats["connects"]),
             reconnects=max(0, int(self.stats["connects"]) - 1),
-            failed_attempts=int(self.stats["failures"]),
+            # Attempts that never got a session; a session lost later is a reconnect.
+            failed_attempts=int(self.stats["attempts"] - self.stats["connects"]),
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
+            job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
         if self.lost:
             out["lost"] = sum(end - start for start, end in self.lost.values())
+        ended = self.live_fields.get("ended") or self.job.ended
+        if ended:
+            out["job_ended"] = round(ended, 3)
         return out
 
     def interrupt(self, reason: str) -> None:
@@ -573,10 +643,17 @@ class Agent:
         return dataclasses.replace(self.exit_event, summary=pairs, lengths=lengths)
 
     def on_welcome(self) -> None:
+        first = not self.stats["connects"]
         self.stats["connects"] += 1
         if self.outage_reported:
-            log.warning("connected to the shadow again; delivering the backlog")
+            # "Again" only if there was a connection before this outage.
+            log.warning("connected to the shadow %s after %.1f s; delivering the backlog",
+                        "for the first time" if first else "again", time.monotonic() - self.outage_since)
             self.outage_reported = False
+        if log.isEnabledFor(logging.INFO):
+            held = ", ".join(f"{o.acked} of {o.read_end} bytes of {o.kind} ({o.name})" for o in self.out.values())
+            log.info("welcomed by the shadow (connection %d): it holds %s; sending from there",
+                     int(self.stats["connects"]), held or "no output stream")
         self.net_error = ""
         self.refusal = None
         self.streaming = True
@@ -603,6 +680,12 @@ def _fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
         out.append(c)
         budget -= c.size
     return out
+def _local_address(tcp: trio.SocketStream) -> str:
+    try:
+        host, port = tcp.socket.getsockname()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def grow_pipe(fd: int) -> int:
@@ -741,6 +824,7 @@ async def run_job(
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
+    log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid, spool_path if specs else "none (nothing to spool)")
     with first_error():
         status = await _supervise(agent, proc)
     if not agent.delivered.is_set():
@@ -794,6 +878,9 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
                 readers.cancel_scope.deadline = trio.current_time() + DRAIN_GRACE
         returncode = proc.returncode
         assert returncode is not None
+        log.info("the job ended with %s after %.1f s; %d bytes not yet home",
+                 f"signal {-returncode}" if returncode < 0 else f"status {returncode}",
+                 time.monotonic() - agent.started, sum(o.read_end - o.acked for o in agent.out.values()))
         agent.exit_event = Exit(
             code=returncode if returncode >= 0 else None,
             signal=-returncode if returncode < 0 else None,

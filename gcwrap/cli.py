@@ -35,8 +35,10 @@ class DefaultRunGroup(click.Group):
 def parse_hostport(value: str) -> tuple[str, int]:
     """HOST:PORT, [IPV6]:PORT."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host:
         raise ValueError(f"{value!r} is not HOST:PORT")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT: the port must be a number, 1-65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
@@ -66,7 +68,7 @@ def shadow_address(value: str | None) -> tuple[str, int] | None:
     host, port = os.environ.get("BYPASS_SHADOW_HOST"), os.environ.get("BYPASS_SHADOW_PORT")
     if host and port:
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise click.BadParameter(f"BYPASS_SHADOW_PORT={port!r} is not a port number")
+            raise click.BadParameter(f"BYPASS_SHADOW_PORT={port!r} is not a port number (1-65535)")
         return host, int(port)
     if host or port:
         raise click.UsageError("set both BYPASS_SHADOW_HOST and BYPASS_SHADOW_PORT, or use --shadow HOST:PORT")
@@ -170,7 +172,7 @@ def main() -> None:
 
     \b
     Example:
-      gcwrap --shadow home.example.org:50000 --stdout out.5 --stderr err.5 -- ./app -n 5
+      gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token --stdout out.5 --stderr err.5 -- ./app
     """
 
 
@@ -223,10 +225,11 @@ def run(
     the job's status once every byte is acknowledged.
 
     \b
-    Examples:
-      gcwrap --shadow home:50000 --stdout outfile.5 -- ./app
-      gcwrap --shadow home:50000 --stdout 'out/%j.%a.out' -- ./app    # in a batch job: out/4242.7.out
-      BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5 gcwrap -- ./app
+    Examples (the token: see gcshadow's; a shadow beyond loopback requires one, or TLS):
+      gcwrap --shadow home:50000 --token-file ~/.gcshadow-token --stdout outfile.5 -- ./app
+      gcwrap --shadow home:50000 --token-file ~/.gcshadow-token --stdout 'out/%j.%a.out' -- ./app    # out/4242.7.out
+      export BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5
+      GCWRAP_TOKEN_FILE=~/.gcshadow-token gcwrap -- ./app
     """
     from .render import setup_logging
 
@@ -321,9 +324,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     """
     import json
 
-    from rich.console import Console
-
-    from .render import status_details, status_table
+    from .render import output_width, print_view, status_view, stdout_console
     from .spool import default_spool_dir
     from .status import read_spools
 
@@ -331,10 +332,8 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(spools, indent=2))
     else:
-        console = Console()
-        console.print(status_table(console, spools))
-        for line in status_details(spools):
-            console.print(line, markup=False, highlight=False)
+        console = stdout_console()
+        print_view(console, status_view(spools, output_width(console)))
 
 
 @main.command(context_settings=CONTEXT)
@@ -408,7 +407,9 @@ def resume(
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
                             **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
-        with resume_progress(stderr_console(), job.job_id, quiet or log_format == "json") as progress:
+        console = stderr_console()
+        # A bar only for a person watching: not in a log file or a pipe.
+        with resume_progress(console, job.job_id, quiet or log_format == "json" or not console.is_terminal) as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
         if outcome.status == 0:
             say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
@@ -428,12 +429,19 @@ def resume_progress(console: Any, job_id: str, hidden: bool) -> Iterator[Callabl
     if hidden:
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+    from rich.progress import (BarColumn, DownloadColumn, Progress, Task, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
+    from rich.text import Text
 
-    with Progress(TextColumn(f"[cyan]{job_id}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    class Speed(TransferSpeedColumn):
+        """The rate once there is one (rich shows "?" until then)."""
+
+        def render(self, task: Task) -> Text:
+            return super().render(task) if task.speed is not None else Text("")
+
+    with Progress(TextColumn("{task.fields[job]}", markup=False), BarColumn(), DownloadColumn(), Speed(),
                   TimeRemainingColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("resume", total=None)
+        task = bar.add_task("resume", total=None, job=job_id)
 
         def update(done: int, total: int) -> None:
             bar.update(task, completed=done, total=max(total, 1))

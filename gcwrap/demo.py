@@ -76,7 +76,8 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> str:
 
 
 def run_demo(nbytes: int, keep: bool, console: Console | None = None) -> int:
-    console = console or Console()
+    # soft_wrap: a line is never broken by us (a checksum stays whole when piped).
+    console = console or Console(soft_wrap=True, highlight=False)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-demo-"))
     root, spool = workdir / "home", workdir / "spool"
     root.mkdir()
@@ -96,21 +97,28 @@ def run_demo(nbytes: int, keep: bool, console: Console | None = None) -> int:
             return 1
         console.print(f"gcshadow listening on 127.0.0.1:{port}, root {root}")
         job = [sys.executable, "-c", JOB, str(nbytes), str(seed)]
-        console.print("running: gcwrap --shadow 127.0.0.1:%s --stdout demo/out.5 --stderr demo/err.5 -- python sample-job" % port)
-        wrapper = subprocess.Popen(
-            [*wrap_cmd, "--shadow", f"127.0.0.1:{port}", "--stdout", "demo/out.5", "--stderr", "demo/err.5",
-             "--job-id", f"demo-{os.getpid()}", "--spool", str(spool), "--", *job],
-        )
+        args = ["--shadow", f"127.0.0.1:{port}", "--stdout", "demo/out.5", "--stderr", "demo/err.5",
+                "--job-id", f"demo-{os.getpid()}", "--spool", str(spool)]
+        console.print(f"running: gcwrap {' '.join(args)} -- python -c SAMPLE_JOB {nbytes} {seed}", markup=False)
+        wrapper = subprocess.Popen([*wrap_cmd, *args, "--", *job])
         out = root / "demo" / "out.5"
-        with Progress(
-            TextColumn("[cyan]arrived at home"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            console=console, transient=False,
-        ) as progress:
-            task = progress.add_task("out", total=nbytes)
-            while wrapper.poll() is None:
+        started = time.monotonic()
+        if console.is_terminal:
+            with Progress(
+                TextColumn("[cyan]arrived at home"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                console=console, transient=False,
+            ) as progress:
+                task = progress.add_task("out", total=nbytes)
+                while wrapper.poll() is None:
+                    progress.update(task, completed=out.stat().st_size if out.exists() else 0)
+                    time.sleep(0.05)
                 progress.update(task, completed=out.stat().st_size if out.exists() else 0)
-                time.sleep(0.05)
-            progress.update(task, completed=out.stat().st_size if out.exists() else 0)
+        else:  # no bar in a pipe or a log: one line once it is over
+            wrapper.wait()
+            took = time.monotonic() - started
+            landed = out.stat().st_size if out.exists() else 0
+            console.print(f"arrived at home: {landed:,} of {nbytes:,} bytes in {took:.1f} s "
+                          f"({landed / max(took, 1e-6) / 1e6:.1f} MB/s)")
         status = wrapper.returncode
         console.print(f"gcwrap exited with status {status} (the job's own)")
         want = expected_stdout(nbytes, seed)

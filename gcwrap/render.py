@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
-from typing import IO, TYPE_CHECKING, Any, Iterable
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Literal
 
 from .spool import loss_text
 
@@ -26,12 +28,20 @@ def stderr_console() -> Console:
 
 
 class _PlainFormatter(logging.Formatter):
-    def __init__(self, prog: str) -> None:
+    """`prog: message`, after the local time to the millisecond when the lines
+    are a server's log (read later, next to other logs)."""
+
+    def __init__(self, prog: str, timestamps: bool = False) -> None:
         super().__init__()
         self.prog = prog
+        self.timestamps = timestamps
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"{self.prog}: {record.getMessage()}"
+        line = f"{self.prog}: {record.getMessage()}"
+        if self.timestamps:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+            line = f"{stamp}.{int(record.msecs):03d} {line}"
+        return line
 
 
 class _JsonFormatter(logging.Formatter):
@@ -42,10 +52,10 @@ class _JsonFormatter(logging.Formatter):
         )
 
 
-def setup_logging(prog: str, verbose: int, fmt: str = "text") -> None:
+def setup_logging(prog: str, verbose: int, fmt: str = "text", timestamps: bool = False) -> None:
     """Log to stderr: warnings by default, -v info, -vv debug, -1 (quiet) errors only."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog))
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog, timestamps))
     level = (
         logging.ERROR if verbose < 0 else logging.WARNING if verbose == 0 else logging.INFO if verbose == 1
         else logging.DEBUG
@@ -84,51 +94,193 @@ def exit_text(code: int | None, signal: int | None) -> str:
     return "unknown"
 
 
-def status_table(console: Console, spools: Iterable[dict[str, Any]]) -> Table:
-    """`gcwrap status`: one row per stream of every spool; the long fields
-    (shadow, retries, spool size, last error) go in `status_details`."""
+# -- tables that fit ----------------------------------------------------------
+#
+# A table is drawn only at a width where every cell is whole: a name, a size
+# or a state is never broken across lines. Where a layout does not fit, a
+# narrower one is tried (fewer columns), then a compact form: a line per job
+# (and per stream), wrapped between whole fields. Through a pipe there is no
+# width limit (unless COLUMNS says one): every row is one line, for grep.
+
+TABLE_EDGES = 1  # a heavy-head table: one rule before each column, one after the last...
+TABLE_PER_COLUMN = 3  # ...and one space of padding each side of every column
+
+
+@dataclass
+class Column:
+    """A column of a table; each cell is whole ("\n" starts another line of it)."""
+
+    header: str
+    cells: list[str] = field(default_factory=list)
+    justify: Literal["left", "right"] = "left"
+
+    @property
+    def width(self) -> int:
+        from rich.cells import cell_len
+
+        return max(cell_len(line) for text in (self.header, *self.cells) for line in text.split("\n"))
+
+
+def fit_table(title: str, columns: list[Column], width: int | None, caption: str = "") -> Table | None:
+    """The columns as a table no wider than `width` (None: any width), or
+    None when it would not fit without breaking a cell."""
     from rich.table import Table
 
-    table = Table(title="gcwrap spools")
-    for col in ("job", "state", "stream", "written", "acked", "pending", "oldest"):
-        table.add_column(col, overflow="fold")
-    rows = 0
-    for sp in spools:
-        rows += 1
-        streams = sp["streams"] or [{"kind": "-", "name": "", "appended": 0, "acked": 0, "pending": 0}]
-        for i, st in enumerate(streams):
-            oldest = st.get("oldest_pending_s")
-            table.add_row(
-                sp["job_id"] if i == 0 else "",
-                sp["state"] if i == 0 else "",
-                f"{st['kind']} {st['name']}".strip(),
-                human_bytes(st.get("written", st["appended"])),
-                human_bytes(st["acked"]),
-                human_bytes(st["pending"]),
-                f"{oldest:.0f}s" if oldest is not None else "-",
-            )
-    if not rows:
-        table.caption = "no spools"
+    widths = [c.width for c in columns]
+    if width is not None and sum(widths) + TABLE_EDGES + TABLE_PER_COLUMN * len(columns) > width:
+        return None
+    table = Table(title=title, caption=caption or None)
+    for c, w in zip(columns, widths):
+        table.add_column(c.header, width=w, no_wrap=True, justify=c.justify)
+    for row in zip(*(c.cells for c in columns)):
+        table.add_row(*row)
     return table
 
 
-def status_details(spools: Iterable[dict[str, Any]]) -> list[str]:
-    """One line per spool: where it delivers, how it goes, why it waits."""
+def wrap_fields(fields: list[str], width: int | None, indent: str = "    ") -> list[str]:
+    """Fields joined by spaces into lines of at most `width` cells, breaking
+    only between fields; later lines are indented. A field wider than a line
+    stays whole on a line of its own."""
+    from rich.cells import cell_len
+
+    lines: list[str] = []
+    line = ""
+    for f in fields:
+        if not f:
+            continue
+        if line and width is not None and cell_len(line) + 1 + cell_len(f) > width:
+            lines.append(line)
+            line = indent + f
+        else:
+            line = f"{line} {f}" if line else f
+    if line:
+        lines.append(line)
+    return lines
+
+
+def _lines(lines: list[str]) -> Any:
+    from rich.text import Text
+
+    # no_wrap: the lines are already wrapped at field boundaries (a field wider
+    # than the screen is left for the terminal, never split by us).
+    return [Text(line, no_wrap=True, overflow="ignore") for line in lines]
+
+
+def stdout_console() -> Console:
+    """The console for tables on stdout: through a pipe (and no COLUMNS), as
+    wide as any row (see `output_width`)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if output_width(console) is None:
+        console = Console(highlight=False, width=UNLIMITED)
+    return console
+
+
+UNLIMITED = 1 << 16  # a console this wide never wraps a line of ours
+
+
+def output_width(console: Console) -> int | None:
+    """The width to lay tables out for: the terminal's, or COLUMNS; through a
+    pipe with no COLUMNS, none (a row stays one line)."""
+    if console.width >= UNLIMITED:
+        return None
+    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return console.width
+    return None
+
+
+def print_view(console: Console, view: Any) -> None:
+    """Print what a *_view function made (its lines are wrapped already)."""
+    console.print(view, crop=False)
+
+
+# -- gcwrap status -------------------------------------------------------------
+
+
+def _stream_rows(sp: dict[str, Any]) -> list[dict[str, Any]]:
+    # (What the job wrote: more than the spool holds when output was lost; older spools record no more.)
+    return [{**st, "written": st.get("written", st["appended"])} for st in sp["streams"]] or [
+        {"kind": "-", "name": "", "appended": 0, "written": 0, "acked": 0, "pending": 0}]
+
+
+def _oldest(st: dict[str, Any]) -> str:
+    oldest = st.get("oldest_pending_s")
+    return f"{oldest:.0f}s" if oldest is not None else "-"
+
+
+def status_table(spools: list[dict[str, Any]], width: int | None = None) -> Table | None:
+    """`gcwrap status`: one row per stream of every spool, in the widest
+    layout that fits `width` (None when none does: see `status_view`). The
+    long fields (shadow, retries, spool size, last error) are in `status_details`."""
+    rows = [(sp, i, st) for sp in spools for i, st in enumerate(_stream_rows(sp))]
+    job = Column("job", [sp["job_id"] if i == 0 else "" for sp, i, _ in rows])
+    state = Column("state", [sp["state"] if i == 0 else "" for sp, i, _ in rows])
+    stream = Column("stream", [f"{st['kind']} {st['name']}".strip() for _, _, st in rows])
+
+    def figure(header: str, key: str) -> Column:
+        return Column(header, [human_bytes(st[key]) for _, _, st in rows], justify="right")
+
+    oldest = Column("oldest", [_oldest(st) for _, _, st in rows], justify="right")
+    caption = "" if spools else "no spools"
+    layouts = [
+        [job, state, stream, figure("written", "written"), figure("acked", "acked"), figure("pending", "pending"),
+         oldest],
+        [job, state, stream, figure("pending", "pending"), oldest],
+    ]
+    for columns in layouts:
+        table = fit_table("gcwrap spools", columns, width, caption)
+        if table is not None:
+            return table
+    return None
+
+
+def status_compact(spools: list[dict[str, Any]], width: int | None) -> list[str]:
+    """`gcwrap status` on a narrow screen: a line per job, one per stream."""
+    lines: list[str] = []
+    for sp in spools:
+        lines += wrap_fields([f"{sp['job_id']}:", sp["state"]], width)
+        for st in _stream_rows(sp):
+            fields = [f"{st['kind']} {st['name']}:".strip(), f"{human_bytes(st['written'])} written,",
+                      f"{human_bytes(st['acked'])} acked,", f"{human_bytes(st['pending'])} pending"]
+            if st.get("oldest_pending_s") is not None:
+                fields[-1] += ","
+                fields.append(f"the oldest {_oldest(st)}")
+            lines += wrap_fields(["  " + fields[0], *fields[1:]], width, indent="      ")
+    return lines or ["no spools"]
+
+
+def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -> list[str]:
+    """Lines per spool: where it delivers, how it goes, why it waits."""
     lines = []
     for sp in spools:
         conn = "connected" if sp.get("connected") else "not connected"
         free = sp.get("disk_free")
         size = human_bytes(sp.get("spool_bytes") or 0) + (f", {human_bytes(free)} free" if free is not None else "")
-        line = f"{sp['job_id']}: shadow {sp.get('shadow') or '-'} ({conn}), {sp.get('retries', 0)} failed attempts, "
-        line += f"spool {sp['spool']} ({size})"
+        fields = [f"{sp['job_id']}:", "shadow", sp.get("shadow") or "-", f"({conn}),",
+                  f"{sp.get('retries', 0)} failed attempts,", "spool", sp["spool"], f"({size})"]
         if sp.get("last_error"):
-            line += f"; last error: {sp['last_error']}"
+            fields[-1] += ";"
+            fields += ["last error:", *str(sp["last_error"]).split()]
         lost = loss_text((st["kind"], st["lost_from"], st["lost_from"] + st["lost"])
                          for st in sp.get("streams", ()) if st.get("lost"))
         if lost:
-            line += f"; LOST {lost}"
-        lines.append(line)
+            fields[-1] += ";"
+            fields += ["LOST", *lost.split()]
+        lines += wrap_fields(fields, width)
     return lines
+
+
+def status_view(spools: list[dict[str, Any]], width: int | None) -> Any:
+    """Everything `gcwrap status` prints, laid out for `width` (None: no limit)."""
+    from rich.console import Group
+
+    table = status_table(spools, width)
+    head = [table] if table is not None else _lines(status_compact(spools, width))
+    return Group(*head, *_lines(status_details(spools, width)))
+
+
+# -- gcshadow jobs -------------------------------------------------------------
 
 
 def job_state_text(job: dict[str, Any], now: float | None = None) -> str:
@@ -139,9 +291,9 @@ def job_state_text(job: dict[str, Any], now: float | None = None) -> str:
     if state != "finished":
         return state
     reason = job.get("reason") or ""
-    if "retry limit" in reason:
-        return f"killed by retry limit ({exit_text(job['exit_code'], job['exit_signal'])})"
     if job["exit_signal"]:
+        if "retry limit" in reason:  # (gcwrap ended the job: its reason says so)
+            return f"killed by retry limit (signal {job['exit_signal']})"
         return f"killed by signal {job['exit_signal']}"
     if job["exit_code"] is None:
         return "finished, status unknown"
@@ -152,56 +304,179 @@ def job_bytes(job: dict[str, Any]) -> int:
     return sum(s["durable"] for s in job["streams"] if s["kind"] != "stdin")
 
 
+def number(value: Any) -> float | None:
+    """A figure of an agent's I/O summary (the wire carries them as text)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def job_duration(job: dict[str, Any], now: float | None = None) -> float:
+    """Seconds from the job's start to its end, or to now while it runs. Its
+    gcwrap says when the job started and ended (in the I/O summary at the
+    end); until then the start is when the shadow first heard of the job."""
+    summary = job.get("summary") or {}
+    started, ended = number(summary.get("job_started")), number(summary.get("job_ended"))
+    if job["state"] == "finished" and started and ended:
+        return max(0.0, ended - started)
+    end = (job.get("ended") if job["state"] == "finished" else None) or now or time.time()
+    seen = max(0.0, end - (job.get("first_seen") or end))
+    # (An older gcwrap's summary has only its own wall time: the job ran at least that long.)
+    return max(seen, number(summary.get("wall_s")) or 0.0) if job["state"] == "finished" else seen
+
+
+def job_rate(job: dict[str, Any], now: float | None = None) -> float:
+    """Bytes per second over the job's run time (`job_duration`)."""
+    span = job_duration(job, now)
+    return job_bytes(job) / span if span > 0 else 0.0
+
+
+def job_figures(job: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """What `gcshadow jobs` shows of a job, for --json: its fields and the figures derived from them."""
+    return {**job, "bytes": job_bytes(job), "duration_s": round(job_duration(job, now), 3),
+            "rate_bytes_s": round(job_rate(job, now), 1), "state_text": job_state_text(job, now)}
+
+
+def _streams(job: dict[str, Any]) -> list[str]:
+    return [f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"]
+
+
 def jobs_table(
-    console: Console, jobs: Iterable[dict[str, Any]], rates: dict[str, float] | None = None,
-    now: float | None = None,
-) -> Table:
-    """`gcshadow jobs`: one row per job the shadow knows. `rates` (bytes/s)
-    come from --watch; without them the rate is the average since the start."""
-    from rich.table import Table
+    jobs: list[dict[str, Any]], rates: dict[str, float] | None = None, now: float | None = None,
+    width: int | None = None,
+) -> Table | None:
+    """`gcshadow jobs`: a row per job, in the widest layout that fits `width`
+    (None when none does: see `jobs_view`). `rates` (bytes/s) come from
+    --watch; without them a job's rate is its average (`job_rate`)."""
+    rate_of = {j["job_id"]: rates[j["job_id"]] if rates and j["job_id"] in rates else job_rate(j, now) for j in jobs}
+    job = Column("job", [j["job_id"] for j in jobs])
+    host = Column("host", [j["host"] or "-" for j in jobs])
+    state = Column("state", [job_state_text(j, now) for j in jobs])
+    size = Column("bytes", [human_bytes(job_bytes(j)) for j in jobs], justify="right")
+    rate = Column("rate", [f"{human_bytes(rate_of[j['job_id']])}/s" for j in jobs], justify="right")
+    seen = Column("last seen", [ago(j["last_seen"], now) for j in jobs], justify="right")
+    inline = Column("streams", [", ".join(_streams(j)) for j in jobs])
+    stacked = Column("streams", ["\n".join(_streams(j)) for j in jobs])
+    caption = "" if jobs else "no jobs"
+    for columns in ([job, host, state, size, rate, seen, inline], [job, host, state, size, rate, seen, stacked],
+                    [job, state, size, rate, seen, stacked]):
+        table = fit_table("gcshadow jobs", columns, width, caption)
+        if table is not None:
+            return table
+    return None
 
-    table = Table(title="gcshadow jobs")
-    for col in ("job", "host", "state", "bytes", "rate", "last seen", "streams"):
-        table.add_column(col, overflow="fold")
-    rows = 0
-    for job in jobs:
-        rows += 1
-        total = job_bytes(job)
-        if rates is not None and job["job_id"] in rates:
-            rate = rates[job["job_id"]]
+
+def jobs_compact(
+    jobs: list[dict[str, Any]], rates: dict[str, float] | None = None, now: float | None = None,
+    width: int | None = None,
+) -> list[str]:
+    """`gcshadow jobs` on a narrow screen: a line per job, one per stream."""
+    lines: list[str] = []
+    for j in jobs:
+        rate = rates[j["job_id"]] if rates and j["job_id"] in rates else job_rate(j, now)
+        lines += wrap_fields([f"{j['job_id']}:", f"{job_state_text(j, now)};",
+                              f"{human_bytes(job_bytes(j))}", f"at {human_bytes(rate)}/s;",
+                              f"last seen {ago(j['last_seen'], now)};", f"host {j['host'] or '-'}"], width)
+        for st in j["streams"]:
+            if st["kind"] != "stdin":
+                lines += wrap_fields([f"  {st['kind']}", st["name"], human_bytes(st["durable"])], width)
+    return lines or ["no jobs"]
+
+
+def jobs_view(
+    jobs: list[dict[str, Any]], rates: dict[str, float] | None = None, now: float | None = None,
+    width: int | None = None,
+) -> Any:
+    table = jobs_table(jobs, rates, now, width)
+    return table if table is not None else _group(_lines(jobs_compact(jobs, rates, now, width)))
+
+
+def _group(items: list[Any]) -> Any:
+    from rich.console import Group
+
+    return Group(*items)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+# The I/O summary's keys, as `gcshadow jobs JOB` shows them.
+SUMMARY_LABELS: dict[str, tuple[str, Callable[[float], str]]] = {
+    "job_started": ("job started", _clock),
+    "job_ended": ("job ended", _clock),
+    "wall_s": ("gcwrap's wall time", lambda v: f"{v:.1f} s"),
+    "throughput_mb_s": ("throughput", lambda v: f"{v:.1f} MB/s"),
+    "connected_s": ("connected", lambda v: f"{v:.1f} s"),
+    "disconnected_s": ("disconnected", lambda v: f"{v:.1f} s"),
+    "paused_s": ("job paused", lambda v: f"{v:.1f} s"),
+    "connections": ("connections", lambda v: f"{v:.0f}"),
+    "reconnects": ("reconnects", lambda v: f"{v:.0f}"),
+    "failed_attempts": ("failed connection attempts", lambda v: f"{v:.0f}"),
+    "zero_copy_pct": ("spliced (zero-copy)", lambda v: f"{v:.0f}% of the output"),
+}
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The agent's I/O summary as (label, value) rows in words."""
+    rows = []
+    for key, value in summary.items():
+        n = number(value)
+        if key.endswith("_bytes") and n is not None:
+            rows.append((f"{key[:-6]} written", f"{human_bytes(n)} ({n:,.0f} bytes)"))
+        elif key in SUMMARY_LABELS and n is not None:
+            label, show = SUMMARY_LABELS[key]
+            rows.append((label, show(n)))
         else:
-            span = (job["last_seen"] or 0) - (job["first_seen"] or 0)
-            rate = total / span if span > 0 else 0.0
-        streams = ", ".join(
-            f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"
-        )
-        table.add_row(job["job_id"], job["host"] or "-", job_state_text(job, now), human_bytes(total),
-                      f"{human_bytes(rate)}/s", ago(job["last_seen"], now), streams)
-    if not rows:
-        table.caption = "no jobs"
-    return table
+            rows.append((key.replace("_", " "), str(value)))
+    return rows
 
 
-def job_detail(console: Console, job: dict[str, Any]) -> None:
-    """`gcshadow jobs JOB`: everything the shadow knows of one job."""
+def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None = None,
+               width: int | None = None) -> Any:
+    """`gcshadow jobs JOB`: everything the shadow knows of one job (`rate`:
+    from --watch). A two-column table, its values wrapped between whole
+    fields; where even that does not fit, `field: value` lines."""
+    import shlex
+
+    from rich.cells import cell_len
     from rich.table import Table
 
-    table = Table(title=f"job {job['job_id']}", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
-    table.add_row("state", job_state_text(job))
-    for key in ("host", "user", "peer", "instance"):
-        table.add_row(key, str(job.get(key) or "-"))
-    table.add_row("command", " ".join(job["command"]) or "-")
-    table.add_row("first seen", ago(job["first_seen"]))
-    table.add_row("last seen", ago(job["last_seen"]))
+    def when(t: float | None) -> list[str]:
+        return [_clock(t), f"({ago(t, now)})"] if t else ["-"]
+
+    rows: list[tuple[str, list[str]]] = [("state", [job_state_text(job, now)])]
+    rows += [(key, [str(job.get(key) or "-")]) for key in ("host", "user", "peer", "instance")]
+    rows += [("command", [shlex.quote(a) for a in job["command"]] or ["-"]),
+             ("first seen", when(job["first_seen"])), ("last seen", when(job["last_seen"]))]
+    if job["state"] == "finished":
+        rows.append(("ended", when(job.get("ended"))))
     if job.get("reason"):
-        table.add_row("reason", job["reason"])
-    for s in job["streams"]:
-        table.add_row(s["kind"], f"{s['name']}  {s['durable']} bytes")
-    for key, value in (job.get("summary") or {}).items():
-        table.add_row(f"summary {key}", str(value))
-    console.print(table)
+        rows.append(("reason", str(job["reason"]).split()))
+    total = job_bytes(job)
+    shown = rate if rate is not None else job_rate(job, now)
+    how = ["now"] if rate is not None else ["average over", f"{job_duration(job, now):.1f} s"]
+    rows.append(("bytes", [human_bytes(total), f"({total:,} bytes),", f"{human_bytes(shown)}/s", *how]))
+    for st in job["streams"]:
+        held = ["served from"] if st["kind"] == "stdin" else [human_bytes(st["durable"]), f"({st['durable']:,} bytes)",
+                                                              "in"]
+        rows.append((st["kind"], [*held, st["name"]]))
+    rows += [("I/O summary" if i == 0 else "", [f"{label}:", value])
+             for i, (label, value) in enumerate(summary_rows(job.get("summary") or {}))]
+    keys = max(cell_len(k) for k, _ in rows)
+    room = None if width is None else width - keys - TABLE_EDGES - 2 * TABLE_PER_COLUMN
+    if room is not None and room < max(cell_len(f) for _, fields in rows for f in fields):
+        lines = [f"job {job['job_id']}"]
+        for k, fields in rows:
+            lines += wrap_fields([f"{k}:" if k else " ", *fields], width)
+        return _group(_lines(lines))
+    table = Table(title=f"job {job['job_id']}", show_header=False)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", no_wrap=True)
+    for k, fields in rows:
+        table.add_row(k, "\n".join(wrap_fields(fields, room, indent="")))
+    return table
 
 
 def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:

@@ -99,6 +99,10 @@ class ShadowOptions:
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
 
 
+class ListenError(Exception):
+    """The shadow cannot listen where it was asked to (or say where it listens)."""
+
+
 class Fenced(Exception):
     """This connection must stop: replaced by a newer one, or its files failed."""
 
@@ -304,7 +308,15 @@ class Shadow:
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
         await trio.to_thread.run_sync(self.store.mark_disconnected, limiter=self.limiter)
-        listeners = await trio.open_tcp_listeners(self.opts.port, host=self.opts.host)
+        try:
+            listeners = await trio.open_tcp_listeners(self.opts.port, host=self.opts.host)
+        except OSError as e:
+            hint = ""
+            if e.errno == errno.EADDRINUSE:
+                hint = " (another program has it: choose another --port, or --port 0 for any free one)"
+            elif e.errno == errno.EACCES and self.opts.port < 1024:
+                hint = " (ports below 1024 need privileges: choose --port 1024-65535)"
+            raise ListenError(f"cannot listen on {self.opts.host}:{self.opts.port}: {e.strerror or e}{hint}") from None
         self.budget = FdBudget(_nofile(), _open_fds(), self.opts.max_connections)
         b = self.budget
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
@@ -317,8 +329,11 @@ class Shadow:
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
             if self.opts.port_file is not None:
                 tmp = self.opts.port_file.with_name(self.opts.port_file.name + ".tmp")
-                tmp.write_text(f"{port}\n")
-                tmp.replace(self.opts.port_file)
+                try:
+                    tmp.write_text(f"{port}\n")
+                    tmp.replace(self.opts.port_file)
+                except OSError as e:
+                    raise ListenError(f"cannot write the port file {self.opts.port_file}: {e.strerror}") from None
             task_status.started(port)
 
     # -- descriptors -------------------------------------------------------
@@ -817,7 +832,10 @@ def raise_fd_limit() -> None:
 
 
 async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    store = await trio.to_thread.run_sync(Store, opts.root)
+    try:
+        store = await trio.to_thread.run_sync(Store, opts.root)
+    except OSError as e:
+        raise StoreError(None, f"cannot use the root {opts.root}: {e.strerror or e}") from None
     try:
         with first_error():
             await Shadow(opts, store).serve(task_status=task_status)

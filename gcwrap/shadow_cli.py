@@ -23,6 +23,21 @@ class DefaultServeGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+class Port(click.IntRange):
+    """A TCP port, 0-65535; the error says so (click's: "not a valid integer range")."""
+
+    name = "port"
+
+    def __init__(self) -> None:
+        super().__init__(0, 65535)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value).strip()
+        if text.isdigit() and int(text) <= 65535:
+            return int(text)
+        self.fail(f"{value!r} is not a port number: give 0-65535 (0: any free port)", param, ctx)
+
+
 root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
@@ -40,13 +55,14 @@ def main() -> None:
     gcshadow tail JOB                           print a job's output
 
     \b
-    Example:
-      gcshadow --port 50000 --root ~/results
+    Examples:
+      gcshadow --port 50000 --root ~/results                  # loopback only
+      gcshadow --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
     """
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--port", type=click.IntRange(0, 65535), default=50000, show_default=True,
+@click.option("--port", type=Port(), default=50000, show_default=True,
               envvar="GCSHADOW_PORT", show_envvar=True, help="TCP port to listen on (0: any free port).")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="GCSHADOW_HOST", show_envvar=True,
               help="Address to listen on.")
@@ -97,16 +113,18 @@ def serve(
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
     \b
-    Example:
-      gcshadow serve --port 50000 --root ~/results
+    Examples:
+      gcshadow serve --port 50000 --root ~/results            # loopback only
+      umask 077; openssl rand -hex 32 > ~/.gcshadow-token     # a token for the agents (copy it to them)
+      gcshadow serve --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
     """
     import trio
 
     from .render import setup_logging
-    from .shadow import ShadowOptions, run_shadow
-    from .shadow_store import StoreError
+    from .shadow import ListenError, ShadowOptions, run_shadow
+    from .shadow_store import StoreError, check_root
 
-    setup_logging("gcshadow", verbose + 1, log_format)
+    setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
@@ -114,11 +132,12 @@ def serve(
         min_free=min_free, quota=quota, max_jobs_per_identity=max_jobs_per_identity, **security,
     )
     try:
+        check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
         trio.run(run_shadow, opts)
-    except StoreError as e:
+    except (StoreError, ListenError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
-        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+        raise click.ClickException(f"gcshadow failed: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -170,7 +189,8 @@ def _security(
 def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
     """List the jobs the shadow at ROOT knows: host, state, exit status, bytes, rate.
 
-    With JOB, show everything known of that job, including its I/O summary.
+    With JOB, show everything known of that job, including its I/O summary;
+    with --watch, keep showing it (or the list) live.
 
     \b
     Examples:
@@ -182,46 +202,62 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
     import sqlite3
     import time
 
-    from rich.console import Console
-    from rich.live import Live
-
-    from .render import job_bytes, job_detail, jobs_table
+    from .render import job_bytes, job_detail, job_figures, jobs_view, output_width, print_view, stdout_console
     from .shadow_store import list_jobs
 
     def load() -> list[dict[str, Any]]:
         try:
-            return list_jobs(root)
+            found = list_jobs(root)
         except sqlite3.Error as e:
             raise click.ClickException(f"no shadow state under {root}: {e}") from None
-
-    found = load()
-    if job is not None:
+        if job is None:
+            return found
         match = [j for j in found if j["job_id"] == job]
         if not match:
             raise click.ClickException(f"no job {job!r} at this shadow")
-        if as_json:
-            click.echo(json.dumps(match[0], indent=2))
-        else:
-            job_detail(Console(), match[0])
-        return
+        return match
+
+    found = load()
     if as_json:
-        click.echo(json.dumps(found, indent=2))
+        now = time.time()
+        shown = [job_figures(j, now) for j in found]
+        click.echo(json.dumps(shown[0] if job is not None else shown, indent=2))
         return
-    console = Console()
+    console = stdout_console()
+
+    def view(rates: dict[str, float] | None = None) -> Any:
+        now = time.time()
+        if job is not None:
+            return job_detail(found[0], rates.get(job) if rates else None, now, output_width(console))
+        return jobs_view(found, rates, now, output_width(console))
+
     if not watch:
-        console.print(jobs_table(console, found))
+        print_view(console, view())
         return
+    # --watch: the rate is how fast each job's bytes arrive between two refreshes.
     last = {j["job_id"]: job_bytes(j) for j in found}
     last_t = time.monotonic()
+
+    def refresh() -> Any:
+        nonlocal found, last, last_t
+        time.sleep(interval)
+        found, now_t = load(), time.monotonic()
+        rates = {j["job_id"]: max(0.0, (job_bytes(j) - last.get(j["job_id"], 0)) / (now_t - last_t)) for j in found}
+        last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now_t
+        return view(rates)
+
     try:
-        with Live(jobs_table(console, found), console=console, auto_refresh=False) as live:
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(view(), console=console, auto_refresh=False) as live:
+                while True:
+                    live.update(refresh(), refresh=True)
+        else:  # through a pipe: one view after another, like `top -b`
+            print_view(console, view())
             while True:
-                time.sleep(interval)
-                found, now = load(), time.monotonic()
-                rates = {j["job_id"]: max(0.0, (job_bytes(j) - last.get(j["job_id"], 0)) / (now - last_t))
-                         for j in found}
-                last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now
-                live.update(jobs_table(console, found, rates), refresh=True)
+                print_view(console, refresh())
+                sys.stdout.flush()
     except KeyboardInterrupt:
         pass
 

@@ -45,6 +45,10 @@ from .spool import transaction
 from .spool import migrate as spool_migrate
 
 
+LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
+LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
+
+
 class StoreError(Exception):
     """A refusal or failure, with the protocol error code to send."""
 
@@ -106,6 +110,83 @@ def open_state(root: Path, *, readonly: bool = False) -> sqlite_utils.Database:
     db = _database(conn)
     migrate(db)
     return db
+
+
+def check_root(root: Path) -> None:
+    """Make sure the shadow can work under `root` (creating it if missing),
+    before anything listens; StoreError naming the path and what is wrong
+    with it otherwise."""
+    try:
+        st: os.stat_result | None = os.stat(root)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise StoreError(None, f"cannot reach the root {root}: {_why_not(e, root)}") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreError(None, f"the root {root} is not a directory")
+    else:
+        try:
+            root.mkdir(parents=True)
+        except OSError as e:
+            raise StoreError(None, f"cannot create the root {root}: {_why_not(e, root)}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        if os.access(root, os.F_OK) and _read_only(root):
+            raise StoreError(None, f"the root {root} is on a read-only file system")
+        if os.geteuid() == 0:
+            raise StoreError(None, f"the root {root} is not writable, not even by root (a special file system?)")
+        raise StoreError(None, f"the root {root} is not writable by this user ({_user()})")
+    # Root may write where permissions say no, and some file systems (/proc,
+    # /sys) refuse all the same: try for real what serving needs.
+    probe = root / f".gcshadow-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise StoreError(None, f"cannot create files in the root {root}: {e.strerror}") from None
+    state = root / STATE_DIR
+    try:
+        state.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StoreError(None, f"cannot create the shadow's state directory {state}: {e.strerror}") from None
+
+
+def _why_not(e: OSError, path: Path) -> str:
+    """Why `path` cannot be reached or created, in terms of the nearest
+    directory above it that this user can see."""
+    parent = path.parent
+    while parent != parent.parent:
+        try:
+            os.stat(parent)
+            break
+        except OSError:
+            parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if e.errno == errno.EACCES:
+        if not os.access(parent, os.X_OK):
+            return f"{parent} is closed to this user ({_user()})"
+        return f"no permission to create it in {parent} (as {_user()})"
+    if e.errno == errno.EROFS:
+        return f"{parent} is on a read-only file system"
+    return f"{parent} does not take new directories ({e.strerror})"
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _user() -> str:
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def lock_root(root: Path) -> int:
@@ -489,6 +570,7 @@ class Store:
         self.db = open_state(root)
         self.db_lock = threading.Lock()
         self.syncer = Syncer(self.root_fd, use_syncfs)
+        self.last_seen: dict[str, float] = {}  # job -> when its last_seen was last stamped (record_durable)
 
     def close(self) -> None:
         self.syncer.close()
@@ -641,11 +723,23 @@ class Store:
         return results, ""
 
     def record_durable(self, lengths: Iterable[tuple[str, int, int]]) -> None:
+        lengths = list(lengths)
+        # A job's "last seen" follows its data: stamped in the transaction
+        # that records its new lengths, at most once per LAST_SEEN_EVERY.
+        now = time.time()
+        stamped = self.last_seen
+        stale = {j for j, _, _ in lengths if now - stamped.get(j, 0.0) >= LAST_SEEN_EVERY}
         with self.db_lock, transaction(self.db.conn):
             self.db.conn.executemany(
                 "UPDATE streams SET durable = max(durable, ?) WHERE job_id = ? AND stream = ?",
                 [(n, j, s) for j, s, n in lengths],
             )
+            if stale:
+                self.db.conn.executemany("UPDATE jobs SET last_seen = ? WHERE job_id = ?", [(now, j) for j in stale])
+        if len(stamped) > 4 * LAST_SEEN_JOBS:  # (bounded: forget the jobs that went quiet)
+            for j in [j for j, t in stamped.items() if now - t >= LAST_SEEN_EVERY]:
+                del stamped[j]
+        stamped.update(dict.fromkeys(stale, now))
 
     def record_state(self, job_id: str, **fields: Any) -> None:
         if "summary" in fields:
@@ -682,3 +776,4 @@ def list_jobs(root: Path) -> list[dict[str, Any]]:
         return jobs
     finally:
         db.conn.close()
+

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,9 +25,10 @@ from rich.console import Console
 
 from faults import Tmpfs, need_root
 from gcwrap.cli import main as gcwrap_main
-from gcwrap.render import jobs_table, status_details, status_table
+from gcwrap.render import (UNLIMITED, job_detail, jobs_table, jobs_view, print_view, status_details, status_table,
+                           status_view)
 from gcwrap.shadow_cli import main as gcshadow_main
-from helpers import ShadowProc, Wrapper, file_size, genjob, spool_status, tool, wait_until
+from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, tool, wait_until
 
 MB = 1_000_000
 
@@ -109,7 +115,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
         assert states["killed"]["state"] == "gave-up, job killed by signal 15"
         assert "retry limit" in str(states["killed"]["reason"])
         # the table says the same
-        text = render(status_table(Console(), list(states.values())))
+        text = render(status_table(list(states.values())))
         assert row_of(text, "ended")[1:6] == ["gave-up, job exited 3", "stdout e.out", "5 B", "0 B", "5 B"]
         assert row_of(text, "running")[1:6] == ["running", "stdout r.out", "3 B", "0 B", "3 B"]
         assert row_of(text, "paused")[1] == "paused"
@@ -170,7 +176,7 @@ def test_tail_all_prefixes_each_job(shadow: ShadowProc, home: Path, spool_dir: P
                      "--stdout", f"j{i}.out", "--stderr", f"j{i}.err", "--", "sh", "-c",
                      f"echo out {i}; echo err {i} >&2"])
         assert w.wait(30) == 0
-    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30)
+    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30, check=False)
     lines = set(res.stdout.decode().splitlines())
     assert {f"[j{i} stdout] out {i}" for i in range(3)} <= lines
     assert {f"[j{i} stderr] err {i}" for i in range(3)} <= lines
@@ -182,12 +188,15 @@ def test_jobs_table_and_detail(shadow: ShadowProc, home: Path, spool_dir: Path) 
                  "--", "sh", "-c", "echo 123456789; exit 7"])
     assert w.wait(30) == 7
     data = json.loads(CliRunner().invoke(gcshadow_main, ["jobs", "--json", "--root", str(home)]).output)
-    text = render(jobs_table(Console(), data))
+    text = render(jobs_table(data))
     cells = row_of(text, "done-7")
     assert cells[2] == "finished with status 7" and cells[3] == "10 B"
     res = CliRunner().invoke(gcshadow_main, ["jobs", "--root", str(home), "done-7"])
     assert res.exit_code == 0
-    assert "finished with status 7" in res.output and "summary stdout_bytes" in res.output
+    assert "finished with status 7" in res.output
+    # The I/O summary in words, not as the agent's keys.
+    assert "stdout written: 10 B (10 bytes)" in res.output and "failed connection attempts: 0" in res.output
+    assert "summary" not in res.output.replace("I/O summary", "") and "_" not in res.output.split("I/O summary")[1]
     res = CliRunner().invoke(gcshadow_main, ["jobs", "--root", str(home), "nope"])
     assert res.exit_code == 1 and "no job 'nope'" in res.output
 
@@ -268,3 +277,395 @@ def test_status_and_resume_of_spools_that_cannot_be_read(tmp_path: Path) -> None
     assert len(lines) == 3 and all(line.startswith("gcwrap: ") for line in lines), lines
     for name in (damaged.name, "garbage.spool", "folder.spool"):
         assert sum(name in line for line in lines) == 1, (name, lines)
+
+
+# -- 80 columns and pipes: no field broken, fewer columns when narrow ----------------------------------------
+
+NOW = 1_800_000_000.0
+SPOOLS = [
+    {"job_id": "slurm-4242_17", "state": "wrapper gone", "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+     "shadow": "home.example.org:50000", "connected": False, "retries": 12, "spool_bytes": 123 << 20,
+     "disk_free": 40 << 30, "last_error": "connection refused by the shadow home.example.org:50000",
+     "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "appended": 123456789, "acked": 12345678,
+                  "pending": 111111111, "oldest_pending_s": 33.0},
+                 {"kind": "stderr", "name": "results/cased2/err.txt", "appended": 1234, "acked": 1234, "pending": 0,
+                  "oldest_pending_s": None}]},
+    {"job_id": "example-5", "state": "gave-up, job exited 0", "spool": "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool",
+     "shadow": "127.0.0.1:50000", "connected": False, "retries": 4, "spool_bytes": 64 << 10, "disk_free": None,
+     "last_error": "", "streams": [{"kind": "stdout", "name": "late/out.5", "appended": 6, "acked": 0, "pending": 6,
+                                    "oldest_pending_s": 3.0}]},
+]
+JOBS = [
+    {"job_id": "slurm-4242_17", "host": "node017.cluster", "state": "finished", "reason": "", "exit_code": 0,
+     "exit_signal": None, "first_seen": NOW - 100, "last_seen": NOW - 5, "ended": NOW - 5,
+     "summary": {"job_started": str(NOW - 110), "job_ended": str(NOW - 10)}, "command": ["sim", "--steps", "9"],
+     "user": "alice", "peer": "10.0.0.17:40312", "instance": "0123456789abcdef",
+     "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "durable": 123456789},
+                 {"kind": "stderr", "name": "results/cased2/err.txt", "durable": 1234}]},
+    {"job_id": "example-5", "host": "vm", "state": "finished", "reason": "retry limit reached", "exit_code": None,
+     "exit_signal": 15, "first_seen": NOW - 100, "last_seen": NOW - 5, "ended": NOW - 5, "summary": {},
+     "streams": [{"kind": "stdout", "name": "late/out.5", "durable": 6}]},
+    {"job_id": "live-1", "host": "vm", "state": "disconnected", "reason": "", "exit_code": None, "exit_signal": None,
+     "first_seen": NOW - 60, "last_seen": NOW - 30, "ended": None, "summary": {},
+     "streams": [{"kind": "stdout", "name": "a/very/long/directory/name/for/the/output/of/this/job.out",
+                  "durable": 2 << 20}]},
+]
+# Fields that must each stay whole on one line, whatever the width.
+STATUS_FIELDS = ["slurm-4242_17", "wrapper gone", "results/cased2/out.txt", "117.7 MiB", "106.0 MiB", "11.8 MiB",
+                 "gave-up, job exited 0", "late/out.5", "33s", "home.example.org:50000",
+                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool", "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
+JOBS_FIELDS = ["slurm-4242_17", "finished with status 0", "results/cased2/out.txt", "117.7 MiB", "1.2 MiB/s",
+               "killed by retry limit (signal 15)", "node017.cluster", "disconnected since 30s ago",
+               "a/very/long/directory/name/for/the/output/of/this/job.out", "5s ago", "2.0 MiB"]
+
+
+def rendered(view: object, width: int | None, terminal: bool = True) -> list[str]:
+    buf = io.StringIO()
+    console = Console(file=buf, width=width or UNLIMITED, force_terminal=terminal, color_system=None)
+    print_view(console, view)  # type: ignore[arg-type]
+    return [line.rstrip() for line in buf.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 120, 200, None])
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_status_and_jobs_keep_every_field_whole_at_any_width(width: int | None, terminal: bool) -> None:
+    """Every name, size and state is on one line; no line is wider than the
+    screen; at 80 columns a job takes at most 3 lines. (Before: a table
+    folded at any width, "cased2/out.\\ntxt", "wrapper\\ngone", 6-7 lines a job.)"""
+    views = [(status_view(SPOOLS, width), STATUS_FIELDS, SPOOLS),
+             (jobs_view(JOBS, None, NOW, width), JOBS_FIELDS, JOBS)]
+    for view, fields, items in views:
+        lines = rendered(view, width, terminal)
+        text = "\n".join(lines)
+        # (Narrower layouts leave the written and acknowledged figures out: those must be whole where shown.)
+        shown = [f for f in fields if f not in ("117.7 MiB", "11.8 MiB") or "written" in text]
+        broken = [f for f in shown if not any(f in line for line in lines)]
+        assert not broken, f"broken across lines at width {width}: {broken}\n{text}"
+        if width is not None:  # (a field wider than the screen has a line of its own, and overflows it)
+            assert all(len(line) <= width or line.strip() in fields for line in lines), text
+        if items is JOBS and width is not None and width >= 80:
+            body = [line for line in lines if line.strip() and not set(line.strip()) <= set("┏┳━┓┡╇┩└┴─┘")
+                    and "gcshadow jobs" not in line and "┃ job" not in line]
+            most = sum(2 + len(j["streams"]) for j in JOBS)  # type: ignore[arg-type]
+            assert len(body) <= most, f"{len(body)} lines for {len(JOBS)} jobs at {width}:\n{text}"
+        if width is None:  # through a pipe: one line per stream row, for grep
+            assert any("slurm-4242_17" in line and "results/cased2/out.txt" in line for line in lines), text
+
+
+def test_narrow_screens_get_fewer_columns_then_a_line_per_job() -> None:
+    wide = "\n".join(rendered(status_view(SPOOLS, 200), 200))
+    assert "written" in wide and "acked" in wide
+    middle = "\n".join(rendered(status_view(SPOOLS[1:], 80), 80))
+    assert "pending" in middle and "written" not in middle and "┃ job" in middle, middle
+    narrow = rendered(jobs_view(JOBS, None, NOW, 60), 60)
+    assert not any(c in "\n".join(narrow) for c in "┃│"), "a line per job below the narrowest table"
+    assert narrow[0].startswith("slurm-4242_17: finished with status 0;"), narrow
+    assert "  stdout results/cased2/out.txt 117.7 MiB" in narrow
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_job_detail_keeps_fields_whole(width: int) -> None:
+    lines = rendered(job_detail(JOBS[0], None, NOW, width), width)
+    text = "\n".join(lines)
+    assert max(len(line) for line in lines) <= width, text
+    for field in ("results/cased2/out.txt", "117.7 MiB", "finished with status 0", "node017.cluster"):
+        assert any(field in line for line in lines), f"{field!r} broken at {width}:\n{text}"
+
+
+@pytest.mark.timeout(120)
+def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    """The real commands, their stdout a pipe: a row per line (for grep), as
+    wide as it takes; with COLUMNS=60, the narrow layout, names whole."""
+    name = "results/a-rather-long-directory/cased2/out.txt"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "piped-job-with-a-long-id",
+                 "--stdout", name, "--", "sh", "-c", "echo hello; exit 3"])
+    assert w.wait(30) == 3
+    left = tmp_path / "left"  # a spool left behind: its shadow never answered
+    w = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(left), "--job-id", "left-behind", "--retry-limit", "1",
+                 "--retry-timeout", "0.1", "--stdout", name, "--", "echo", "hi"])
+    assert w.wait(30) == 122
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    for argv, key in (([*tool("gcshadow"), "jobs", "--root", str(home)], "piped-job-with-a-long-id"),
+                      ([*tool("gcwrap"), "status", "--spool", str(left)], "left-behind")):
+        wide = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+        row = [line for line in wide.splitlines() if key in line and "│" in line]
+        assert len(row) == 1 and name in row[0] and ("status 3" in row[0] or "gave-up" in row[0]), wide
+        narrow = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "60"},
+                                check=True).stdout
+        # (A path longer than the screen has a line of its own.)
+        assert all(len(line) <= 60 or " " not in line.strip() for line in narrow.splitlines()), narrow
+        assert any(name in line for line in narrow.splitlines()) and any(key in line for line in narrow.splitlines())
+
+
+# -- gcshadow names a root it cannot use, and tells root errors from address errors ---------------------------
+
+
+def serve_fails(args: list[str], user: int | None = None, timeout: float = 30) -> str:
+    """gcshadow serve exits 1 at once; its error line."""
+    # As an unprivileged user, the way a home machine runs it.
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    res = subprocess.run([*prefix, *tool("gcshadow"), "serve", "--port", "0", *args], capture_output=True,
+                         text=True, timeout=timeout, check=False)
+    assert res.returncode == 1, (res.returncode, res.stderr)
+    (error,) = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    return error
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_root_is_named_not_the_address(tmp_path: Path) -> None:
+    """Before: `cannot serve on 127.0.0.1:0: Permission denied`."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv (util-linux) to run gcshadow as another user")
+    nobody = 65534
+    # (Not under tmp_path: pytest keeps that closed to other users.)
+    top = Path(tempfile.mkdtemp(prefix="gcshadow-root-test-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        locked = top / "locked"
+        locked.mkdir()
+        error = serve_fails(["--root", str(locked)], user=nobody)
+        assert error == f"Error: the root {locked} is not writable by this user (nobody, uid {nobody})", error
+        error = serve_fails(["--root", str(locked / "sub")], user=nobody)
+        assert error == (f"Error: cannot create the root {locked / 'sub'}: no permission to create it in {locked} "
+                         f"(as nobody, uid {nobody})"), error
+        error = serve_fails(["--root", str(tmp_path / "home")], user=nobody)
+        assert error.startswith(f"Error: cannot reach the root {tmp_path / 'home'}: ") and "is closed to this user" \
+            in error, error
+    finally:
+        shutil.rmtree(top)
+
+
+@pytest.mark.timeout(60)
+def test_root_on_a_read_only_file_system_is_named(tmp_path: Path) -> None:
+    need_root()
+    with Tmpfs(tmp_path / "ro", "1m") as fs:
+        fs.remount(readonly=True)
+        error = serve_fails(["--root", str(fs.path)])
+    assert error == f"Error: the root {fs.path} is on a read-only file system", error
+
+
+def test_root_under_proc_sys_is_named() -> None:
+    """Before: `cannot serve on 127.0.0.1:0: No such file or directory`."""
+    error = serve_fails(["--root", "/proc/sys/gcshadow-root"])
+    assert error == ("Error: cannot create the root /proc/sys/gcshadow-root: /proc/sys does not take new "
+                     "directories (No such file or directory)"), error
+    error = serve_fails(["--root", "/proc/sys"])
+    assert error.startswith("Error: the root /proc/sys is not writable") or "/proc/sys" in error, error
+    assert "127.0.0.1" not in error
+
+
+def test_root_that_is_a_file_is_named(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = subprocess.run([*tool("gcshadow"), "serve", "--port", "0", "--root", str(afile)], capture_output=True,
+                         text=True, timeout=30, check=False)
+    assert res.returncode == 2 and f"'{afile}' is a file" in res.stderr, res.stderr
+    error = serve_fails(["--root", str(afile / "below")])
+    assert error == f"Error: cannot reach the root {afile / 'below'}: {afile} is not a directory", error
+
+
+def test_port_in_use_is_named_with_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        error = serve_fails(["--port", str(port), "--root", str(tmp_path / "r")])
+    assert error == (f"Error: cannot listen on 127.0.0.1:{port}: Address already in use (another program has it: "
+                     "choose another --port, or --port 0 for any free one)"), error
+
+
+def test_port_errors_say_the_valid_range() -> None:
+    """Before: `'abc' is not a valid integer range`."""
+    for value in ("abc", "70000", "-1"):
+        res = CliRunner().invoke(gcshadow_main, ["serve", "--port", value])
+        assert res.exit_code == 2 and "is not a port number: give 0-65535 (0: any free port)" in res.output, res.output
+    res = CliRunner().invoke(gcwrap_main, ["--shadow", "h:abc", "--", "true"])
+    assert res.exit_code == 2 and "the port must be a number, 1-65535" in res.output, res.output
+
+
+@pytest.mark.timeout(60)
+def test_the_shadows_log_lines_have_timestamps(shadow: ShadowProc, spool_dir: Path) -> None:
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "stamped", "--stdout", "s.out",
+                 "--", "echo", "hi"])
+    assert w.wait(30) == 0
+    shadow.stop()
+    lines = [line for line in shadow.log().splitlines() if line.strip()]
+    assert any("job stamped finished with status 0" in line for line in lines)
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} gcshadow: "
+    assert all(re.match(stamp, line) for line in lines), lines
+    first = time.mktime(time.strptime(lines[0][:19], "%Y-%m-%d %H:%M:%S"))
+    assert abs(first - time.time()) < 120, "local time, now"
+
+
+# -- -v and -vv, watching one job, the resume bar, the demo through a pipe ------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_verbose_shows_connections_offsets_and_commits(shadow: ShadowProc, spool_dir: Path) -> None:
+    """On a normal run: nothing but the summary by default; -v adds the job's
+    start and end, the connection (addresses, time), what home held when it
+    welcomed us, the connection's end and the delivery; -vv adds each commit.
+    (Before, -v and -vv added nothing on a normal run.)"""
+    job = ["--", "sh", "-c", "echo out; echo err >&2; sleep 0.2; echo more"]
+    runs = {}
+    for flags in ([], ["-v"], ["-vv"]):
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", f"verbose{len(flags)}",
+                     "--stdout", f"v{len(flags)}.out", "--stderr", f"v{len(flags)}.err", *flags, *job])
+        assert w.wait(30) == 0
+        runs[len(flags) and len(flags[0]) - 1] = w.err.decode().splitlines()
+    quiet, v, vv = runs[0], runs[1], runs[2]
+    assert [line for line in quiet if not line.startswith("gcwrap:   ")] == [
+        "gcwrap: job verbose0 ended with status 0; " + quiet[0].split("; ", 1)[1]]
+    text = "\n".join(v)
+    assert re.search(r"job verbose1 started: pid \d+, spool \S+\.spool", text), text
+    assert re.search(rf"connected to {re.escape(shadow.address)} from 127\.0\.0\.1:\d+ in \d\.\d{{3}} s \(attempt 1\)",
+                     text), text
+    assert re.search(r"welcomed by the shadow \(connection 1\): it holds 0 of \d+ bytes of stdout \(v1.out\), "
+                     r"0 of \d+ bytes of stderr \(v1.err\); sending from there", text), text
+    assert re.search(r"the job ended with status 0 after \d+\.\d s; \d+ bytes not yet home", text), text
+    assert re.search(rf"connection to {re.escape(shadow.address)} closed after \d+\.\d s", text), text
+    assert "the shadow holds every byte and the exit status: stdout 9 bytes, stderr 4 bytes" in text, text
+    assert not any("spool commit" in line for line in v)
+    commits = [line for line in vv if "spool commit in" in line]
+    assert any("bytes in" in line and "row(s)" in line for line in commits), vv
+    assert any("acknowledged up to stdout" in line for line in commits), vv
+    assert any("the end of stdout" in line or "the end of stderr, stdout" in line for line in commits), vv
+
+
+@pytest.mark.timeout(60)
+def test_verbose_says_why_it_reconnects(home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    w = Wrapper(["-v", "--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "why",
+                 "--retry-timeout", "0.3", "--stdout", "w.out", "--", "sh", "-c", "echo a; sleep 1.5; echo b"])
+    time.sleep(1)
+    try:
+        sh.start(port)
+        assert w.wait(30) == 0
+    finally:
+        sh.stop()
+    text = w.err.decode()
+    assert "connection refused by the shadow" in text and re.search(r"next attempt in \d+\.\d s", text), text
+    assert re.search(r"\(attempt [2-9]\d*\)", text), text
+    # the first connection after an outage is not "again"
+    assert re.search(r"connected to the shadow for the first time after \d+\.\d s; delivering the backlog", text), text
+    assert "again" not in text
+
+
+@pytest.mark.timeout(60)
+def test_jobs_watch_one_job(shadow: ShadowProc, home: Path, spool_dir: Path) -> None:
+    """`gcshadow jobs -w JOB` keeps showing that job (before: -w was ignored
+    and it exited at once), with the rate its bytes arrive at."""
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "watched", "--stdout", "w.out",
+                 "--", *genjob(3 * MB, 0, seed=7, rate=1 * MB)])
+    wait_until(lambda: file_size(home / "w.out") > 0, 30, "output at home")
+    watch = subprocess.Popen([*tool("gcshadow"), "jobs", "--root", str(home), "-w", "--interval", "0.3", "watched"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)
+        assert watch.poll() is None, "it keeps watching"
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=10)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, err
+    views = out.count("job watched")
+    assert views >= 4, out  # one view per refresh (a pipe gets them one after another)
+    rates = [float(m) for m in re.findall(r"([\d.]+) KiB/s now", out)] + \
+        [float(m) * 1024 for m in re.findall(r"([\d.]+) MiB/s now", out)]
+    assert rates and max(rates) > 200, out  # 1 MB/s written: KiB/s now, not an average from the start
+    assert "slurm" not in out and "state" in out
+    assert w.wait(30) == 0
+
+
+@pytest.mark.timeout(90)
+def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> None:
+    """Through a pipe: no bar, no "?" rate, just the outcome (before: a bar
+    with rate "?" in every log). On a terminal: the bar."""
+    import pty
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    port = sh.start()
+    sh.stop()
+    outputs = []
+    for terminal in (False, True):
+        spool = tmp_path / f"spool-{terminal}"
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool), "--job-id", f"bar-{terminal}",
+                     "--retry-limit", "1", "--retry-timeout", "0.1", "--stdout", f"bar-{terminal}.out", "--",
+                     "echo", "hello"])
+        assert w.wait(30) == 122
+        sh.start(port)
+        try:
+            if terminal:
+                leader, follower = pty.openpty()
+                res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], stdout=subprocess.PIPE,
+                                     stderr=follower, timeout=60, check=False)
+                os.close(follower)
+                chunks = []
+                while True:
+                    try:
+                        data = os.read(leader, 65536)
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    chunks.append(data)
+                os.close(leader)
+                err = b"".join(chunks).decode(errors="replace")
+            else:
+                res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool)], capture_output=True,
+                                     timeout=60, check=False)
+                err = res.stderr.decode()
+        finally:
+            sh.stop()
+        assert res.returncode == 0, err
+        outputs.append(err)
+    piped, terminal_err = outputs
+    assert piped == f"gcwrap: job bar-False: all output delivered to 127.0.0.1:{port}\n", piped
+    assert "━" in terminal_err and "bar-True" in terminal_err, terminal_err
+    assert "6/6 bytes" in terminal_err, "the bar reached the end"
+    assert " ? " not in terminal_err and "all output delivered" in terminal_err
+
+
+@pytest.mark.timeout(120)
+def test_demo_through_a_pipe_keeps_its_lines_whole() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    res = subprocess.run([*tool("gcwrap"), "demo", "--size", "1MiB"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=100, env=env, check=False)
+    assert res.returncode == 0, res.stdout
+    lines = res.stdout.splitlines()
+    sums = [line for line in lines if "sha256" in line]
+    assert len(sums) == 2 and all(re.search(r": +[0-9a-f]{64}$", line) for line in sums), res.stdout
+    assert not any("━" in line for line in lines), "no progress bar in a pipe"
+    assert any(re.fullmatch(r"arrived at home: 1,048,576 of 1,048,576 bytes in \d+\.\d s \(\d+\.\d MB/s\)", line)
+               for line in lines), res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_full_spool_is_said_once_not_at_every_commit(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    """A spool on a nearly full tmpfs, the network up, a job faster than
+    delivery: the spool takes a little each time acknowledgements free some.
+    gcwrap says "cannot take more bytes" once and does not flip back and forth
+    (before: 20 such lines and 2 "takes output again" in 0.4 s), and says
+    nothing of pauses that are mere flow control while home is reachable."""
+    need_root()
+    with Tmpfs(tmp_path / "spool", "8m") as fs:
+        fs.fill(leave=2 << 20)
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(fs.path), "--job-id", "hyst", "--memory-limit",
+                     "1MiB", "--stdout", "h.out", "--stderr", "h.err", "--", *genjob(12 * MB, 12 * MB, seed=9)])
+        assert w.wait(90) == 0, w.err.decode()
+    text = w.err.decode()
+    said = [line for line in text.splitlines() if not line.startswith("gcwrap:   ")]
+    assert len([line for line in said if "output goes home from memory" in line]) == 1, text
+    assert len([line for line in said if "the spool takes output again" in line]) <= 1, text
+    assert not [line for line in said if "paused" in line or "resumes" in line], text
+    assert sha256_file(home / "h.out") == expected(12 * MB, 9) and sha256_file(home / "h.err") == expected(12 * MB, 10)

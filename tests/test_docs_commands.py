@@ -1,0 +1,525 @@
+"""Every command the documentation shows works as written.
+
+1. Every gcwrap and gcshadow command line in README.md (code blocks, and
+   inline code that is a whole command), in the man pages' examples (every
+   `.nf` block), in examples/ (the scripts, their comments, the HTCondor
+   `arguments`) and in each command's --help examples is parsed by the real
+   click parser, with the environment variables its block exports: every
+   option exists and every value is valid.
+2. A shadow that listens beyond loopback carries authentication (a token, or
+   TLS with client certificates) or says --insecure; an agent that talks to a
+   shadow beyond loopback carries the token or TLS (such a shadow refuses
+   anyone else).
+3. The README's own sessions run for real, unchanged, in a sandbox of their
+   own (tests/sandbox.py: its own loopback, /tmp, /etc/hosts and HOME, so
+   port 50000, /tmp/rd/results and home.example.org are the documented
+   ones): the quick start, the session transcript, the demo, the outage, the
+   retry limit and resume, the token set-up and the seed's variables. Each
+   transcript's lines must be what the commands print, up to the figures
+   that change from run to run (times, ports, instance ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+
+from gcwrap.auth import is_loopback
+from gcwrap.cli import main as gcwrap_main
+from gcwrap.cli import parse_hostport
+from gcwrap.shadow_cli import main as gcshadow_main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PROGRAMS: dict[str, click.Group] = {"gcwrap": gcwrap_main, "gcshadow": gcshadow_main}
+# What a command line may read from its environment: stripped for the parse, so only what the docs set counts.
+ENV_PREFIXES = ("GCWRAP_", "GCSHADOW_", "GRID_CONSOLE_", "BYPASS_SHADOW_")
+
+
+@dataclass
+class Line:
+    """One shell line of the documentation (continuations joined)."""
+
+    where: str  # file:line
+    text: str
+    env: dict[str, str]  # what the lines before it in the same block exported
+    inline: bool = False  # inline code in prose: parsed, not held to the security rules
+
+
+@dataclass
+class Invocation:
+    where: str
+    prog: str
+    args: list[str]
+    env: dict[str, str]
+    inline: bool
+
+
+# -- the documentation's command lines ------------------------------------------------------------------
+
+
+def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None
+    for n, line in lines:
+        if pending is not None:
+            pending = (pending[0], pending[1] + " " + line.strip())
+        else:
+            pending = (n, line)
+        if pending[1].rstrip().endswith("\\"):
+            pending = (pending[0], pending[1].rstrip()[:-1])
+            continue
+        out.append(pending)
+        pending = None
+    if pending is not None:
+        out.append(pending)
+    return out
+
+
+def _block_lines(where: str, lines: list[tuple[int, str]], kind: str = "sh") -> list[Line]:
+    """The shell lines of one code block: in a console transcript only the
+    `$ ` ones; in a text block (messages, a submit file) only an HTCondor
+    `arguments` line; and only lines that run gcwrap or gcshadow, or export."""
+    env: dict[str, str] = {}
+    out = []
+    if kind == "console":
+        lines = [(n, line[2:]) for n, line in lines if line.startswith("$ ")]
+    for n, text in _join_continuations(lines):
+        stripped = text.strip()
+        condor = re.match(r'arguments\s*=\s*"(.*)"\s*$', stripped)
+        if condor:  # an HTCondor submit file: gcwrap is the executable
+            text = "gcwrap " + condor.group(1)
+        elif stripped.startswith("#"):
+            # A comment: a command it gives ("# At home: gcshadow ..."), or inline code in its prose.
+            given = re.match(r"#\s*(?:[A-Z][\w ]*:\s*)?((?:gcwrap|gcshadow)\s.*)$", stripped)
+            if given:
+                out.append(Line(f"{where}:{n}", given.group(1), dict(env)))
+            out += [Line(f"{where}:{n}", span, {}, inline=True) for span in _inline_commands(stripped)]
+            continue
+        elif kind == "text" or not re.search(r"\b(gcwrap|gcshadow|export) ", stripped):
+            continue
+        for m in re.finditer(r"(?:^|;|&&)\s*export\s+((?:\w+=\S+\s*)+)", text):
+            for assignment in m.group(1).split():
+                key, _, value = assignment.partition("=")
+                env[key] = os.path.expanduser(value)
+        out.append(Line(f"{where}:{n}", text, dict(env)))
+    return out
+
+
+def readme_lines() -> list[Line]:
+    text = README.read_text(encoding="utf-8").splitlines()
+    out: list[Line] = []
+    block: list[tuple[int, str]] | None = None
+    lang = ""
+    for n, line in enumerate(text, 1):
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence:
+            if block is None:
+                block, lang = [], fence.group(1)
+            else:
+                out += _block_lines("README.md", block, "console" if lang == "console" else "text" if lang == "text" else "sh")
+                block = None
+            continue
+        if block is not None:
+            block.append((n, line.strip() if lang != "console" else line))
+            continue
+        out += [Line(f"README.md:{n}", span, {}, inline=True) for span in _inline_commands(line)]
+    return out
+
+
+def _inline_commands(prose: str) -> list[str]:
+    """Inline code that is a whole command: not a synopsis ([OPTIONS], COMMAND, JOB...)."""
+    return [span for span in re.findall(r"`([^`]+)`", prose)
+            if re.match(r"(gcwrap|gcshadow)( |$)", span) and not re.search(r"[\[\]]|\.\.\.|\b[A-Z]{3,}\b", span)]
+
+
+def roff_plain(line: str) -> str:
+    line = re.sub(r"\\f(\[[^]]*\]|.)", "", line)
+    line = line.replace("\\-", "-").replace("\\(aq", "'").replace("\\e", "\\").replace("\\&", "")
+    return line
+
+
+def man_lines() -> list[Line]:
+    out: list[Line] = []
+    for page in sorted((ROOT / "man").glob("*.1")):
+        block: list[tuple[int, str]] | None = None
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith(".nf"):
+                block = []
+            elif line.startswith(".fi") and block is not None:
+                out += _block_lines(f"man/{page.name}", block)
+                block = None
+            elif block is not None:
+                block.append((n, roff_plain(line)))
+    return out
+
+
+def example_lines() -> list[Line]:
+    out: list[Line] = []
+    for path in sorted((ROOT / "examples").iterdir()):
+        lines = list(enumerate(path.read_text(encoding="utf-8").splitlines(), 1))
+        out += _block_lines(f"examples/{path.name}", lines)
+    return out
+
+
+def help_lines() -> list[Line]:
+    """The examples in each command's --help (after "Example:" up to a blank line)."""
+    out: list[Line] = []
+    for prog, group in PROGRAMS.items():
+        for name, cmd in {"": group, **group.commands}.items():
+            block: list[tuple[int, str]] | None = None
+            for n, line in enumerate([*(cmd.help or "").splitlines(), ""], 1):
+                if re.match(r"\s*Examples?\b.*:\s*$", line):
+                    block = []
+                elif block is not None and line.strip():
+                    block.append((n, line.strip()))
+                elif block is not None:
+                    out += _block_lines(f"{prog} {name} --help".replace("  ", " "), block)
+                    block = None
+    return out
+
+
+def all_lines() -> list[Line]:
+    return readme_lines() + man_lines() + example_lines() + help_lines()
+
+
+def invocations(line: Line) -> list[Invocation]:
+    """The gcwrap and gcshadow commands in a shell line (after `;`, `&&`, `|`, `exec`, VAR=value...)."""
+    lex = shlex.shlex(line.text, posix=True, punctuation_chars=";&|")
+    lex.whitespace_split = True
+    try:
+        words = list(lex)
+    except ValueError as e:
+        raise AssertionError(f"{line.where}: not a shell line ({e}): {line.text}") from None
+    commands: list[list[str]] = [[]]
+    for w in words:
+        if w and set(w) <= set(";&|"):
+            commands.append([])
+        else:
+            commands[-1].append(w)
+    out = []
+    for words in commands:
+        env = dict(line.env)
+        while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        if words and words[0] in ("exec", "export"):
+            if words[0] == "export":
+                continue
+            words = words[1:]
+        if words and Path(words[0]).name in PROGRAMS:
+            out.append(Invocation(line.where, Path(words[0]).name, words[1:], env, line.inline))
+    return out
+
+
+def all_invocations() -> list[Invocation]:
+    return [inv for line in all_lines() for inv in invocations(line)]
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    try:
+        for key in [k for k in os.environ if k.startswith(ENV_PREFIXES)]:
+            del os.environ[key]
+        os.environ.update(env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def parse(inv: Invocation) -> tuple[str, dict[str, Any]]:
+    """(subcommand, its parameters) as click parses the invocation; AssertionError if it cannot."""
+    group = PROGRAMS[inv.prog]
+    shown = f"{inv.where}: `{shlex.join([inv.prog, *inv.args])}`"
+    with environment(inv.env):
+        try:
+            ctx = group.make_context(inv.prog, list(inv.args))
+            protected = getattr(ctx, "_protected_args", None)
+            rest = [*(ctx.protected_args if protected is None else protected), *ctx.args]
+            if not rest:
+                return "", {}
+            name, cmd, args = group.resolve_command(ctx, rest)
+            assert cmd is not None and name is not None
+            sub = cmd.make_context(name, args, parent=ctx)
+            return name, dict(sub.params)
+        except click.exceptions.Exit:  # --help, --version
+            return "", {}
+        except click.ClickException as e:
+            raise AssertionError(f"{shown}: {e.format_message()}") from None
+
+
+# -- the tests ------------------------------------------------------------------------------------------
+
+
+def test_the_documentation_has_commands_from_every_source() -> None:
+    wheres = Counter(inv.where.split(":")[0].split(" ")[0] for inv in all_invocations())
+    assert wheres["README.md"] >= 30 and wheres["man/gcwrap.1"] >= 5 and wheres["man/gcshadow.1"] >= 5, wheres
+    assert all(wheres[f"examples/{p.name}"] >= 1 for p in (ROOT / "examples").iterdir()), wheres
+    assert wheres["gcwrap"] >= 4 and wheres["gcshadow"] >= 4, wheres  # --help examples
+
+
+def test_every_documented_command_parses() -> None:
+    failures = []
+    for inv in all_invocations():
+        if inv.inline and all(a in PROGRAMS[inv.prog].commands for a in inv.args):
+            continue  # prose naming a command (`gcwrap run`), not running one
+        try:
+            parse(inv)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "documented commands that do not parse:\n" + "\n".join(failures)
+
+
+def _shadow_of(params: dict[str, Any], env: dict[str, str]) -> str | None:
+    if params.get("shadow"):
+        return str(params["shadow"])
+    if env.get("BYPASS_SHADOW_HOST") and env.get("BYPASS_SHADOW_PORT"):
+        return f"{env['BYPASS_SHADOW_HOST']}:{env['BYPASS_SHADOW_PORT']}"
+    return None
+
+
+def security_problems(inv: Invocation) -> list[str]:
+    """What is wrong with the invocation's security posture (see the module's docstring)."""
+    name, params = parse(inv)
+    shown = f"{inv.where}: `{shlex.join([inv.prog, *inv.args])}`"
+    if inv.prog == "gcshadow" and name == "serve" and not is_loopback(params["host"]) and not (
+            params["token_file"] or (params["tls_cert"] and params["tls_ca"]) or params["insecure"]):
+        return [(f"{shown}: listens on {params['host']} without --token-file, --tls-cert with --tls-ca, "
+                 "or --insecure (gcshadow refuses to start)")]
+    if inv.prog == "gcwrap" and name == "run":
+        shadow = _shadow_of(params, inv.env)
+        host = parse_hostport(shadow)[0] if shadow else "127.0.0.1"
+        if not is_loopback(host) and not (params["token_file"] or params["tls_on"] or params["tls_ca"]
+                                          or params["tls_cert"]):
+            return [(f"{shown}: talks to the shadow {shadow} with neither a token nor TLS (such a shadow "
+                     "requires one: give --token-file, as the shadow's examples do)")]
+    return []
+
+
+def test_public_binds_carry_authentication_and_agents_carry_credentials() -> None:
+    problems = [p for inv in all_invocations() if not inv.inline for p in security_problems(inv)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_what_they_are_for() -> None:
+    """The rules above fail on the lines this test exists for."""
+    bad = [
+        Line("x:1", "gcshadow --host 0.0.0.0 --port 50000 --root ~/results", {}),
+        Line("x:2", "gcwrap --shadow home.example.org:50000 --stdout o -- ./app", {}),
+        Line("x:3", "BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=1 gcwrap -- ./app", {}),
+    ]
+    for line in bad:
+        (inv,) = invocations(line)
+        assert security_problems(inv), line.text
+    for text in ("gcshadow --port abc", "gcwrap --shadow h:1 --no-such-option -- true",
+                 "gcwrap --shadow h:1 --stdout 'out/%q' -- true", "gcshadow jobs --watch --interval 0"):
+        (inv,) = invocations(Line("x:4", text, {}))
+        with pytest.raises(AssertionError):
+            parse(inv)
+    good = Line("x:5", "gcshadow --host 0.0.0.0 --root ~/r --token-file ~/.t; gcwrap --shadow 127.0.0.1:1 -- true", {})
+    assert [security_problems(inv) for inv in invocations(good)] == [[], []]
+
+
+# -- 3. the README's sessions, run for real ------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    heading: str  # the nearest heading above it
+    line: int
+    lang: str
+    lines: list[str]
+
+    def transcript(self) -> list[tuple[str, list[str]]]:
+        """A console block as (command, the lines it printed)."""
+        out: list[tuple[str, list[str]]] = []
+        for line in self.lines:
+            if line.startswith("$ "):
+                out.append((line[2:], []))
+            elif out:
+                out[-1][1].append(line)
+        return out
+
+
+def readme_blocks() -> list[Block]:
+    out = []
+    heading = ""
+    block: Block | None = None
+    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        if block is None and line.startswith("#") and not line.startswith("#!"):
+            heading = line.lstrip("# ").strip()
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence and block is None:
+            block = Block(heading, n, fence.group(1), [])
+        elif fence and block is not None:
+            out.append(block)
+            block = None
+        elif block is not None:
+            block.lines.append(line.strip() if block.lang == "sh" else line)
+    return out
+
+
+def block(heading: str, containing: str) -> Block:
+    found = [b for b in readme_blocks() if b.heading == heading and any(containing in x for x in b.lines)]
+    assert len(found) == 1, f"README.md: no single block under {heading!r} with {containing!r}"
+    return found[0]
+
+
+def shape(line: str) -> str:
+    """A line with what changes from run to run made equal: figures, times,
+    ports, sizes and their units, instance ids, temporary names, checksums,
+    and the spacing of table cells."""
+    line = re.sub(r"gcwrap-demo-[\w-]+", "gcwrap-demo-X", line)
+    line = re.sub(r"\b[0-9a-f]{64}\b", "SHA256", line)
+    line = re.sub(r"\b[0-9a-f]{16}\b", "INSTANCE", line)
+    line = re.sub(r"\d+(\.\d+)?(?:e[-+]?\d+)?", "#", line)
+    line = re.sub(r"# ?[smh] ago", "# ago", line)
+    line = re.sub(r"\b(B|KiB|MiB|GiB|TiB|kB|MB|GB)\b", "U", line)
+    line = re.sub(r"[━─]+", "─", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def same_lines(where: str, expected: list[str], printed: str) -> None:
+    want = Counter(shape(x) for x in expected if x.strip())
+    got = Counter(shape(x) for x in printed.splitlines() if x.strip())
+    missing, extra = want - got, got - want
+    assert not missing and not extra, (
+        f"{where}: the README's transcript is not what the commands print now\n"
+        f"in the README only: {sorted(missing)}\nprinted only: {sorted(extra)}\nprinted:\n{printed}"
+    )
+
+
+APP = """#!/bin/sh
+# Stands in for the user's program: `./app -n N` prints N steps, and a note on stderr.
+n=3; [ "$1" = -n ] && n=$2
+i=1; while [ "$i" -le "$n" ]; do echo "step $i"; i=$((i + 1)); done
+echo "done after $n steps" >&2
+"""
+
+
+def need_sandbox() -> None:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        pytest.skip("needs root, unshare and ip: the documented commands run in namespaces of their own")
+
+
+def sandbox_run(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import sandbox
+
+    results = sandbox.run(steps)
+    assert len(results) == len(steps)
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_quick_start_and_the_seeds_variables_work_as_written() -> None:
+    """The quick start's commands, unchanged, on one machine whose /etc/hosts
+    names it home.example.org; then the seed's variables against the same shadow."""
+    need_sandbox()
+    serve, wrap = [b for b in readme_blocks() if b.heading == "Quick start on two machines" and b.lang == "sh"]
+    token, shadow = serve.lines[0], serve.lines[1]
+    seed = block("Environment variables", "export BYPASS_SHADOW_HOST")
+    steps: list[dict[str, Any]] = [
+        {"file": "app", "text": APP, "mode": "755"},
+        {"sh": token},
+        {"serve": shadow, "name": "shadow", "port": 50000},
+        {"sh": wrap.lines[0], "timeout": 60},
+        {"sh": "cat ~/results/run1/out.5 ~/results/run1/err.5"},
+        {"sh": "\n".join(seed.lines), "timeout": 60},
+        {"sh": "cat ~/results/outfile.5 ~/results/errfile.5"},
+        {"stop": "shadow"},
+    ]
+    r = sandbox_run(steps)
+    assert r[1]["rc"] == 0, r[1]
+    assert "error" not in r[2], r[2]
+    assert r[3]["rc"] == 0, r[3]["output"]
+    assert r[4]["output"] == "step 1\nstep 2\nstep 3\nstep 4\nstep 5\ndone after 5 steps\n", r[4]
+    assert r[5]["rc"] == 0, r[5]["output"]
+    assert r[6]["output"] == "step 1\nstep 2\nstep 3\ndone after 3 steps\n", r[6]
+    assert "job " in r[7]["output"] and "refused" not in r[7]["output"], r[7]["output"]
+
+
+@pytest.mark.timeout(300)
+def test_the_token_setup_in_security_works_as_written() -> None:
+    need_sandbox()
+    lines = block("Security", "openssl rand").lines
+    assert len(lines) == 3 and lines[1].startswith("gcshadow") and lines[2].startswith("gcwrap")
+    r = sandbox_run([
+        {"file": "app", "text": APP, "mode": "755"},
+        {"sh": lines[0]},
+        {"serve": lines[1], "name": "shadow", "port": 50000},
+        {"sh": lines[2], "timeout": 60},
+        {"sh": "cat ~/results/out.5; stat -c %a ~/.gcshadow-token"},
+        {"stop": "shadow"},
+    ])
+    assert "error" not in r[2], r[2]
+    assert r[3]["rc"] == 0, r[3]["output"]
+    assert r[4]["output"] == "step 1\nstep 2\nstep 3\n600\n", r[4]
+
+
+@pytest.mark.timeout(400)
+def test_the_readme_sessions_print_what_the_readme_shows() -> None:
+    """The session of the quick start, the demo, and the failures (an outage,
+    the retry limit, resume, `gcwrap status` during each), run in README order
+    against one shadow on 127.0.0.1:50000 that the test stops and starts
+    where the text says so. Every line printed must be in the transcript, and
+    every line of the transcript printed."""
+    need_sandbox()
+    log_block, session = [b for b in readme_blocks() if b.heading == "Quick start on two machines"
+                          and b.lang == "console"]
+    ((serve, log_lines),) = log_block.transcript()
+    demo = block("The demo", "$ gcwrap demo").transcript()
+    (outage,) = block("When things fail", "--job-id example-4").transcript()
+    (outage_status,) = next(b for b in readme_blocks() if b.heading == "When things fail" and b.lang == "console"
+                            and b.lines[0] == "$ gcwrap status" and any("example-4" in x for x in b.lines)).transcript()
+    late = block("When things fail", "--job-id example-5").transcript()
+    resume = block("When things fail", "$ gcwrap resume").transcript()
+    # Each step, and the README's lines for what it prints (None: not shown there).
+    plan: list[tuple[dict[str, Any], tuple[str, list[str]] | None]] = [
+        ({"serve": serve, "name": "shadow", "port": 50000}, None)]
+    plan += [({"sh": cmd, "timeout": 120}, (f"README.md:{session.line} `{cmd}`", lines))
+             for cmd, lines in session.transcript() + demo]
+    # "the shadow was stopped while a job ran, and started again three seconds later"
+    plan += [({"start": outage[0], "name": "outage"}, None), ({"sleep": 1.2}, None),
+             ({"stop": "shadow"}, None), ({"sleep": 1.5}, None),
+             ({"sh": outage_status[0]}, ("`gcwrap status` during the outage", outage_status[1])),
+             ({"sleep": 1.5}, None), ({"serve": serve, "name": "shadow2", "port": 50000}, None),
+             ({"wait": "outage", "timeout": 60}, (f"`{outage[0]}`", outage[1])), ({"stop": "shadow2"}, None)]
+    # the retry limit, with the shadow down; then resume with it back
+    plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in late]
+    plan += [({"serve": serve, "name": "shadow3", "port": 50000}, None)]
+    plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in resume]
+    plan += [({"stop": "shadow3"}, None)]
+    r = sandbox_run([step for step, _ in plan])
+    if os.environ.get("GCWRAP_DOCS_TRANSCRIPTS"):  # for whoever updates the README: what the commands print now
+        Path(os.environ["GCWRAP_DOCS_TRANSCRIPTS"]).write_text("\n".join(
+            f"$ {x['step'].get('sh') or x['step'].get('start') or x['step'].get('stop') or x['step'].get('wait') or ''}"
+            f"\n{x.get('output', '')}" for x in r))
+    failures = []
+    for (step, check), result in zip(plan, r):
+        assert "error" not in result, result
+        if check is not None:
+            try:
+                same_lines(check[0], check[1], result["output"])
+            except AssertionError as e:
+                failures.append(str(e))
+    # The shadow's log up to the outage is the README's (the outage job's own session comes after).
+    (log,) = [x["output"] for x in r if x["step"].get("stop") == "shadow"]
+    try:
+        same_lines(f"README.md:{log_block.line} the shadow's log", log_lines,
+                   "\n".join(log.splitlines()[: len([x for x in log_lines if x.strip()])]))
+    except AssertionError as e:
+        failures.append(str(e))
+    assert not failures, "\n\n".join(failures)
