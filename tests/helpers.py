@@ -187,3 +187,34 @@ def file_size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+def as_user(uid: int, gid: int | None = None) -> list[str]:
+    """A command prefix that runs a command as `uid`:`gid` (setpriv, no
+    supplementary groups, no capabilities) with this Python still reachable.
+
+    Where the interpreter or the installed commands lie under a directory
+    closed to other users (/root, mode 0700), the command runs in a private
+    mount namespace in which that directory is a small tmpfs laid open,
+    holding only the subtree they need (bound from a descriptor opened
+    before). Nothing else changes for the user: every other path, and every
+    permission check on it, is the real one."""
+    gid = uid if gid is None else gid
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    needed = {Path(sys.executable).resolve(), Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
+              *(Path(tool(name)[0]).resolve() for name in ("gcwrap", "gcshadow"))}
+    pairs: dict[Path, Path] = {}  # exposed subtree -> its closed parent
+    for path in needed:
+        for parent, child in zip(path.parents[::-1], [*path.parents[::-1][1:], path]):
+            if not parent.stat().st_mode & 0o001:
+                pairs[child] = parent
+                break
+    if not pairs:
+        return drop
+    steps = [f"exec {3 + i}<'{exposed}'" for i, exposed in enumerate(pairs)]
+    steps += [f"mount -t tmpfs -o mode=0755,size=64k tmpfs '{closed}'" for closed in sorted(set(pairs.values()))]
+    for i, exposed in enumerate(pairs):
+        # (-c: mount must not resolve /proc/self/fd/N to the path it names, which the tmpfs now hides.)
+        steps += [f"mkdir -p '{exposed}'", f"mount -c --bind /proc/self/fd/{3 + i} '{exposed}'", f"exec {3 + i}<&-"]
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join([*steps, 'exec "$@"']), "sh",
+            *drop]

@@ -21,14 +21,33 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from faults import Tmpfs, need_root
+from helpers import (
+    ShadowProc,
+    Wrapper,
+    as_user,
+    expected,
+    file_size,
+    genjob,
+    sha256_file,
+    spool_status,
+    tool,
+    wait_until,
+)
 from rich.console import Console
 
-from faults import Tmpfs, need_root
 from gcwrap.cli import main as gcwrap_main
-from gcwrap.render import (UNLIMITED, job_detail, jobs_table, jobs_view, print_view, status_details, status_table,
-                           status_view)
+from gcwrap.render import (
+    UNLIMITED,
+    job_detail,
+    jobs_table,
+    jobs_view,
+    print_view,
+    status_details,
+    status_table,
+    status_view,
+)
 from gcwrap.shadow_cli import main as gcshadow_main
-from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, tool, wait_until
 
 MB = 1_000_000
 
@@ -403,7 +422,7 @@ def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_di
 def serve_fails(args: list[str], user: int | None = None, timeout: float = 30) -> str:
     """gcshadow serve exits 1 at once; its error line."""
     # As an unprivileged user, the way a home machine runs it.
-    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    prefix = as_user(user) if user is not None else []
     res = subprocess.run([*prefix, *tool("gcshadow"), "serve", "--port", "0", *args], capture_output=True,
                          text=True, timeout=timeout, check=False)
     assert res.returncode == 1, (res.returncode, res.stderr)
