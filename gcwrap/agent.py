@@ -140,6 +140,7 @@ class Agent:
         self.give_up: Outcome | None = None
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
+        self.must_end = trio.Event()  # set: end the job now (see `end_job`)
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
         }
@@ -189,6 +190,21 @@ class Agent:
     @property
     def all_delivered(self) -> bool:
         return self.exit_event is not None and all(o.delivered for o in self.out.values())
+
+    @property
+    def stdin_starved(self) -> bool:
+        """The job has a --stdin and has not had all of it (nor closed its stdin)."""
+        feeder = self.stdin
+        return feeder is not None and not feeder.closed and not (feeder.eof and feeder.written >= feeder.fetched)
+
+    def end_job(self, reason: str) -> None:
+        """End the running job (SIGTERM to its process group, SIGKILL after
+        KILL_GRACE), recording why: in the spool, the live status, the EXIT."""
+        if self.child_exited or self.must_end.is_set():
+            return
+        self.kill_reason = reason
+        self.note(reason=reason)
+        self.must_end.set()
 
     @property
     def blocked(self) -> bool:
@@ -473,11 +489,18 @@ class Agent:
             self.stats["failures"] += 1
             self.note(last_error=reason, retries=int(self.stats["failures"]))
             refused = isinstance(error, ShadowRefused) and error.permanent
-            if refused:
+            if refused and self.stdin_starved and not self.child_exited:
+                # A job whose stdin can never be fed must not wait for it (nor
+                # compute from missing input): end it, as a batch system would
+                # not have started it. Its output so far stays in the spool.
+                log.info("%s; ending the job, its stdin can never be fed", reason)
+                self.end_job(f"the job's stdin {self.opts.stdin!r} can never be fed ({reason}): the job was ended")
+            elif refused:
                 # Refused for good (token, name, owner...): something to fix at
                 # home. The job keeps running into its spool; say so now, loudly.
                 if self.refusal is None or str(self.refusal) != str(error):
                     log.error("%s; the job goes on, its output is kept in the spool", reason)
+            if refused:
                 self.refusal = error  # type: ignore[assignment]
                 if self.exit_event is not None:
                     return  # the job has ended: retrying now changes nothing
@@ -711,11 +734,17 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
                 with trio.CancelScope(shield=True):
                     await _end_job(proc, KILL_GRACE)
 
+    async def end_when_asked() -> None:
+        await agent.must_end.wait()
+        with trio.CancelScope(shield=True):
+            await _end_job(proc, KILL_GRACE)
+
     async with trio.open_nursery() as nursery:
         if agent.specs:  # with no stream named there is nothing to spool
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
         nursery.start_soon(_forward_signals, proc, agent)
+        nursery.start_soon(end_when_asked)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)
         nursery.start_soon(deliver)
@@ -782,7 +811,7 @@ def _finish(agent: Agent, job_status: int | None, lost: int = 0) -> Outcome:
         log.error("could not record the job's final state in %s", path)
     spooler.close()
     if agent.refusal is not None:
-        outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path)
+        outcome = Outcome(exitcodes.REFUSED, job_status, agent.kill_reason or describe(agent.refusal), path)
     elif agent.give_up is not None:
         outcome = agent.give_up
         outcome.job_status, outcome.spool = job_status, path
