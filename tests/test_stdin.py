@@ -126,8 +126,12 @@ def test_a_refusal_after_the_job_had_all_its_stdin_ends_nothing(home: Path, spoo
                  "--stdin", "in.txt", "--stdout", "h.out", "--", "sh", "-c",
                  f"cat; while [ ! -e {gate} ]; do sleep 0.05; done; echo after"])
     try:
-        wait_until(lambda: (home / "h.out").exists() and (home / "h.out").read_bytes() == b"all of it\n", 30,
-                   "the job's stdin, echoed, at home")
+
+        def echoed_and_acknowledged() -> bool:
+            spools = spool_status(spool_dir)
+            return bool(spools) and spools[0]["streams"][0]["acked"] == len(b"all of it\n")  # type: ignore[index]
+
+        wait_until(echoed_and_acknowledged, 30, "the job's stdin, echoed, acknowledged by home")
         sh.stop()
         token = tmp_path / "token"
         token.write_text(os.urandom(32).hex() + "\n")
