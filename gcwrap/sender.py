@@ -448,7 +448,7 @@ class Session:
             what = "the job's end (EXIT) was never answered"
         else:
             out = self.agent.out[request[1]]  # type: ignore[index]
-            what = f"{self.handed[out.id] - out.acked} bytes of {out.kind} were never acknowledged"
+            what = f"{self.handed[out.id] - out.acked:,} bytes of {out.kind} were never acknowledged"
         raise Stalled(f"{what} within {limit}, though the bytes left this host and heartbeats are answered")
 
 
