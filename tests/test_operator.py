@@ -112,7 +112,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
         assert f"ended: shadow 127.0.0.1:{port} (not connected)" in details
         assert "connection refused" in details
         # SIGTERM reaches the whole job (a shell's children too); a second
-        # one, once the job has ended, stops delivery and keeps the spool.
+        # one stops delivery at once and keeps the spool.
         for w in (running, paused):
             w.proc.terminate()
         for w, spool_at in ((running, spools), (paused, fs.path)):
@@ -121,7 +121,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
                                    for s in spool_status(spool_at)), 30, f"{job_id} to end")
             w.proc.terminate()
             assert w.wait(30) == 122
-            assert b"received after the job ended: delivery stopped" in w.err
+            assert b"SIGTERM received: delivery stopped after a second signal; not yet home: " in w.err
         assert b"gcwrap resume --spool" in running.err
         # the paused job never had room for a spool: gcwrap says what was lost
         assert b"could neither be spooled nor delivered and are lost" in paused.err
