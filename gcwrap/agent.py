@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import fcntl
 import logging
+import math
 import os
 import signal
 import ssl
@@ -36,7 +37,7 @@ import termios
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -68,6 +69,9 @@ ACK_COMMIT_INTERVAL = 0.2  # seconds an acknowledgement alone may wait to be rec
 # ended, the disk is tight, or a quarter of --memory-limit waits unrecorded.
 COMMIT_PACE = 0.01
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
+SIGNAL_GRACE = 5.0  # seconds gcwrap goes on delivering after SIGTERM, SIGINT or SIGHUP (see StopClock)
+LAST_TRY = 1.0  # ...and after the job's end, for a job that outlives that grace
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the job; gcwrap ends (StopClock)
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # The final flush (see Agent.final_flush) leaves this much free for the rows
 # and WAL pages that record its pieces, and gives up on pieces smaller than
@@ -115,6 +119,36 @@ class Outcome:
     refused: bool = False  # the shadow refused the job for good
 
 
+class StopClock:
+    """When gcwrap stops delivering after SIGTERM, SIGINT or SIGHUP (a batch
+    system's walltime, `timeout`, Ctrl-C): a pure policy, times passed in.
+
+    The first signal leaves `grace` seconds, counted from the signal whether
+    the job had ended or not (the job gets the signal too, and usually ends
+    at once). A job that ends later than that gets `last_try` seconds after
+    its end: one short last attempt. A second signal means stop now. What is
+    not home by then waits in the spool for `gcwrap resume`."""
+
+    def __init__(self, grace: float = SIGNAL_GRACE, last_try: float = LAST_TRY) -> None:
+        self.grace = grace
+        self.last_try = last_try
+        self.signals = 0
+        self.name = ""  # the first signal's name
+        self.deadline = math.inf
+
+    def signal(self, now: float, name: str) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.name = name
+            self.deadline = now + self.grace
+        else:
+            self.deadline = min(self.deadline, now)
+
+    def job_ended(self, now: float) -> None:
+        if self.signals == 1:
+            self.deadline = max(self.deadline, now + self.last_try)
+
+
 def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
@@ -159,12 +193,15 @@ class Agent:
         self.refusal: ShadowRefused | None = None
         self.kill_reason = ""  # why gcwrap ended the job, when it did
         self.lost: dict[int, tuple[int, int]] = {}  # stream -> [start, end) that nothing holds (see final_flush)
+        self.must_end = trio.Event()  # set: end the job now (see `end_job`)
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
         }
         self.started = time.monotonic()
         self.connected_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
+        self.stop = StopClock()
+        self.delivering = False  # the deliver loop runs
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
         self.resuming = False  # delivering a spool left behind (gcwrap resume), not running a job
@@ -209,6 +246,21 @@ class Agent:
     @property
     def all_delivered(self) -> bool:
         return self.exit_event is not None and all(o.delivered for o in self.out.values())
+
+    @property
+    def stdin_starved(self) -> bool:
+        """The job has a --stdin and has not had all of it (nor closed its stdin)."""
+        feeder = self.stdin
+        return feeder is not None and not feeder.closed and not (feeder.eof and feeder.written >= feeder.fetched)
+
+    def end_job(self, reason: str) -> None:
+        """End the running job (SIGTERM to its process group, SIGKILL after
+        KILL_GRACE), recording why: in the spool, the live status, the EXIT."""
+        if self.child_exited or self.must_end.is_set():
+            return
+        self.kill_reason = reason
+        self.note(reason=reason)
+        self.must_end.set()
 
     @property
     def blocked(self) -> bool:
@@ -520,6 +572,7 @@ class Agent:
         backoff = Backoff(cap=self.opts.retry_timeout)
         while True:
             self.stats["attempts"] += 1
+            seen = (self.stop.signals, self.exit_event is not None)
             session = Session(self, where)
             error: BaseException
             try:
@@ -560,11 +613,18 @@ class Agent:
             self.stats["failures"] += 1
             self.note(last_error=reason, retries=int(self.stats["failures"]))
             refused = isinstance(error, ShadowRefused) and error.permanent
-            if refused:
+            if refused and self.stdin_starved and not self.child_exited:
+                # A job whose stdin can never be fed must not wait for it (nor
+                # compute from missing input): end it, as a batch system would
+                # not have started it. Its output so far stays in the spool.
+                log.info("%s; ending the job, its stdin can never be fed", reason)
+                self.end_job(f"the job's stdin {self.opts.stdin!r} can never be fed ({reason}): the job was ended")
+            elif refused:
                 # Refused for good (token, name, owner...): something to fix at
                 # home. The job keeps running into its spool; say so now, loudly.
                 if self.refusal is None or str(self.refusal) != str(error):
                     log.error("%s; the job goes on, its output is kept in the spool", reason)
+            if refused:
                 self.refusal = error  # type: ignore[assignment]
                 if self.exit_event is not None:
                     return  # the job has ended: retrying now changes nothing
@@ -595,8 +655,9 @@ class Agent:
             else:
                 log.info("next attempt in %.1f s", delay)
             with trio.move_on_after(delay):
-                # ...but a refused job that ends gets its last try at once.
-                while not (refused and self.exit_event is not None):
+                # ...but a refused job that ends gets its last try at once, and
+                # so does one told to stop by a signal (see StopClock).
+                while not (refused and self.exit_event is not None) and not self._hurry(seen):
                     await self.changed.wait()
 
     def summary(self) -> dict[str, Any]:
@@ -633,6 +694,16 @@ class Agent:
             self.give_up = Outcome(exitcodes.UNDELIVERED, message=reason)
         if self.delivery_scope is not None:
             self.delivery_scope.cancel()
+
+    def not_home(self) -> str:
+        """Per stream, the bytes home has not acknowledged, in words."""
+        return ", ".join(f"{o.read_end - o.acked:,} bytes of {o.kind} ({o.name})" for o in self.out.values())
+
+    def _hurry(self, seen: tuple[int, bool]) -> bool:
+        """A signal came (or the job ended after one) since the attempt that
+        saw `seen`: make the last attempt now, not after the backoff."""
+        now = (self.stop.signals, self.exit_event is not None)
+        return bool(self.stop.signals) and now[1] and now != seen
 
     def exit_frame(self) -> Exit:
         """The EXIT to send, with the summary as of now."""
@@ -733,21 +804,31 @@ def _signal_job(proc: trio.Process, signum: int) -> None:
     proc.send_signal(signum)
 
 
-async def _forward_signals(proc: trio.Process, agent: Agent) -> None:
-    """Signals go to the job. A second one, once the job has ended, means
-    "stop now": delivery stops, the spool is kept for resume. (The first one
-    never does: a batch system signals the job and gcwrap together, and the
-    job may well die before gcwrap reads its copy.)"""
-    received = 0
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            received += 1
-            name = signal.Signals(signum).name
-            if received > 1 and agent.exit_event is not None:
-                agent.interrupt(f"{name} received after the job ended: delivery stopped")
-                continue
+async def _forward_signals(proc: trio.Process, agent: Agent, signals: AsyncIterator[int]) -> None:
+    """SIGTERM, SIGINT and SIGHUP go to the job while it runs, and start
+    gcwrap's own end: it delivers for a bounded grace (see StopClock), then
+    keeps the rest in the spool. A batch system signals the job and gcwrap
+    together: the job may well die before gcwrap reads its copy, so the
+    first signal still leaves time to deliver; a second one stops at once."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        agent.stop.signal(trio.current_time(), name)
+        agent.changed.fire()
+        if proc.returncode is None:
             log.info("forwarding %s to the job", name)
             _signal_job(proc, signum)
+        elif agent.stop.signals == 1 and agent.delivering:
+            log.warning("%s received: delivering for at most %g s more (again to stop now)", name, agent.stop.grace)
+
+
+async def _stop_delivery(agent: Agent, delivery_done: trio.Event) -> None:
+    """The stop clock ran out: stop delivering, and say what waits in the spool."""
+    stop = agent.stop
+    how = "a second signal" if stop.signals > 1 else f"the {stop.grace:g} s grace"
+    agent.interrupt(f"{stop.name} received: delivery stopped after {how}")
+    await delivery_done.wait()
+    if agent.give_up is not None and not agent.delivered.is_set():
+        agent.give_up.message += f"; not yet home: {agent.not_home()}"
 
 
 async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
@@ -781,6 +862,17 @@ async def _end_job(proc: trio.Process, grace: float) -> None:
 
 async def run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
+) -> Outcome:
+    # SIGTERM, SIGINT and SIGHUP are ours from before the job starts to
+    # gcwrap's last word: one that came before `_forward_signals` runs would
+    # otherwise end gcwrap at once (and orphan the job), one that comes
+    # during the last commit, before it prints what happened.
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        return await _run_job(opts, command, job, spool_path, signals)
+
+
+async def _run_job(
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, signals: AsyncIterator[int]
 ) -> Outcome:
     specs = stream_specs(opts)
     if not specs and opts.shadow is not None:
@@ -825,12 +917,15 @@ async def run_job(
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid, spool_path if specs else "none (nothing to spool)")
-    with first_error():
-        status = await _supervise(agent, proc)
-    if not agent.delivered.is_set():
-        await agent.final_flush()
-    outcome = _finish(agent, status)
-    outcome.stats = agent.summary()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_forward_signals, proc, agent, signals)
+        with first_error():
+            status = await _supervise(agent, proc)
+        if not agent.delivered.is_set():
+            await agent.final_flush()
+        outcome = _finish(agent, status)
+        outcome.stats = agent.summary()
+        nursery.cancel_scope.cancel()
     return outcome
 
 
@@ -843,8 +938,10 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
         try:
             if agent.opts.shadow is not None:
                 with trio.CancelScope() as agent.delivery_scope:
+                    agent.delivering = True
                     await agent.deliver_loop()
         finally:
+            agent.delivering = False
             delivery_done.set()
             agent.changed.fire()
             if agent.give_up is not None and agent.exit_event is None:
@@ -853,11 +950,16 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
                 with trio.CancelScope(shield=True):
                     await _end_job(proc, KILL_GRACE)
 
+    async def end_when_asked() -> None:
+        await agent.must_end.wait()
+        with trio.CancelScope(shield=True):
+            await _end_job(proc, KILL_GRACE)
+
     async with trio.open_nursery() as nursery:
         if agent.specs:  # with no stream named there is nothing to spool
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
-        nursery.start_soon(_forward_signals, proc, agent)
+        nursery.start_soon(end_when_asked)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)
         nursery.start_soon(deliver)
@@ -893,8 +995,13 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
         )
         if agent.opts.shadow is None:
             agent.delivered.set()
+        agent.stop.job_ended(trio.current_time())
         while not (agent.delivered.is_set() or delivery_done.is_set()):
-            await agent.changed.wait()
+            if trio.current_time() >= agent.stop.deadline:
+                await _stop_delivery(agent, delivery_done)
+                break
+            with trio.move_on_at(agent.stop.deadline):
+                await agent.changed.wait()
         nursery.cancel_scope.cancel()
     return exit_status(returncode)
 
@@ -941,7 +1048,8 @@ def _finish(agent: Agent, job_status: int | None) -> Outcome:
         log.error("could not record the job's final state in %s", path)
     spooler.close()
     if agent.refusal is not None:
-        outcome = Outcome(exitcodes.REFUSED, job_status, describe(agent.refusal), path, refused=True)
+        outcome = Outcome(exitcodes.REFUSED, job_status, agent.kill_reason or describe(agent.refusal), path,
+                          refused=True)
     elif agent.give_up is not None:
         outcome = agent.give_up
         outcome.job_status, outcome.spool = job_status, path

@@ -139,7 +139,8 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Longest wait in seconds between two attempts (exponential backoff with jitter up to this)."),
         click.option("--heartbeat", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
                      envvar="GCWRAP_HEARTBEAT", show_envvar=True,
-                     help="Seconds between heartbeats; a connection silent for 3 heartbeats is replaced."),
+                     help="Seconds between heartbeats; a connection silent, or leaving what it sent unanswered, "
+                          "for 3 heartbeats is replaced."),
         click.option("-v", "--verbose", count=True, help="More messages on stderr (-vv for debug)."),
         click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr: no warnings, no I/O summary."),
         click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,

@@ -35,6 +35,11 @@ class HeartbeatTimeout(Exception):
     """The peer sent nothing and took nothing for too long (a black hole)."""
 
 
+class Stalled(Exception):
+    """The peer answers heartbeats but not what we asked of it (a handshake,
+    DATA, a STDIN_READ, the EXIT): the connection is replaced."""
+
+
 class ShadowRefused(Exception):
     """The shadow answered with an ERROR frame."""
 
@@ -65,6 +70,8 @@ def describe(exc: BaseException, where: str = "") -> str:
         return f"shadow{at} refused: {exc} [{getattr(exc.code, 'name', exc.code)}]"
     if isinstance(exc, HeartbeatTimeout):
         return f"no answer from the shadow{at}: {exc}"
+    if isinstance(exc, Stalled):
+        return f"the connection to the shadow{at} stalled: {exc}"
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the shadow's host{at}: {exc.strerror or exc}"
     if isinstance(exc, ssl.SSLError):

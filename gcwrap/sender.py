@@ -3,11 +3,14 @@
 A session runs four tasks: `_send_loop` streams DATA from memory or spool and
 asks for stdin, `_recv_loop` dispatches ACK / STDIN_DATA / PING / DONE /
 ERROR, `_pinger` sends a PING every heartbeat, and `_watchdog` declares the
-connection dead when for three heartbeats nothing came in *and* the peer's
-TCP acknowledged none of our bytes (the kernel's send queue did not shrink):
-that is a black hole. A slow shadow behind a thin link still drains the send
-queue, so it stays alive even while one large frame takes longer than the
-timeout and our PING waits behind it. All sends go through one lock.
+connection dead by the rules of `gcwrap.liveness`: a black hole (for three
+heartbeats nothing came in and the peer's TCP acknowledged none of our
+bytes), or a stall (DATA, a STDIN_READ or the EXIT that left this host and
+was acknowledged by the peer's TCP, yet had no answer for three heartbeats,
+while PINGs may well be answered). A slow shadow behind a thin link is
+neither: it drains the send queue, and answers what reached it. The
+handshake is bounded the same way: three heartbeats for each answer. All
+sends go through one lock.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import os
 import socket
 import ssl
 import termios
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -43,8 +45,9 @@ from .events import (
     StdinRead,
     Welcome,
 )
+from .liveness import Liveness, watch
 from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
-from .retry import HeartbeatTimeout, ShadowRefused
+from .retry import HeartbeatTimeout, ShadowRefused, Stalled
 from .sync import first_error
 
 if TYPE_CHECKING:
@@ -53,6 +56,15 @@ if TYPE_CHECKING:
 STDIN_PREFETCH = 1 << 20  # bytes of stdin fetched ahead of the job
 READ_BACK = 8 << 20  # bytes read back from the spool per worker-thread call (a backlog, a resume)
 STDIN_REQUEST = 256 << 10
+# What the shadow may say, once it has welcomed us, of the bytes it got on
+# this connection: a gap, a frame it cannot parse, one out of place. Our
+# frames are sound and in order, so the stream was damaged on its way (a
+# middlebox that dropped bytes): a fault of this connection, not a refusal
+# of the job. A fresh connection resumes from the durable offsets.
+DAMAGED_IN_TRANSIT = frozenset({
+    ErrorCode.OFFSET_GAP, ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNEXPECTED,
+    ErrorCode.UNKNOWN_STREAM,
+})
 
 
 class SessionEnd(Exception):
@@ -106,13 +118,14 @@ class Session:
         self.send_lock = trio.Lock()
         self.welcomed = False
         self.progressed = False  # the shadow acknowledged new bytes in this session
-        self.sent: dict[int, int] = {}
+        self.sent: dict[int, int] = {}  # per stream: bytes taken for sending (some may still be on their way out)
+        self.handed: dict[int, int] = {}  # per stream: bytes handed to the kernel in full
         self.raw: socket.socket | None = None
         self.pending: list[Event] = []  # events received but not yet handled
         self.exit_sent = False
-        self.last_in = self.last_out = time.monotonic()
         self.nonces = itertools.count(1)
         self.heartbeat = agent.opts.heartbeat
+        self.liveness = Liveness(self.heartbeat, trio.current_time())
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
@@ -150,6 +163,7 @@ class Session:
         self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
         if self.conn.state is not State.STREAMING or isinstance(stream, trio.SSLStream):
             await self._send_data(stream, sid, offset, await spooler.read_placed(sid, offset, size))
+            self.handed[sid] = offset + size
             return
         sock = self.sock
         # Every trip through trio's scheduler costs tens of microseconds: take
@@ -177,6 +191,7 @@ class Session:
                     # Short: the send buffer is full. Retrying at once would
                     # only fail; wait until the kernel says a third is free.
                     await trio.lowlevel.wait_writable(sock)
+            self.handed[sid] = offset + size
         finally:
             self.send_lock.release()
 
@@ -235,6 +250,7 @@ class Session:
                 )
             out.ack(durable)
         self.sent = {sid: out.acked for sid, out in agent.out.items()}
+        self.handed = dict(self.sent)
         if agent.stdin is not None:
             agent.stdin.in_flight = False
         self.welcomed = True
@@ -257,7 +273,7 @@ class Session:
             events, self.pending = self.pending, []
             return events
         data = await stream.receive_some(65536)
-        self.last_in = time.monotonic()
+        self.liveness.heard(trio.current_time())
         try:
             self.conn.receive_data(data)
             events: list[Event] = []
@@ -274,8 +290,11 @@ class Session:
                 await self._send(stream, Error(e.code, str(e)))
             raise
 
-    async def _await_handshake(self, stream: trio.abc.Stream) -> Welcome | Challenge:
-        with trio.fail_after(self.heartbeat * 3):
+    async def _await_handshake(self, stream: trio.abc.Stream, asked: str) -> Welcome | Challenge:
+        """The shadow's answer to our HELLO or AUTH, within three heartbeats
+        (it may answer PINGs meanwhile: that is no answer)."""
+        limit = self.heartbeat * 3
+        with trio.move_on_after(limit):
             while True:
                 events = await self._receive_events(stream)
                 for i, ev in enumerate(events):
@@ -283,11 +302,12 @@ class Session:
                         self.pending = events[i + 1 :]
                         return ev
                     self._check_failure(ev)
+        raise Stalled(f"the shadow did not answer {asked} within {limit:g} s (3 heartbeats)")
 
     async def _authenticate(self, stream: trio.abc.Stream, hello: Hello, token: bytes | None) -> Welcome:
         """The token handshake (gcwrap.auth): prove we know the token, and make
         the shadow prove it too before any output goes to it."""
-        first = await self._await_handshake(stream)
+        first = await self._await_handshake(stream, "HELLO")
         if isinstance(first, Welcome):
             if token is not None:
                 raise ShadowRefused(
@@ -303,7 +323,7 @@ class Session:
             )
         mac = agent_mac(token, hello.nonce, first.nonce, hello.job_id, hello.instance)
         await self._send(stream, Auth(mac))
-        welcome = await self._await_handshake(stream)
+        welcome = await self._await_handshake(stream, "AUTH")
         if not isinstance(welcome, Welcome) or not same(welcome.proof, shadow_proof(token, hello.nonce, first.nonce)):
             raise ShadowRefused(
                 ErrorCode.AUTH_FAILED,
@@ -314,6 +334,8 @@ class Session:
 
     def _check_failure(self, ev: Event) -> None:
         if isinstance(ev, Error):
+            if self.welcomed and ev.code in DAMAGED_IN_TRANSIT:
+                raise ConnectionLost(f"bytes were lost on the way to the shadow: it says {ev.message} [{ev.code.name}]")
             raise ShadowRefused(ev.code, ev.message, ev.code.permanent, ev.retry_after)
         if isinstance(ev, ConnectionClosed):
             raise ConnectionLost("the shadow closed the connection")
@@ -341,10 +363,12 @@ class Session:
                         raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
                     if moved:
                         self.progressed = True
+                        self.liveness.answered(("data", ev.stream))
                         agent.changed.fire()
                 elif isinstance(ev, StdinData):
                     if agent.stdin is not None and ev.stream == agent.stdin.stream:
                         self.progressed = self.progressed or bool(ev.payload)
+                        self.liveness.answered("stdin")
                         agent.stdin.receive(ev)
                         agent.changed.fire()
                 elif isinstance(ev, Ping):
@@ -382,6 +406,7 @@ class Session:
                         # `sent` first: the ACK for a frame may arrive before its send returns.
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
+                        self.handed[sid] = start + len(payload)
                 progressed = True
             feeder = agent.stdin
             if feeder is not None and feeder.wants():
@@ -401,18 +426,30 @@ class Session:
             await trio.sleep(self.heartbeat)
             await self._send(stream, Ping(next(self.nonces)))
 
+    def _waiting(self) -> list[object]:
+        """What this session asked of the shadow and has had no answer to:
+        bytes handed to the kernel and not acknowledged, a STDIN_READ, the EXIT."""
+        waiting: list[object] = [("data", sid) for sid, out in self.agent.out.items() if self.handed[sid] > out.acked]
+        if self.agent.stdin is not None and self.agent.stdin.in_flight:
+            waiting.append("stdin")
+        if self.exit_sent:
+            waiting.append("exit")
+        return waiting
+
     async def _watchdog(self) -> None:
-        limit = 3 * self.heartbeat
-        queued = send_queue(self.sock)
-        while True:
-            await trio.sleep(self.heartbeat / 4)
-            now = time.monotonic()
-            now_queued = send_queue(self.sock)
-            if now_queued < queued:
-                self.last_out = now  # the peer's TCP acknowledged bytes: it is alive
-            queued = now_queued
-            if now - self.last_in > limit and now - self.last_out > limit:
-                raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit:g} s")
+        """Replace a connection that is dead by the rules of `Liveness`."""
+        rule, request = await watch(self.liveness, self.heartbeat, lambda: (send_queue(self.sock), self._waiting()))
+        limit = f"{self.liveness.limit:g} s"
+        if rule == "silent":
+            raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit}")
+        if request == "stdin":
+            what = "the request for stdin was never answered"
+        elif request == "exit":
+            what = "the job's end (EXIT) was never answered"
+        else:
+            out = self.agent.out[request[1]]  # type: ignore[index]
+            what = f"{self.handed[out.id] - out.acked:,} bytes of {out.kind} were never acknowledged"
+        raise Stalled(f"{what} within {limit}, though the bytes left this host and heartbeats are answered")
 
 
 def send_queue(sock: socket.socket | trio.socket.SocketType) -> int:

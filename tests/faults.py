@@ -247,3 +247,126 @@ def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequ
             raise AssertionError(f"gcshadow in the namespace did not start: {(logdir / 'ns-shadow.log').read_text()}")
         time.sleep(0.02)
     return proc, int(port_file.read_text())
+
+
+class StallRelay:
+    """A middlebox on loopback: relays TCP both ways, and while stalled keeps
+    reading both directions but forwards nothing, then forwards again.
+
+    The peers see a live connection throughout (every byte sent to the relay
+    is taken, TCP-acknowledged, at once); what was read during a stall is
+    gone. With `frames=True` the relay drops whole gcwrap frames (`u32 length
+    | u8 type | body`; the agent's side starts with an 8-byte magic), so what follows a stall still
+    parses: the peers see frames vanish, not garbage. `only` limits a stall
+    to frames of those types (say, DONE), to make one kind of answer vanish.
+    With `frames=False` it drops raw bytes, as a byte-level middlebox would.
+    """
+
+    MAGIC = 8
+    HEADER = 5
+
+    def __init__(self, target: tuple[str, int], frames: bool = True) -> None:
+        self.target = target
+        self.frames = frames
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.socks: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.until = 0.0
+        self.only: frozenset[int] = frozenset()
+        self.dropped = 0  # frames (or reads) dropped
+        self.connections = 0
+
+    def __enter__(self) -> StallRelay:
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.listener.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self.threads:
+            t.join(5)
+
+    def stall(self, seconds: float, only: Sequence[int] = ()) -> None:
+        """Forward nothing (or no frame of the types `only`) for `seconds`, from now."""
+        with self.lock:
+            self.only = frozenset(only)
+            self.until = time.monotonic() + seconds
+
+    def _stalled(self, frame_type: int | None) -> bool:
+        with self.lock:
+            if time.monotonic() >= self.until:
+                return False
+            return not self.only or frame_type in self.only
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            client.settimeout(None)  # (accepted sockets inherit the listener's timeout)
+            upstream.settimeout(None)
+            self.connections += 1
+            self.socks += [client, upstream]
+            for a, b, magic in ((client, upstream, self.MAGIC), (upstream, client, 0)):
+                t = threading.Thread(target=self._pump, args=(a, b, magic), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, magic: int) -> None:
+        """One direction; `magic`: bytes that precede the first frame (the agent's magic)."""
+        buf = b""
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            if not self.frames:
+                if self._stalled(None):
+                    self.dropped += 1
+                    continue
+                out = data
+            else:
+                buf += data
+                out = b""
+                if magic:
+                    take = min(magic, len(buf))
+                    out, buf, magic = buf[:take], buf[take:], magic - take
+                while len(buf) >= self.HEADER:
+                    end = 4 + int.from_bytes(buf[:4], "big")
+                    if len(buf) < end:
+                        break
+                    frame, buf = buf[:end], buf[end:]
+                    if self._stalled(frame[4]):
+                        self.dropped += 1
+                    else:
+                        out += frame
+            try:
+                if out:
+                    dst.sendall(out)
+            except OSError:
+                break
+        for s in (dst, src):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

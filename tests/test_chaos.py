@@ -630,6 +630,7 @@ def test_slow_shadow_is_not_dead(netns: NetNS, home: Path, spool_dir: Path, tmp_
         stop(proc)
     check_landed(home, "s.out", int(1.5 * MB), 17)
     assert b"no answer from the shadow" not in w.err, w.err.decode()
+    assert b"stalled" not in w.err, w.err.decode()
 
 
 # -- preemption ---------------------------------------------------------------------------

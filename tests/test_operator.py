@@ -142,7 +142,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
         assert f"ended: shadow 127.0.0.1:{port} (not connected)" in details
         assert "connection refused" in details
         # SIGTERM reaches the whole job (a shell's children too); a second
-        # one, once the job has ended, stops delivery and keeps the spool.
+        # one stops delivery at once and keeps the spool.
         for w in (running, paused):
             w.proc.terminate()
         for w, spool_at in ((running, spools), (paused, fs.path)):
@@ -152,7 +152,7 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
             w.proc.terminate()
             # (the paused job's output, held in memory, is lost: 121 comes first)
             assert w.wait(30) == (122 if w is running else 121), w.err.decode()
-            assert b"received after the job ended: delivery stopped" in w.err
+            assert b"SIGTERM received: delivery stopped after a second signal; not yet home: " in w.err
         assert b"gcwrap resume --spool" in running.err and b"LOST" not in running.err
         # the paused job never had room for its output: gcwrap says what was lost
         assert b"LOST: the last " in paused.err and b"bytes of stdout (offsets " in paused.err

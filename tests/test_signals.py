@@ -1,0 +1,167 @@
+"""SIGTERM, SIGINT and SIGHUP: a batch system's walltime, `timeout`, Ctrl-C.
+
+gcwrap forwards each to the job while it runs, and obeys them itself within
+a bounded grace counted from the first one: it goes on delivering for at
+most SIGNAL_GRACE seconds (a job that takes longer to end gets LAST_TRY
+seconds after its end), then exits 122, saying how many bytes of each stream
+wait in which spool and that `gcwrap resume` delivers them. A second signal
+means stop at once. (The preemption case, where home is up and everything
+goes home within the grace, is tests/test_chaos.py's
+test_preemption_sigterm_forwarded_and_output_pushed_home.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import Wrapper, spool_status, tool, wait_until
+
+from gcwrap.agent import LAST_TRY, SIGNAL_GRACE, StopClock
+
+MARGIN = 3.0  # seconds for gcwrap's own start-up and exit, on a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def home_down(spool_dir: Path, job_id: str, *args: str) -> list[str]:
+    """gcwrap pointed at a port nobody listens on, retrying forever and slowly
+    (the first signal must cut the wait, not the retry limit)."""
+    return ["--shadow", f"127.0.0.1:{free_port()}", "--spool", str(spool_dir), "--job-id", job_id,
+            "--retry-limit", "0", "--retry-timeout", "60", *args]
+
+
+def job_ended(spool_dir: Path) -> bool:
+    spools = spool_status(spool_dir)
+    return bool(spools) and str(spools[0]["state"]).startswith("exited")
+
+
+def check_message(err: bytes, spool_dir: Path, left: str, name: str) -> None:
+    text = err.decode()
+    (spool,) = spool_dir.glob("*.spool")
+    assert f"{name} received" in text, text
+    assert f"not yet home: {left}" in text, text
+    assert f"undelivered output is kept in {spool}" in text, text
+    assert f"gcwrap resume --spool {spool_dir}" in text, text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_first_signal_after_the_job_ended_is_obeyed(spool_dir: Path, sig: signal.Signals) -> None:
+    """The job has ended, home is down: the first signal ends gcwrap within
+    the grace. Before: it was ignored, and gcwrap retried on forever."""
+    w = Wrapper([*home_down(spool_dir, f"sig-{sig.name}"), "--stdout", "s.out", "--stderr", "s.err", "--",
+                 "sh", "-c", "echo hello; echo oops >&2"])
+    wait_until(lambda: job_ended(spool_dir), 30, "the job's end in the spool")
+    started = time.monotonic()
+    os.kill(w.proc.pid, sig)
+    rc = w.wait(SIGNAL_GRACE + 4 * MARGIN)
+    took = time.monotonic() - started
+    assert rc == 122, w.err.decode()
+    assert took < SIGNAL_GRACE + MARGIN, took
+    check_message(w.err, spool_dir, "6 bytes of stdout (s.out), 5 bytes of stderr (s.err)", sig.name)
+    assert b"the job itself exited with status 0" in w.err
+    (st,) = spool_status(spool_dir)
+    assert {s["kind"]: s["pending"] for s in st["streams"]} == {"stdout": 6, "stderr": 5}  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+def test_timeout_command_ends_gcwrap_within_the_grace(spool_dir: Path) -> None:
+    """`timeout 2 gcwrap ...` with home down: the issue's case (it ran 630 s)."""
+    if shutil.which("timeout") is None:
+        pytest.skip("needs timeout(1) (coreutils)")
+    started = time.monotonic()
+    res = subprocess.run(["timeout", "--preserve-status", "2", *tool("gcwrap"),
+                          *home_down(spool_dir, "walltime"), "--stdout", "t.out", "--", "echo", "computed"],
+                         capture_output=True, timeout=2 + SIGNAL_GRACE + 4 * MARGIN, check=False)
+    took = time.monotonic() - started
+    assert res.returncode == 122, res.stderr.decode()
+    assert took < 2 + SIGNAL_GRACE + MARGIN, took
+    check_message(res.stderr, spool_dir, "9 bytes of stdout (t.out)", "SIGTERM")
+
+
+@pytest.mark.timeout(60)
+def test_second_signal_stops_at_once(spool_dir: Path) -> None:
+    w = Wrapper([*home_down(spool_dir, "twice"), "--stdout", "t.out", "--", "echo", "hi"])
+    wait_until(lambda: job_ended(spool_dir), 30, "the job's end in the spool")
+    os.kill(w.proc.pid, signal.SIGINT)
+    time.sleep(0.3)  # (the first is being obeyed: the grace runs)
+    started = time.monotonic()
+    os.kill(w.proc.pid, signal.SIGINT)
+    rc = w.wait(SIGNAL_GRACE + 4 * MARGIN)
+    assert rc == 122, w.err.decode()
+    assert time.monotonic() - started < MARGIN, "no more grace after the second signal"
+    check_message(w.err, spool_dir, "3 bytes of stdout (t.out)", "SIGINT")
+
+
+@pytest.mark.timeout(60)
+def test_signal_while_the_job_runs_with_home_down(spool_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM before the job ended: forwarded; the job ends (its trap writes
+    a last line); the grace, counted from the signal, ends gcwrap."""
+    started_file = tmp_path / "started"
+    w = Wrapper([*home_down(spool_dir, "running"), "--stdout", "r.out", "--", "sh", "-c",
+                 f"trap 'echo bye; exit 3' TERM; echo hi; touch {started_file}; while :; do sleep 0.1; done"])
+    wait_until(started_file.exists, 30, "the job to start")
+    started = time.monotonic()
+    os.kill(w.proc.pid, signal.SIGTERM)
+    rc = w.wait(SIGNAL_GRACE + 4 * MARGIN)
+    took = time.monotonic() - started
+    assert rc == 122, w.err.decode()
+    assert took < SIGNAL_GRACE + MARGIN, took
+    check_message(w.err, spool_dir, "7 bytes of stdout (r.out)", "SIGTERM")
+    assert b"the job itself exited with status 3" in w.err, "the job got the signal, and ended by its own trap"
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_outlives_the_grace_gets_one_last_try(spool_dir: Path, tmp_path: Path) -> None:
+    """The job takes longer than the grace to end after SIGTERM: gcwrap waits
+    for it (it is the job's to end), then makes its last try, and exits."""
+    slow_end = SIGNAL_GRACE + 1.5
+    started_file = tmp_path / "started"
+    script = f"trap 'sleep {slow_end}; echo late; exit 0' TERM; touch {started_file}; while :; do sleep 0.1; done"
+    w = Wrapper([*home_down(spool_dir, "slow-end"), "--stdout", "l.out", "--", "sh", "-c", script])
+    wait_until(started_file.exists, 30, "the job to start")
+    started = time.monotonic()
+    os.kill(w.proc.pid, signal.SIGTERM)
+    rc = w.wait(slow_end + LAST_TRY + 4 * MARGIN)
+    took = time.monotonic() - started
+    assert rc == 122, w.err.decode()
+    assert slow_end <= took < slow_end + LAST_TRY + MARGIN, took
+    check_message(w.err, spool_dir, "5 bytes of stdout (l.out)", "SIGTERM")
+
+
+def test_stop_clock() -> None:
+    """The rule itself, with the time passed in."""
+    clock = StopClock(grace=5.0, last_try=1.0)
+    assert clock.deadline == float("inf")
+    clock.job_ended(10.0)  # no signal: no deadline
+    assert clock.deadline == float("inf")
+    clock.signal(20.0, "SIGTERM")
+    assert clock.deadline == 25.0 and clock.name == "SIGTERM"
+
+    clock = StopClock(grace=5.0, last_try=1.0)
+    clock.signal(20.0, "SIGTERM")  # while the job runs
+    clock.job_ended(22.0)
+    assert clock.deadline == 25.0  # the grace counts from the signal
+    clock = StopClock(grace=5.0, last_try=1.0)
+    clock.signal(20.0, "SIGTERM")
+    clock.job_ended(30.0)  # the job outlived the grace
+    assert clock.deadline == 31.0  # one short last try
+    clock.signal(30.5, "SIGINT")
+    assert clock.deadline == 30.5 and clock.name == "SIGTERM"  # the second: now
+
+    clock = StopClock(grace=5.0, last_try=1.0)
+    clock.signal(20.0, "SIGHUP")
+    clock.signal(21.0, "SIGHUP")
+    clock.job_ended(40.0)
+    assert clock.deadline == 21.0  # after a second signal, no last try
