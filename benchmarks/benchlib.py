@@ -8,9 +8,11 @@ a gcshadow started in its own session and stopped by pid, and percentiles.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -54,6 +56,8 @@ __all__ = [
     "GiB",
     "Outcome",
     "PeakRss",
+    "PerfRecord",
+    "PySpy",
     "Reaped",
     "ShadowProc",
     "fmt",
@@ -63,7 +67,11 @@ __all__ = [
     "install_signal_handlers",
     "listening",
     "parse_size",
+    "child_pid",
     "percentile",
+    "perf_summary",
+    "profiled_run",
+    "pyspy_summary",
     "compile_bytecode",
     "settings_line",
     "proc_times",
@@ -73,6 +81,8 @@ __all__ = [
     "signal_tree",
     "stop",
     "summary",
+    "thread_cpu",
+    "thread_cpu_summary",
     "tools",
     "vm_hwm_kib",
     "wait_for_port_file",
@@ -256,3 +266,276 @@ def render_table(rows: list[list[str]]) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+
+# -- profiles ---------------------------------------------------------------------
+
+
+class PySpy:
+    """`py-spy record` of one process, writing raw collapsed stacks (one line per stack and its count).
+
+    Either attached to a running `pid`, or launching `cmd` under it (then the
+    profiled program is py-spy's child and the profile covers its start-up).
+    Only active samples are kept (no --idle), so a share of the samples is a
+    share of the CPU the process's threads used. Started in its own session;
+    `stop()` sends SIGINT by pid (py-spy writes its output then), SIGKILL after
+    `timeout`. Profiled runs are never timed: sampling slows the target.
+    """
+
+    def __init__(self, out: Path, pid: int | None = None, cmd: Sequence[str] = (), rate: int = 250,
+                 native: bool = False, log: Path | None = None) -> None:
+        exe = shutil.which("py-spy")
+        if exe is None:
+            raise BenchError("py-spy is not installed (pip install py-spy)")
+        self.out = out
+        self.command = [exe, "record", "--rate", str(rate), "--threads", "--format", "raw", "--output", str(out)]
+        # --native reads the target's native stacks, which needs it paused; otherwise do not pause it.
+        self.command += ["--native"] if native else ["--nonblocking"]
+        self.command += ["--pid", str(pid)] if pid is not None else ["--", *cmd]
+        self.log = log or out.with_suffix(".log")
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                         start_new_session=True)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Make py-spy write its output and exit (by pid); always reaps it."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for py-spy to exit by itself (the program it launched has exited); SIGKILL on timeout."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+            raise BenchError(f"py-spy ({shlex.join(self.command)}) did not finish within {timeout:.0f} s") from None
+
+
+_FRAME_LINE = re.compile(r":\d+\)$")
+_PY_FRAME = re.compile(r"\((?:.*\.py|<frozen [^>]*>|<string>):\d+\)$")
+
+
+def _frame_key(frame: str, by_line: bool) -> str:
+    """A frame of py-spy's raw output, `func (file.py:LINE)` or a native `0x7f.. (lib.so)`, as a key."""
+    if frame.startswith("0x"):
+        lib = frame.partition(" ")[2]
+        return f"[native] {lib}"
+    return frame if by_line else _FRAME_LINE.sub(")", frame)
+
+
+def pyspy_summary(raw: Path, top: int = 15, title: str = "") -> str:
+    """Where the samples of one py-spy raw profile went: by thread, then the functions
+    with the most self samples (the innermost frame, by line too) and the most
+    inclusive samples (anywhere on the stack), as percentages of all samples."""
+    threads: collections.Counter[str] = collections.Counter()
+    names: dict[str, str] = {}
+    self_fn: collections.Counter[str] = collections.Counter()
+    self_line: collections.Counter[str] = collections.Counter()
+    self_py: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    stacks: list[tuple[str, list[str], int]] = []
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        tid, _, name = frames[0].partition(": ")
+        if name:
+            names[tid] = name
+        stacks.append((tid, frames[1:], n))
+        total += n
+    if not total:
+        return f"{title}: no samples in {raw}"
+    for tid, frames, n in stacks:
+        threads[names.get(tid, tid)] += n
+        if frames:
+            self_fn[_frame_key(frames[-1], False)] += n
+            self_line[_frame_key(frames[-1], True)] += n
+            py = next((f for f in reversed(frames) if _PY_FRAME.search(f)), "(no Python frame)")
+            self_py[py] += n
+        for key in {_frame_key(f, False) for f in frames}:
+            incl[key] += n
+
+    def block(head: str, counter: collections.Counter[str]) -> list[str]:
+        return [head] + [f"  {100 * c / total:5.1f}%  {k}" for k, c in counter.most_common(top)]
+
+    out = [f"{title or raw.name}: {total} samples (active threads only)"]
+    out += block("by thread:", threads)
+    out += block("self, by function (innermost frame):", self_fn)
+    out += block("self, by line:", self_line)
+    if self_py != self_line:  # native frames were recorded: which Python line they run under
+        out += block("self, by innermost Python line (native frames below it counted there):", self_py)
+    out += block("inclusive, by function (anywhere on the stack):", incl)
+    return "\n".join(out)
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
+    """{tid: (thread name, user s, sys s)} of every thread of `pid`, from /proc/PID/task/*/stat."""
+    out: dict[int, tuple[str, float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        name = data[data.index(b"(") + 1:data.rindex(b")")].decode(errors="replace")
+        fields = data[data.rindex(b")") + 2:].split()
+        out[int(tid)] = (name, int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
+    return out
+
+
+def thread_cpu_summary(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]) -> str:
+    """The CPU each thread used between two thread_cpu() readings, user and sys apart."""
+    rows = []
+    tu = ts = 0.0
+    for tid, (name, u, s) in sorted(after.items()):
+        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+        du, ds = u - u0, s - s0
+        tu, ts = tu + du, ts + ds
+        if du + ds > 0:
+            rows.append(f"  {name} ({tid}): user {du:.2f} s, sys {ds:.2f} s")
+    return "\n".join([f"CPU by thread: user {tu:.2f} s + sys {ts:.2f} s", *rows])
+
+
+def child_pid(pid: int, timeout: float = 10.0) -> int | None:
+    """The first child of `pid` (say the program py-spy launched), once it exists; None after `timeout`."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return None
+        if kids:
+            return int(kids[0])
+        time.sleep(0.005)
+    return None
+
+
+class PerfRecord:
+    """`perf record` (cpu-clock samples, on-CPU only) of one running process, all its threads; `stop()` by pid.
+
+    Where py-spy gives the Python stack, perf gives what is on the CPU in the
+    kernel, the interpreter and the C libraries (sqlite, libc): a sample is
+    taken only while a thread runs, so its shares are shares of CPU time.
+    """
+
+    def __init__(self, out: Path, pid: int, freq: int = 499) -> None:
+        exe = shutil.which("perf")
+        if exe is None:
+            raise BenchError("perf is not installed")
+        self.out = out
+        self.command = [exe, "record", "-F", str(freq), "-e", "cpu-clock", "-p", str(pid), "-o", str(out)]
+        with open(out.with_suffix(".log"), "wb") as f:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                         start_new_session=True)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+
+def perf_summary(data: Path, top: int = 15, title: str = "", exclude: Sequence[str] = ()) -> str:
+    """The CPU samples of one `perf record` by thread, by binary (kernel, libpython, sqlite, ...) and by symbol.
+
+    perf follows the children a process forks after it attached (a job that
+    gcwrap starts): the threads named in `exclude` (comm) are left out, and
+    percentages are of the samples that remain."""
+    exe = shutil.which("perf") or "perf"
+
+    def report(*extra: str) -> str:
+        r = subprocess.run([exe, "report", "-i", str(data), "--no-children", "--stdio", *extra],
+                           capture_output=True, text=True, timeout=300, check=False)
+        return r.stdout
+
+    def rows(text: str) -> list[str]:
+        return [" ".join(line.split()) for line in text.splitlines()
+                if line.strip() and not line.startswith("#") and "%" in line]
+
+    out = [f"{title or data.name}: perf, on-CPU samples"]
+    try:
+        by_comm = report("--sort", "comm")
+        total = next((line[2:].strip() for line in by_comm.splitlines() if line.startswith("# Samples:")), "")
+        out.append(f"by thread (comm), all samples ({total}):")
+        out += [f"  {row}" for row in rows(by_comm)[:top]]
+        comms = [row.split(" ", 1)[1] for row in rows(by_comm)]
+        keep = [c for c in comms if c not in exclude]
+        extra = ["--comms", ",".join(keep), "--percentage", "relative"] if len(keep) < len(comms) and keep else []
+        if extra:
+            out.append(f"(below: without {', '.join(c for c in comms if c in exclude)}; percentages of the rest)")
+        for sort, head in (("dso", "by binary"), ("dso,sym", "by symbol")):
+            out.append(f"{head}:")
+            out += [f"  {row}" for row in rows(report("--sort", sort, *extra))[:top]]
+    except subprocess.TimeoutExpired:
+        out.append("perf report timed out")
+    return "\n".join(out)
+
+
+def profiled_run(outdir: Path, tag: str, shadow_pid: int, cmd: Sequence[str], log: Path,
+                 timeout: float) -> tuple[float, str]:
+    """Run `cmd` (a gcwrap) under py-spy while py-spy samples the shadow by pid, and perf records both (when
+    installed). Writes OUTDIR/{gcshadow,gcwrap}-TAG.{raw,perf.data,txt}; returns (wall seconds, the summaries).
+    Not a timed run: the samplers take CPU from both programs."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    perf_ok = shutil.which("perf") is not None
+    threads0 = thread_cpu(shadow_pid)
+    cpu0 = proc_times(shadow_pid)[0]
+    spies: list[PySpy] = []
+    perfs: list[PerfRecord] = []
+    try:
+        spies.append(PySpy(outdir / f"gcshadow-{tag}.raw", pid=shadow_pid))
+        if perf_ok:
+            perfs.append(PerfRecord(outdir / f"gcshadow-{tag}.perf.data", shadow_pid))
+        time.sleep(1.0)  # the samplers attach
+        t0 = time.monotonic()
+        spy = PySpy(outdir / f"gcwrap-{tag}.raw", cmd=cmd, log=log)
+        spies.append(spy)
+        kid = child_pid(spy.proc.pid) if perf_ok else None
+        if kid is not None:
+            perfs.append(PerfRecord(outdir / f"gcwrap-{tag}.perf.data", kid))
+        if spy.wait(timeout) != 0:
+            raise BenchError(f"gcwrap under py-spy ({tag}) failed:\n{log.read_text(errors='replace')[-2000:]}")
+        wall = time.monotonic() - t0
+        time.sleep(0.25)
+        cpu = proc_times(shadow_pid)[0] - cpu0
+        threads = thread_cpu_summary(threads0, thread_cpu(shadow_pid))
+    finally:
+        for sampler in [*spies, *perfs]:
+            sampler.stop()
+    texts = []
+    for who in ("gcshadow", "gcwrap"):
+        text = pyspy_summary(outdir / f"{who}-{tag}.raw", title=f"{who}, {tag}: py-spy")
+        if who == "gcshadow":
+            text += f"\nshadow CPU during the run: {cpu:.2f} s\n{threads}"
+        data = outdir / f"{who}-{tag}.perf.data"
+        if data.exists():
+            job = list(cmd)[list(cmd).index("--") + 1] if "--" in cmd else ""
+            text += "\n" + perf_summary(data, title=f"{who}, {tag}", exclude=[Path(job).name[:15]] if job else [])
+        elif not perf_ok:
+            text += "\n(perf is not installed: no on-CPU samples)"
+        (outdir / f"{who}-{tag}.txt").write_text(text + "\n")
+        texts.append(text)
+    return wall, "\n\n".join(texts)
