@@ -322,7 +322,7 @@ class PySpy:
 
 
 _FRAME_LINE = re.compile(r":\d+\)$")
-_PY_FRAME = re.compile(r"\((?:.*\.py|<frozen [^>]*>|<string>):\d+\)$")
+_NATIVE_FRAME = re.compile(r"\((?:[^()]*\.(?:c|h|cc|cpp|rs)(?::\d+)?|[^()]*\.so[.\d]*)\)$")
 
 
 def _frame_key(frame: str, by_line: bool) -> str:
@@ -363,7 +363,8 @@ def pyspy_summary(raw: Path, top: int = 15, title: str = "") -> str:
         if frames:
             self_fn[_frame_key(frames[-1], False)] += n
             self_line[_frame_key(frames[-1], True)] += n
-            py = next((f for f in reversed(frames) if _PY_FRAME.search(f)), "(no Python frame)")
+            py = next((f for f in reversed(frames) if not f.startswith("0x") and not _NATIVE_FRAME.search(f)),
+                      "(no Python frame)")
             self_py[py] += n
         for key in {_frame_key(f, False) for f in frames}:
             incl[key] += n
@@ -378,6 +379,14 @@ def pyspy_summary(raw: Path, top: int = 15, title: str = "") -> str:
     if self_py != self_line:  # native frames were recorded: which Python line they run under
         out += block("self, by innermost Python line (native frames below it counted there):", self_py)
     out += block("inclusive, by function (anywhere on the stack):", incl)
+    for thread, n in threads.most_common(3):
+        mine: collections.Counter[str] = collections.Counter()
+        for tid, frames, c in stacks:
+            if names.get(tid, tid) == thread and frames:
+                mine[next((f for f in reversed(frames) if not f.startswith("0x") and not _NATIVE_FRAME.search(f)),
+                          "(no Python frame)")] += c
+        out += block(f"thread {thread} ({100 * n / total:.1f}% of the samples), self by innermost Python line:",
+                     collections.Counter(dict(mine.most_common(8))))
     return "\n".join(out)
 
 
@@ -440,7 +449,8 @@ class PerfRecord:
         if exe is None:
             raise BenchError("perf is not installed")
         self.out = out
-        self.command = [exe, "record", "-F", str(freq), "-e", "cpu-clock", "-p", str(pid), "-o", str(out)]
+        # -g: kernel call chains, to add the kernel's time up by system call
+        self.command = [exe, "record", "-F", str(freq), "-e", "cpu-clock", "-g", "-p", str(pid), "-o", str(out)]
         with open(out.with_suffix(".log"), "wb") as f:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
                                          start_new_session=True)
@@ -458,37 +468,83 @@ class PerfRecord:
             self.proc.wait(timeout)
 
 
+# Kernel functions that stand for one system call in a call chain (the __x64_sys_ wrappers are often
+# tail calls, absent from the chains; these are not).
+_SYSCALL_SYMBOLS = {
+    "ksys_read": "read", "ksys_write": "write", "ksys_pread64": "pread64", "ksys_pwrite64": "pwrite64",
+    "do_readv": "readv", "do_writev": "writev", "__sys_recvfrom": "recvfrom", "__sys_sendto": "sendto",
+    "___sys_sendmsg": "sendmsg", "___sys_recvmsg": "recvmsg", "do_sendfile": "sendfile64", "do_splice": "splice",
+    "do_fsync": "fsync/fdatasync", "sync_filesystem": "syncfs", "do_epoll_wait": "epoll_wait",
+    "do_epoll_ctl": "epoll_ctl", "do_futex": "futex", "do_sys_openat2": "openat", "do_unlinkat": "unlinkat",
+    "vfs_fallocate": "fallocate", "do_sys_ftruncate": "ftruncate", "do_pipe2": "pipe2",
+    "__do_sys_clone3": "clone3", "do_group_exit": "exit_group", "do_sys_poll": "poll", "do_select": "select",
+    "__sys_accept4": "accept4", "__sys_connect": "connect", "do_mmap": "mmap", "__vm_munmap": "munmap",
+}
+_SYSCALL_ALIASES = {"unlink": "unlinkat", "fsync": "fsync/fdatasync", "fdatasync": "fsync/fdatasync", "recv": "recvfrom", "send": "sendto",
+                    "sendfile": "sendfile64", "pread": "pread64", "pwrite": "pwrite64"}
+
+
 def perf_summary(data: Path, top: int = 15, title: str = "", exclude: Sequence[str] = ()) -> str:
-    """The CPU samples of one `perf record` by thread, by binary (kernel, libpython, sqlite, ...) and by symbol.
+    """The CPU samples of one `perf record` by thread, by binary (kernel, libpython, sqlite, ...), by symbol,
+    and the kernel's time by system call.
 
     perf follows the children a process forks after it attached (a job that
     gcwrap starts): the threads named in `exclude` (comm) are left out, and
     percentages are of the samples that remain."""
     exe = shutil.which("perf") or "perf"
 
-    def report(*extra: str) -> str:
-        r = subprocess.run([exe, "report", "-i", str(data), "--no-children", "--stdio", *extra],
-                           capture_output=True, text=True, timeout=300, check=False)
-        return r.stdout
-
-    def rows(text: str) -> list[str]:
-        return [" ".join(line.split()) for line in text.splitlines()
-                if line.strip() and not line.startswith("#") and "%" in line]
+    def report(sort: str, children: bool = False, comms: Sequence[str] = ()) -> list[tuple[float, str]]:
+        """(percent, key) rows; `sort` after a leading comm key, which is summed over (perf applies --comms
+        to the entries only when comm is a sort key)."""
+        cmd = [exe, "report", "-i", str(data), "--children" if children else "--no-children", "--stdio",
+               "-g", "none", "-t", "|", "--sort", f"comm,{sort}"]
+        if comms:
+            cmd += ["--comms", ",".join(comms), "--percentage", "relative"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        sums: collections.Counter[str] = collections.Counter()
+        for line in r.stdout.splitlines():
+            if line.startswith("#") or "|" not in line:
+                continue
+            cells = [c.strip() for c in line.split("|")]
+            try:
+                pct = float(cells[0].rstrip("%"))
+            except ValueError:
+                continue
+            key = " ".join(cells[3 if children else 2:])
+            sums[key] += pct
+        return [(pct, key) for key, pct in sums.most_common()]
 
     out = [f"{title or data.name}: perf, on-CPU samples"]
     try:
-        by_comm = report("--sort", "comm")
-        total = next((line[2:].strip() for line in by_comm.splitlines() if line.startswith("# Samples:")), "")
+        r = subprocess.run([exe, "report", "-i", str(data), "--no-children", "--stdio", "-g", "none", "-t", "|",
+                            "--sort", "comm"],
+                           capture_output=True, text=True, timeout=300, check=False)
+        total = next((line[2:].strip() for line in r.stdout.splitlines() if line.startswith("# Samples:")), "")
+        by_comm = [(float(c[0].strip().rstrip("%")), c[1].strip()) for c in
+                   (line.split("|") for line in r.stdout.splitlines() if "|" in line and not line.startswith("#"))]
         out.append(f"by thread (comm), all samples ({total}):")
-        out += [f"  {row}" for row in rows(by_comm)[:top]]
-        comms = [row.split(" ", 1)[1] for row in rows(by_comm)]
-        keep = [c for c in comms if c not in exclude]
-        extra = ["--comms", ",".join(keep), "--percentage", "relative"] if len(keep) < len(comms) and keep else []
-        if extra:
-            out.append(f"(below: without {', '.join(c for c in comms if c in exclude)}; percentages of the rest)")
+        out += [f"  {pct:6.2f}% {comm}" for pct, comm in by_comm[:top]]
+        keep = [comm for _, comm in by_comm if comm not in exclude]
+        comms = keep if len(keep) < len(by_comm) and keep else []
+        if comms:
+            out.append(f"(below: without {', '.join(c for _, c in by_comm if c in exclude)}; percentages of the rest)")
         for sort, head in (("dso", "by binary"), ("dso,sym", "by symbol")):
             out.append(f"{head}:")
-            out += [f"  {row}" for row in rows(report("--sort", sort, *extra))[:top]]
+            out += [f"  {pct:6.2f}% {key}" for pct, key in report(sort, comms=comms)[:top]]
+        # Inclusive time of each system call's kernel entry point (needs the call chains of -g).
+        calls: dict[str, float] = {}
+        for pct, key in report("sym", children=True, comms=comms):
+            m = re.fullmatch(r"\[k\] (\w+)", key)
+            if m is None:
+                continue
+            sym = m.group(1)
+            name = _SYSCALL_SYMBOLS.get(sym) or (sym[len("__x64_sys_"):] if sym.startswith("__x64_sys_") else None)
+            if name is not None:
+                name = _SYSCALL_ALIASES.get(name, name)
+                calls[name] = max(calls.get(name, 0.0), pct)
+        if calls:
+            out.append("kernel time by system call (inclusive; % of the samples above):")
+            out += [f"  {pct:6.2f}% {name}" for name, pct in sorted(calls.items(), key=lambda c: -c[1])[:top]]
     except subprocess.TimeoutExpired:
         out.append("perf report timed out")
     return "\n".join(out)

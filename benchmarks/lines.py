@@ -593,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=2_000_000, help="lines the job writes (default 2000000)")
     parser.add_argument("--width", type=int, default=100, help="bytes per line, newline included (default 100)")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each path and variant (default 3)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="runs of each path and variant (default 3; 0 with --profile: the profiled runs only)")
     parser.add_argument("--variants", default="lines,blocks", help="lines (one write per line), blocks (64 KiB)")
     parser.add_argument("--paths", default="gcwrap,socat,rsyslog", help="gcwrap,socat,rsyslog (default all)")
     parser.add_argument("--rsyslog-variants", default="lines", help="variants rsyslog runs in (default lines)")
@@ -649,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in bench.commands.items():
             print(f"  {name}: {cmd}")
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-        for v in variants:
+        for v in variants if runs else []:
             print(f"\n== {v}: {args.lines:,} lines of {args.width} B, {bench.block(v)} B per write ==")
             print("\n".join(report(runs, v, args.lines)))
         print("\nCPU-s = user+sys over all threads (gcwrap: its own, not the job's). Ratios: median / socat's median"
