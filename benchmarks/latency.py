@@ -53,8 +53,6 @@ import re
 import select
 import shlex
 import shutil
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -66,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    AckSniffer,
     guarded,
     BenchError,
     ShadowProc,
@@ -188,138 +187,6 @@ class Watcher(threading.Thread):
             if fd is not None:
                 os.close(fd)
             self.ino.close()
-
-
-# -- ACKs seen on the wire ---------------------------------------------------------
-
-ETH_P_IP = 0x0800
-SO_ATTACH_FILTER, SO_TIMESTAMPNS, SO_RCVBUFFORCE = 26, 35, 33
-SOL_PACKET, PACKET_STATISTICS = 263, 6
-TCP_SYN = 0x02
-
-
-def tcp_from_port_filter(port: int) -> bytes:
-    """A classic BPF program for a SOCK_DGRAM packet socket (packets start at the IP header):
-    accept IPv4 TCP segments (unfragmented) whose source port is `port`, drop the rest."""
-    insns = [
-        (0x30, 0, 0, 9),  # ldb [9]: protocol
-        (0x15, 0, 6, 6),  # jeq #6 (TCP), else drop
-        (0x28, 0, 0, 6),  # ldh [6]: flags and fragment offset
-        (0x45, 4, 0, 0x1FFF),  # jset #0x1fff: a fragment -> drop
-        (0xB1, 0, 0, 0),  # ldxb 4*([0]&0xf): IP header length
-        (0x48, 0, 0, 0),  # ldh [x+0]: TCP source port
-        (0x15, 0, 1, port),  # jeq #port, else drop
-        (0x06, 0, 0, 0x40000),  # ret: accept (up to 256 KiB)
-        (0x06, 0, 0, 0),  # ret 0: drop
-    ]
-    return b"".join(struct.pack("HBBI", *i) for i in insns)
-
-
-class AckSniffer(threading.Thread):
-    """Times the ACKs a shadow on 127.0.0.1:`port` sends, as they arrive at the agent's end.
-
-    A packet socket on `lo` with a BPF filter (TCP from `port`) and kernel
-    receive timestamps (SO_TIMESTAMPNS, CLOCK_REALTIME, turned into
-    CLOCK_MONOTONIC with the two clocks' offset read at each packet, so a
-    slewing clock cannot shift them by more than a few microseconds).
-    Each connection's shadow -> agent byte stream is reassembled from the SYN
-    on (start this before the agent connects), cut into frames and decoded
-    with gcwrap.protocol; `acks` gets (offset, arrival ns) of every ACK of
-    `stream`. `problem` is set if a segment was missed.
-    """
-
-    def __init__(self, port: int, stream: int) -> None:
-        super().__init__(daemon=True)
-        self.port = port
-        self.stream = stream
-        self.acks: list[tuple[int, int]] = []
-        self.frames = 0
-        self.segments = 0
-        self.problem = ""
-        self.error: BaseException | None = None
-        self.stopping = threading.Event()
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP))
-        try:
-            prog = tcp_from_port_filter(port)
-            self._prog = ctypes.create_string_buffer(prog)
-            fprog = struct.pack("HL", len(prog) // 8, ctypes.addressof(self._prog))
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-            self.sock.bind(("lo", ETH_P_IP))
-            self.sock.settimeout(0.05)
-        except OSError:
-            self.sock.close()
-            raise
-        # state per connection (the agent's port): next sequence number, bytes not yet framed
-        self.conns: dict[int, tuple[int, bytearray]] = {}
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            self.error = e
-
-    def _run(self) -> None:
-        from gcwrap.events import Ack
-        from gcwrap.protocol import decode
-
-        anc = socket.CMSG_SPACE(16)
-        while not self.stopping.is_set():
-            try:
-                pkt, ancdata, _, _ = self.sock.recvmsg(1 << 18, anc)
-            except TimeoutError:
-                continue
-            offset = time.time_ns() - time.monotonic_ns()
-            stamp = next((struct.unpack("qq", d[:16]) for lvl, typ, d in ancdata
-                          if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS), None)
-            arrival = (stamp[0] * 1_000_000_000 + stamp[1] - offset) if stamp else time.monotonic_ns()
-            ihl = (pkt[0] & 0x0F) * 4
-            total = struct.unpack_from("!H", pkt, 2)[0]
-            sport, dport, seq, _ack, off_flags = struct.unpack_from("!HHIIH", pkt, ihl)
-            if sport != self.port:
-                continue
-            self.segments += 1
-            flags = off_flags & 0x3F
-            payload = pkt[ihl + (off_flags >> 12) * 4:total]
-            if flags & TCP_SYN:
-                self.conns[dport] = ((seq + 1) & 0xFFFFFFFF, bytearray())
-                continue
-            if not payload:
-                continue
-            if dport not in self.conns:
-                self.problem = f"data on a connection (agent port {dport}) whose SYN was not seen"
-                continue
-            nxt, buf = self.conns[dport]
-            ahead = (seq - nxt) & 0xFFFFFFFF
-            if 0 < ahead < 1 << 31:
-                self.problem = f"missed {ahead} bytes of the shadow's stream to port {dport}"
-                continue
-            behind = (nxt - seq) & 0xFFFFFFFF
-            if behind >= len(payload):
-                continue  # a retransmission of bytes already seen
-            buf += payload[behind:]
-            self.conns[dport] = ((nxt + len(payload) - behind) & 0xFFFFFFFF, buf)
-            while len(buf) >= 5:
-                length = struct.unpack_from("!I", buf, 0)[0]
-                if len(buf) < 4 + length:
-                    break
-                ev = decode(buf[4], bytes(buf[5:4 + length]))
-                del buf[:4 + length]
-                self.frames += 1
-                if isinstance(ev, Ack) and ev.stream == self.stream:
-                    self.acks.append((ev.offset, arrival))
-
-    def close(self) -> int:
-        """Stop, close the socket, and return the packets the kernel dropped for want of room in it."""
-        self.stopping.set()
-        if self.is_alive():
-            self.join(5)
-        if self.sock.fileno() < 0:
-            return 0
-        raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
-        self.sock.close()
-        return struct.unpack("II", raw)[1]
 
 
 def ack_latencies(content: bytes, acks: list[tuple[int, int]]) -> Lines:

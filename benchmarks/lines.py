@@ -42,6 +42,7 @@ Usage:
   python benchmarks/lines.py --runs 3
   python benchmarks/lines.py --runs 1 --lines 200000            # smoke
   python benchmarks/lines.py --runs 1 --profile /tmp/prof        # + one profiled gcwrap run per variant
+  python benchmarks/lines.py --runs 0 --timeline --variants lines  # where a run's wall time goes
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    AckSniffer,
     BenchError,
     PeakRss,
     ShadowProc,
@@ -306,7 +309,7 @@ class Bench:
         return VARIANTS[variant] or self.args.width
 
     def deadline(self) -> float:
-        return time.monotonic() + self.args.timeout
+        return time.monotonic() + float(self.args.timeout)
 
     @staticmethod
     def job_times(path: Path) -> tuple[float, float]:
@@ -398,6 +401,77 @@ class Bench:
                        sender_rss_mib=r.peak_rss_kib / 1024, receiver_rss_mib=hwm,
                        notes={"shadow_threads": thread_cpu_summary(threads0, threads1)})
         finally:
+            if wrapper is not None and wrapper.returncode is None:
+                signal_tree(wrapper, 9)
+                wrapper.wait(10)
+            shadow.stop()
+            if not self.args.keep:
+                shutil.rmtree(rundir, ignore_errors=True)
+
+    def timeline(self, variant: str, interval: float = 0.1) -> str:
+        """One untimed gcwrap run, watched every `interval` s: the bytes the job has written (/proc/JOB/io
+        wchar), the bytes the shadow has acknowledged (ACK frames captured on loopback, as latency.py does), and
+        the CPU gcwrap and gcshadow used in the interval. Where the two curves part, and neither process is
+        busy, the time goes to waiting."""
+        from gcwrap.events import STDOUT
+
+        rundir = self.workdir / f"timeline-{variant}"
+        home, spool, times = rundir / "home", rundir / "spool", rundir / "job.times"
+        shadow = ShadowProc(home, rundir)
+        wrapper: subprocess.Popen[bytes] | None = None
+        sniffer: AckSniffer | None = None
+        try:
+            port = shadow.wait_ready()
+            sniffer = AckSniffer(port, STDOUT)
+            sniffer.start()
+            cmd = [*self.gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", OUT_NAME, "--spool", str(spool),
+                   "--job-id", f"lines-{os.getpid()}-{variant}-timeline", "--",
+                   *self.job(self.block(variant), "-", times)]
+            os.sync()
+            time.sleep(0.2)
+            rows: list[tuple[float, int, int, float, float]] = []
+            with open(rundir / "gcwrap.log", "wb") as err:
+                t0 = time.monotonic()
+                wrapper = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                           start_new_session=True)
+            job: int | None = None
+            wrote = 0
+            while wrapper.poll() is None and time.monotonic() < t0 + self.args.timeout:
+                try:
+                    cpu_w = proc_times(wrapper.pid)[0]
+                    if job is None:
+                        job = next((int(k) for tid in os.listdir(f"/proc/{wrapper.pid}/task") for k in
+                                    Path(f"/proc/{wrapper.pid}/task/{tid}/children").read_text().split()), None)
+                    if job is not None:
+                        with open(f"/proc/{job}/io") as f:
+                            wrote = next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+                except (OSError, StopIteration, ValueError):
+                    pass  # gcwrap or the job is exiting
+                acked = max((a[0] for a in list(sniffer.acks)), default=0)
+                rows.append((time.monotonic() - t0, wrote, acked, cpu_w, shadow.cpu()))
+                time.sleep(interval)
+            if wrapper.poll() is None:
+                raise BenchError(f"gcwrap ({variant}) timeline run: still running after {self.args.timeout:.0f} s")
+            end = time.monotonic() - t0
+            if wrapper.returncode != 0:
+                raise BenchError(f"gcwrap ({variant}) timeline run: exit {wrapper.returncode}\n"
+                                 f"{(rundir / 'gcwrap.log').read_text(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+            sniffer.close()
+            self.verify(home / OUT_NAME, f"gcwrap ({variant}) timeline run")
+            out = [(f"timeline of one gcwrap run ({variant}; untimed; ended after {end:.2f} s, "
+                    f"{len(sniffer.acks)} ACKs):"),
+                   "      t (s)  job wrote (MB)  acked (MB)  gcwrap CPU  gcshadow CPU"]
+            prev = rows[0] if rows else (0.0, 0, 0, 0.0, 0.0)
+            for row in rows[1:]:
+                dt = max(row[0] - prev[0], 1e-6)
+                out.append(f"  {row[0]:9.2f}  {row[1] / 1e6:14.1f}  {row[2] / 1e6:10.1f}  "
+                           f"{100 * (row[3] - prev[3]) / dt:9.0f}%  {100 * (row[4] - prev[4]) / dt:11.0f}%")
+                prev = row
+            return "\n".join(out)
+        finally:
+            if sniffer is not None:
+                sniffer.close()
             if wrapper is not None and wrapper.returncode is None:
                 signal_tree(wrapper, 9)
                 wrapper.wait(10)
@@ -555,10 +629,11 @@ def report(runs: list[Run], variant: str, lines: int) -> list[str]:
     def per_m(x: float) -> float:
         return x / (lines / 1e6)
 
-    figures = [
+    figures: list[tuple[str, Callable[[Run], float]]] = [
         ("lines/s, spawn -> end", lambda r: lines / r.wall_s),
         ("lines/s, job's first write -> end", lambda r: lines / r.from_write_s),
         ("job's write time (s)", lambda r: r.job_write_s),
+        ("drain: job's last write -> end (s)", lambda r: r.from_write_s - r.job_write_s),
         ("wall, spawn -> end (s)", lambda r: r.wall_s),
         ("sender CPU-s", lambda r: r.sender_cpu_s),
         ("receiver CPU-s", lambda r: r.receiver_cpu_s),
@@ -605,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None,
                         help="after the timed runs, one more gcwrap run per variant under py-spy (gcshadow "
                              "attached by pid, gcwrap launched by it); raw stacks and summaries go to this directory")
+    parser.add_argument("--timeline", action="store_true",
+                        help="after the timed runs, one more gcwrap run per variant, watched every 0.1 s: bytes the "
+                             "job wrote, bytes acknowledged (ACKs captured on loopback; needs root), CPU of each side")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -656,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nCPU-s = user+sys over all threads (gcwrap: its own, not the job's). Ratios: median / socat's median"
               " in this run. gcwrap's end is every byte fdatasync'd at home; socat's and rsyslog's is every byte "
               "in the receiver's page cache.")
+        if args.timeline:
+            for v in variants:
+                print("\n" + bench.timeline(v), flush=True)
         if args.profile is not None:
             for v in variants:
                 bench.run_gcwrap(v, 0, 0, profile=args.profile)
