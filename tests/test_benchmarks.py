@@ -21,14 +21,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import benchlib  # noqa: E402
-import fanin  # noqa: E402
-import latency  # noqa: E402
-import lines  # noqa: E402
-import overhead  # noqa: E402
+import benchlib
+import fanin
+import latency
+import lines
+import overhead
 
-from gcwrap.events import Ack, Pong, Welcome  # noqa: E402
-from gcwrap.protocol import encode  # noqa: E402
+from gcwrap.events import Ack, Pong, Welcome
+from gcwrap.protocol import encode
 
 
 def _can_capture() -> bool:
@@ -170,7 +170,7 @@ def test_ceiling_search_brackets_the_limit(limit: int, capsys: pytest.CaptureFix
     args = argparse.Namespace(ceiling_start=1000, ceiling_max=32000, ceiling_resolution=0.1, ceiling_budget=600.0,
                               ceiling_p99=250.0, frames=8, frame=16384, interval=1.0)
     probes = _Probes(limit)
-    _, text = fanin.ceiling(probes, args)  # type: ignore[arg-type]
+    _, text = fanin.ceiling(probes, args)
     held = [n for n in probes.asked if n <= limit]
     failed = [n for n in probes.asked if n > limit]
     if limit >= args.ceiling_max:
@@ -193,7 +193,7 @@ def test_ceiling_search_stops_within_its_budget() -> None:
             return super().run(n, path, index)
 
     probes = Slow(10**6)
-    _, text = fanin.ceiling(probes, args)  # type: ignore[arg-type]
+    _, text = fanin.ceiling(probes, args)
     assert "would overrun --ceiling-budget" in text
     assert len(probes.asked) <= 3
 
