@@ -652,7 +652,11 @@ class AckSniffer(threading.Thread):
         self.problem = ""
         self.error: BaseException | None = None
         self.stopping = threading.Event()
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP))
+        try:
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP))
+        except PermissionError:
+            raise BenchError("capturing ACKs on loopback needs a packet socket: run as root (or with "
+                             "CAP_NET_RAW)") from None
         try:
             prog = tcp_from_port_filter(port)
             self._prog = ctypes.create_string_buffer(prog)
