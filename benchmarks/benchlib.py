@@ -8,15 +8,21 @@ a gcshadow started in its own session and stopped by pid, and percentiles.
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
+import socket
 import statistics
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -47,6 +53,7 @@ from throughput import (
 )
 
 __all__ = [
+    "AckSniffer",
     "CLK_TCK",
     "MB",
     "REPO",
@@ -54,6 +61,8 @@ __all__ = [
     "GiB",
     "Outcome",
     "PeakRss",
+    "PerfRecord",
+    "PySpy",
     "Reaped",
     "ShadowProc",
     "fmt",
@@ -63,7 +72,11 @@ __all__ = [
     "install_signal_handlers",
     "listening",
     "parse_size",
+    "child_pid",
     "percentile",
+    "perf_summary",
+    "profiled_run",
+    "pyspy_summary",
     "compile_bytecode",
     "settings_line",
     "proc_times",
@@ -73,6 +86,8 @@ __all__ = [
     "signal_tree",
     "stop",
     "summary",
+    "thread_cpu",
+    "thread_cpu_summary",
     "tools",
     "vm_hwm_kib",
     "wait_for_port_file",
@@ -256,3 +271,470 @@ def render_table(rows: list[list[str]]) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+
+# -- profiles ---------------------------------------------------------------------
+
+
+class PySpy:
+    """`py-spy record` of one process, writing raw collapsed stacks (one line per stack and its count).
+
+    Either attached to a running `pid`, or launching `cmd` under it (then the
+    profiled program is py-spy's child and the profile covers its start-up).
+    Only active samples are kept (no --idle), so a share of the samples is a
+    share of the CPU the process's threads used. Started in its own session;
+    `stop()` sends SIGINT by pid (py-spy writes its output then), SIGKILL after
+    `timeout`. Profiled runs are never timed: sampling slows the target.
+    """
+
+    def __init__(self, out: Path, pid: int | None = None, cmd: Sequence[str] = (), rate: int = 250,
+                 native: bool = False, log: Path | None = None) -> None:
+        exe = shutil.which("py-spy")
+        if exe is None:
+            raise BenchError("py-spy is not installed (pip install py-spy)")
+        self.out = out
+        self.command = [exe, "record", "--rate", str(rate), "--threads", "--format", "raw", "--output", str(out)]
+        # --native reads the target's native stacks, which needs it paused; otherwise do not pause it.
+        self.command += ["--native"] if native else ["--nonblocking"]
+        self.command += ["--pid", str(pid)] if pid is not None else ["--", *cmd]
+        self.log = log or out.with_suffix(".log")
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                         start_new_session=True)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Make py-spy write its output and exit (by pid); always reaps it."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for py-spy to exit by itself (the program it launched has exited); SIGKILL on timeout."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+            raise BenchError(f"py-spy ({shlex.join(self.command)}) did not finish within {timeout:.0f} s") from None
+
+
+_FRAME_LINE = re.compile(r":\d+\)$")
+_NATIVE_FRAME = re.compile(r"\((?:[^()]*\.(?:c|h|cc|cpp|rs)(?::\d+)?|[^()]*\.so[.\d]*)\)$")
+
+
+def _frame_key(frame: str, by_line: bool) -> str:
+    """A frame of py-spy's raw output, `func (file.py:LINE)` or a native `0x7f.. (lib.so)`, as a key."""
+    if frame.startswith("0x"):
+        lib = frame.partition(" ")[2]
+        return f"[native] {lib}"
+    return frame if by_line else _FRAME_LINE.sub(")", frame)
+
+
+def pyspy_summary(raw: Path, top: int = 15, title: str = "") -> str:
+    """Where the samples of one py-spy raw profile went: by thread, then the functions
+    with the most self samples (the innermost frame, by line too) and the most
+    inclusive samples (anywhere on the stack), as percentages of all samples."""
+    threads: collections.Counter[str] = collections.Counter()
+    names: dict[str, str] = {}
+    self_fn: collections.Counter[str] = collections.Counter()
+    self_line: collections.Counter[str] = collections.Counter()
+    self_py: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    stacks: list[tuple[str, list[str], int]] = []
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        tid, _, name = frames[0].partition(": ")
+        if name:
+            names[tid] = name
+        stacks.append((tid, frames[1:], n))
+        total += n
+    if not total:
+        return f"{title}: no samples in {raw}"
+    for tid, frames, n in stacks:
+        threads[names.get(tid, tid)] += n
+        if frames:
+            self_fn[_frame_key(frames[-1], False)] += n
+            self_line[_frame_key(frames[-1], True)] += n
+            py = next((f for f in reversed(frames) if not f.startswith("0x") and not _NATIVE_FRAME.search(f)),
+                      "(no Python frame)")
+            self_py[py] += n
+        for key in {_frame_key(f, False) for f in frames}:
+            incl[key] += n
+
+    def block(head: str, counter: collections.Counter[str]) -> list[str]:
+        return [head] + [f"  {100 * c / total:5.1f}%  {k}" for k, c in counter.most_common(top)]
+
+    out = [f"{title or raw.name}: {total} samples (active threads only)"]
+    out += block("by thread:", threads)
+    out += block("self, by function (innermost frame):", self_fn)
+    out += block("self, by line:", self_line)
+    if self_py != self_line:  # native frames were recorded: which Python line they run under
+        out += block("self, by innermost Python line (native frames below it counted there):", self_py)
+    out += block("inclusive, by function (anywhere on the stack):", incl)
+    for thread, n in threads.most_common(3):
+        mine: collections.Counter[str] = collections.Counter()
+        for tid, frames, c in stacks:
+            if names.get(tid, tid) == thread and frames:
+                mine[next((f for f in reversed(frames) if not f.startswith("0x") and not _NATIVE_FRAME.search(f)),
+                          "(no Python frame)")] += c
+        out += block(f"thread {thread} ({100 * n / total:.1f}% of the samples), self by innermost Python line:",
+                     collections.Counter(dict(mine.most_common(8))))
+    return "\n".join(out)
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
+    """{tid: (thread name, user s, sys s)} of every thread of `pid`, from /proc/PID/task/*/stat."""
+    out: dict[int, tuple[str, float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        name = data[data.index(b"(") + 1:data.rindex(b")")].decode(errors="replace")
+        fields = data[data.rindex(b")") + 2:].split()
+        out[int(tid)] = (name, int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
+    return out
+
+
+def thread_cpu_summary(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]) -> str:
+    """The CPU each thread used between two thread_cpu() readings, user and sys apart."""
+    rows = []
+    tu = ts = 0.0
+    for tid, (name, u, s) in sorted(after.items()):
+        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+        du, ds = u - u0, s - s0
+        tu, ts = tu + du, ts + ds
+        if du + ds > 0:
+            rows.append(f"  {name} ({tid}): user {du:.2f} s, sys {ds:.2f} s")
+    return "\n".join([f"CPU by thread: user {tu:.2f} s + sys {ts:.2f} s", *rows])
+
+
+def child_pid(pid: int, timeout: float = 10.0) -> int | None:
+    """The first child of `pid` (say the program py-spy launched), once it exists; None after `timeout`."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return None
+        if kids:
+            return int(kids[0])
+        time.sleep(0.005)
+    return None
+
+
+class PerfRecord:
+    """`perf record` (cpu-clock samples, on-CPU only) of one running process, all its threads; `stop()` by pid.
+
+    Where py-spy gives the Python stack, perf gives what is on the CPU in the
+    kernel, the interpreter and the C libraries (sqlite, libc): a sample is
+    taken only while a thread runs, so its shares are shares of CPU time.
+    """
+
+    def __init__(self, out: Path, pid: int, freq: int = 499) -> None:
+        exe = shutil.which("perf")
+        if exe is None:
+            raise BenchError("perf is not installed")
+        self.out = out
+        # -g: kernel call chains, to add the kernel's time up by system call
+        self.command = [exe, "record", "-F", str(freq), "-e", "cpu-clock", "-g", "-p", str(pid), "-o", str(out)]
+        with open(out.with_suffix(".log"), "wb") as f:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                         start_new_session=True)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.proc, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+
+# Kernel functions that stand for one system call in a call chain (the __x64_sys_ wrappers are often
+# tail calls, absent from the chains; these are not).
+_SYSCALL_SYMBOLS = {
+    "ksys_read": "read", "ksys_write": "write", "ksys_pread64": "pread64", "ksys_pwrite64": "pwrite64",
+    "do_readv": "readv", "do_writev": "writev", "__sys_recvfrom": "recvfrom", "__sys_sendto": "sendto",
+    "___sys_sendmsg": "sendmsg", "___sys_recvmsg": "recvmsg", "do_sendfile": "sendfile64", "do_splice": "splice",
+    "do_fsync": "fsync/fdatasync", "sync_filesystem": "syncfs", "do_epoll_wait": "epoll_wait",
+    "do_epoll_ctl": "epoll_ctl", "do_futex": "futex", "do_sys_openat2": "openat", "do_unlinkat": "unlinkat",
+    "vfs_fallocate": "fallocate", "do_sys_ftruncate": "ftruncate", "do_pipe2": "pipe2",
+    "__do_sys_clone3": "clone3", "do_group_exit": "exit_group", "do_sys_poll": "poll", "do_select": "select",
+    "__sys_accept4": "accept4", "__sys_connect": "connect", "do_mmap": "mmap", "__vm_munmap": "munmap",
+}
+_SYSCALL_ALIASES = {"unlink": "unlinkat", "fsync": "fsync/fdatasync", "fdatasync": "fsync/fdatasync", "recv": "recvfrom", "send": "sendto",
+                    "sendfile": "sendfile64", "pread": "pread64", "pwrite": "pwrite64"}
+
+
+def perf_summary(data: Path, top: int = 15, title: str = "", exclude: Sequence[str] = ()) -> str:
+    """The CPU samples of one `perf record` by thread, by binary (kernel, libpython, sqlite, ...), by symbol,
+    and the kernel's time by system call.
+
+    perf follows the children a process forks after it attached (a job that
+    gcwrap starts): the threads named in `exclude` (comm) are left out, and
+    percentages are of the samples that remain."""
+    exe = shutil.which("perf") or "perf"
+
+    def report(sort: str, children: bool = False, comms: Sequence[str] = ()) -> list[tuple[float, str]]:
+        """(percent, key) rows; `sort` after a leading comm key, which is summed over (perf applies --comms
+        to the entries only when comm is a sort key)."""
+        cmd = [exe, "report", "-i", str(data), "--children" if children else "--no-children", "--stdio",
+               "-g", "none", "-t", "|", "--sort", f"comm,{sort}"]
+        if comms:
+            cmd += ["--comms", ",".join(comms), "--percentage", "relative"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        sums: dict[str, float] = collections.defaultdict(float)
+        for line in r.stdout.splitlines():
+            if line.startswith("#") or "|" not in line:
+                continue
+            cells = [c.strip() for c in line.split("|")]
+            try:
+                pct = float(cells[0].rstrip("%"))
+            except ValueError:
+                continue
+            key = " ".join(cells[3 if children else 2:])
+            sums[key] += pct
+        return sorted(((pct, key) for key, pct in sums.items()), reverse=True)
+
+    out = [f"{title or data.name}: perf, on-CPU samples"]
+    try:
+        r = subprocess.run([exe, "report", "-i", str(data), "--no-children", "--stdio", "-g", "none", "-t", "|",
+                            "--sort", "comm"],
+                           capture_output=True, text=True, timeout=300, check=False)
+        total = next((line[2:].strip() for line in r.stdout.splitlines() if line.startswith("# Samples:")), "")
+        by_comm = [(float(c[0].strip().rstrip("%")), c[1].strip()) for c in
+                   (line.split("|") for line in r.stdout.splitlines() if "|" in line and not line.startswith("#"))]
+        out.append(f"by thread (comm), all samples ({total}):")
+        out += [f"  {pct:6.2f}% {comm}" for pct, comm in by_comm[:top]]
+        keep = [comm for _, comm in by_comm if comm not in exclude]
+        comms = keep if len(keep) < len(by_comm) and keep else []
+        if comms:
+            out.append(f"(below: without {', '.join(c for _, c in by_comm if c in exclude)}; percentages of the rest)")
+        for sort, head in (("dso", "by binary"), ("dso,sym", "by symbol")):
+            out.append(f"{head}:")
+            out += [f"  {pct:6.2f}% {key}" for pct, key in report(sort, comms=comms)[:top]]
+        # Inclusive time of each system call's kernel entry point (needs the call chains of -g).
+        calls: dict[str, float] = {}
+        for pct, key in report("sym", children=True, comms=comms):
+            m = re.fullmatch(r"\[k\] (\w+)", key)
+            if m is None:
+                continue
+            sym = m.group(1)
+            name = _SYSCALL_SYMBOLS.get(sym) or (sym[len("__x64_sys_"):] if sym.startswith("__x64_sys_") else None)
+            if name is not None:
+                name = _SYSCALL_ALIASES.get(name, name)
+                calls[name] = max(calls.get(name, 0.0), pct)
+        if calls:
+            out.append("kernel time by system call (inclusive; % of the samples above):")
+            out += [f"  {pct:6.2f}% {name}" for name, pct in sorted(calls.items(), key=lambda c: -c[1])[:top]]
+    except subprocess.TimeoutExpired:
+        out.append("perf report timed out")
+    return "\n".join(out)
+
+
+def profiled_run(outdir: Path, tag: str, shadow_pid: int, cmd: Sequence[str], log: Path,
+                 timeout: float) -> tuple[float, str]:
+    """Run `cmd` (a gcwrap) under py-spy while py-spy samples the shadow by pid, and perf records both (when
+    installed). Writes OUTDIR/{gcshadow,gcwrap}-TAG.{raw,perf.data,txt}; returns (wall seconds, the summaries).
+    Not a timed run: the samplers take CPU from both programs."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    perf_ok = shutil.which("perf") is not None
+    threads0 = thread_cpu(shadow_pid)
+    cpu0 = proc_times(shadow_pid)[0]
+    spies: list[PySpy] = []
+    perfs: list[PerfRecord] = []
+    try:
+        spies.append(PySpy(outdir / f"gcshadow-{tag}.raw", pid=shadow_pid))
+        if perf_ok:
+            perfs.append(PerfRecord(outdir / f"gcshadow-{tag}.perf.data", shadow_pid))
+        time.sleep(1.0)  # the samplers attach
+        t0 = time.monotonic()
+        spy = PySpy(outdir / f"gcwrap-{tag}.raw", cmd=cmd, log=log)
+        spies.append(spy)
+        kid = child_pid(spy.proc.pid) if perf_ok else None
+        if kid is not None:
+            perfs.append(PerfRecord(outdir / f"gcwrap-{tag}.perf.data", kid))
+        if spy.wait(timeout) != 0:
+            raise BenchError(f"gcwrap under py-spy ({tag}) failed:\n{log.read_text(errors='replace')[-2000:]}")
+        wall = time.monotonic() - t0
+        time.sleep(0.25)
+        cpu = proc_times(shadow_pid)[0] - cpu0
+        threads = thread_cpu_summary(threads0, thread_cpu(shadow_pid))
+    finally:
+        for spy in spies:
+            spy.stop()
+        for perf in perfs:
+            perf.stop()
+    texts = []
+    for who in ("gcshadow", "gcwrap"):
+        text = pyspy_summary(outdir / f"{who}-{tag}.raw", title=f"{who}, {tag}: py-spy")
+        if who == "gcshadow":
+            text += f"\nshadow CPU during the run: {cpu:.2f} s\n{threads}"
+        data = outdir / f"{who}-{tag}.perf.data"
+        if data.exists():
+            job = list(cmd)[list(cmd).index("--") + 1] if "--" in cmd else ""
+            text += "\n" + perf_summary(data, title=f"{who}, {tag}", exclude=[Path(job).name[:15]] if job else [])
+        elif not perf_ok:
+            text += "\n(perf is not installed: no on-CPU samples)"
+        (outdir / f"{who}-{tag}.txt").write_text(text + "\n")
+        texts.append(text)
+    return wall, "\n\n".join(texts)
+
+
+# -- ACKs seen on the wire ---------------------------------------------------------
+
+ETH_P_IP = 0x0800
+SO_ATTACH_FILTER, SO_TIMESTAMPNS, SO_RCVBUFFORCE = 26, 35, 33
+SOL_PACKET, PACKET_STATISTICS = 263, 6
+TCP_SYN = 0x02
+
+
+def tcp_from_port_filter(port: int) -> bytes:
+    """A classic BPF program for a SOCK_DGRAM packet socket (packets start at the IP header):
+    accept IPv4 TCP segments (unfragmented) whose source port is `port`, drop the rest."""
+    insns = [
+        (0x30, 0, 0, 9),  # ldb [9]: protocol
+        (0x15, 0, 6, 6),  # jeq #6 (TCP), else drop
+        (0x28, 0, 0, 6),  # ldh [6]: flags and fragment offset
+        (0x45, 4, 0, 0x1FFF),  # jset #0x1fff: a fragment -> drop
+        (0xB1, 0, 0, 0),  # ldxb 4*([0]&0xf): IP header length
+        (0x48, 0, 0, 0),  # ldh [x+0]: TCP source port
+        (0x15, 0, 1, port),  # jeq #port, else drop
+        (0x06, 0, 0, 0x40000),  # ret: accept (up to 256 KiB)
+        (0x06, 0, 0, 0),  # ret 0: drop
+    ]
+    return b"".join(struct.pack("HBBI", *i) for i in insns)
+
+
+class AckSniffer(threading.Thread):
+    """Times the ACKs a shadow on 127.0.0.1:`port` sends, as they arrive at the agent's end.
+
+    A packet socket on `lo` with a BPF filter (TCP from `port`) and kernel
+    receive timestamps (SO_TIMESTAMPNS, CLOCK_REALTIME, turned into
+    CLOCK_MONOTONIC with the two clocks' offset read at each packet, so a
+    slewing clock cannot shift them by more than a few microseconds).
+    Each connection's shadow -> agent byte stream is reassembled from the SYN
+    on (start this before the agent connects), cut into frames and decoded
+    with gcwrap.protocol; `acks` gets (offset, arrival ns) of every ACK of
+    `stream`. `problem` is set if a segment was missed.
+    """
+
+    def __init__(self, port: int, stream: int) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.stream = stream
+        self.acks: list[tuple[int, int]] = []
+        self.frames = 0
+        self.segments = 0
+        self.problem = ""
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        try:
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP))
+        except PermissionError:
+            raise BenchError("capturing ACKs on loopback needs a packet socket: run as root (or with "
+                             "CAP_NET_RAW)") from None
+        try:
+            prog = tcp_from_port_filter(port)
+            self._prog = ctypes.create_string_buffer(prog)
+            fprog = struct.pack("HL", len(prog) // 8, ctypes.addressof(self._prog))
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            self.sock.bind(("lo", ETH_P_IP))
+            self.sock.settimeout(0.05)
+        except OSError:
+            self.sock.close()
+            raise
+        # state per connection (the agent's port): next sequence number, bytes not yet framed
+        self.conns: dict[int, tuple[int, bytearray]] = {}
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self.error = e
+
+    def _run(self) -> None:
+        from gcwrap.events import Ack
+        from gcwrap.protocol import decode
+
+        anc = socket.CMSG_SPACE(16)
+        while not self.stopping.is_set():
+            try:
+                pkt, ancdata, _, _ = self.sock.recvmsg(1 << 18, anc)
+            except TimeoutError:
+                continue
+            offset = time.time_ns() - time.monotonic_ns()
+            stamp = next((struct.unpack("qq", d[:16]) for lvl, typ, d in ancdata
+                          if lvl == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS), None)
+            arrival = (stamp[0] * 1_000_000_000 + stamp[1] - offset) if stamp else time.monotonic_ns()
+            ihl = (pkt[0] & 0x0F) * 4
+            total = struct.unpack_from("!H", pkt, 2)[0]
+            sport, dport, seq, _ack, off_flags = struct.unpack_from("!HHIIH", pkt, ihl)
+            if sport != self.port:
+                continue
+            self.segments += 1
+            flags = off_flags & 0x3F
+            payload = pkt[ihl + (off_flags >> 12) * 4:total]
+            if flags & TCP_SYN:
+                self.conns[dport] = ((seq + 1) & 0xFFFFFFFF, bytearray())
+                continue
+            if not payload:
+                continue
+            if dport not in self.conns:
+                self.problem = f"data on a connection (agent port {dport}) whose SYN was not seen"
+                continue
+            nxt, buf = self.conns[dport]
+            ahead = (seq - nxt) & 0xFFFFFFFF
+            if 0 < ahead < 1 << 31:
+                self.problem = f"missed {ahead} bytes of the shadow's stream to port {dport}"
+                continue
+            behind = (nxt - seq) & 0xFFFFFFFF
+            if behind >= len(payload):
+                continue  # a retransmission of bytes already seen
+            buf += payload[behind:]
+            self.conns[dport] = ((nxt + len(payload) - behind) & 0xFFFFFFFF, buf)
+            while len(buf) >= 5:
+                length = struct.unpack_from("!I", buf, 0)[0]
+                if len(buf) < 4 + length:
+                    break
+                ev = decode(buf[4], bytes(buf[5:4 + length]))
+                del buf[:4 + length]
+                self.frames += 1
+                if isinstance(ev, Ack) and ev.stream == self.stream:
+                    self.acks.append((ev.offset, arrival))
+
+    def close(self) -> int:
+        """Stop, close the socket, and return the packets the kernel dropped for want of room in it."""
+        self.stopping.set()
+        if self.is_alive():
+            self.join(5)
+        if self.sock.fileno() < 0:
+            return 0
+        raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
+        self.sock.close()
+        return int(struct.unpack("II", raw)[1])

@@ -9,24 +9,35 @@ gcshadow for every run, so its peak RSS is that run's):
                gcshadow serve --port 0 --root HOME --port-file F --min-free 0
                gcwrap --shadow 127.0.0.1:PORT --stdout fanin/real-i.out --spool SPOOL --job-id ID-i -- cat INPUT_i
              baseline: ONE gcwrap running `cat INPUT_1 ... INPUT_N` (the same bytes, one connection).
-  sim N      N simulated agents (--sim, default 1000,10000) from a load generator in this process (trio, one
-             process, N connections, speaking gcwrap.protocol). Each agent: connect, HELLO, WELCOME; wait
-             until every agent is connected (a barrier, PINGs every 5 s while waiting); then send
-             --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced; with
-             --interval 0 all at once); wait for the ACKs covering them; EXIT; wait for DONE.
+  sim N      N simulated agents (--sim, default 1000,10000) from a load process of their own (this script
+             run with --load-worker: one trio run, N connections, speaking gcwrap.protocol), so that the load
+             does not share this script's process with the measurement. Each agent: connect, HELLO,
+             WELCOME; wait until every agent is connected (a barrier, PINGs every 5 s while waiting); then
+             send --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced;
+             with --interval 0 all at once); wait for the ACKs covering them; EXIT; wait for DONE.
              baseline: ONE simulated agent sending the same frames on the same schedule (N frames per
              interval) over one connection.
+  --ceiling  then the most simulated agents one shadow holds, every agent byte-exact at p99 ack <=
+             --ceiling-p99 (250 ms): probes double the count from --ceiling-start, then bisect, each a
+             fresh shadow, within --ceiling-budget seconds.
 
-Figures: throughput (payload bytes / time from the first byte sent to the last
-ACK; for real gcwrap: from spawning until the last gcwrap exits), ack latency
-p50/p99/max (sim: from just before send_all of a DATA frame to the ACK
-covering it; real gcwrap: not observable from outside, the per-job wall time
-is given instead), the shadow's CPU-seconds (user+sys of all its threads,
-/proc/PID/stat, over the scenario) and peak RSS (VmHWM), and its largest
-number of open descriptors (sampled every 0.5 s). Every landed file's sha256
-is compared with the bytes sent. RLIMIT_NOFILE is raised to the hard limit in
-this process (the generator) before the shadow is started; the shadow raises
-its own soft limit to its hard limit too (gcwrap.shadow.raise_fd_limit).
+Figures: throughput. sim: the offered rate (N x frame / interval while
+sending) and what was ACHIEVED: payload bytes acknowledged, counted from the
+ACKs by the load process, over the time from the first DATA sent to the last
+ACK; a shadow that keeps up achieves the offered rate (1.00x), one that falls
+behind less. real gcwrap: the byte-exact bytes over spawn -> last exit.
+Ack latency p50/p99/max (sim: from just before send_all of a DATA frame to
+the ACK covering it; real gcwrap: not observable from outside, the per-job
+wall time is given instead); connect + handshake p50/p99/max (connect() to
+WELCOME, at most --connect-concurrency at once) and when the last agent was
+connected; how late the load process sent frames against their schedule
+(send lag) and its CPU, which say whether the load process kept up; the
+shadow's CPU-seconds (user+sys of all its threads, /proc/PID/stat, over the
+scenario) and peak RSS (VmHWM), and its largest number of open descriptors
+(sampled every 0.5 s). Every landed file's sha256 is compared with the bytes
+sent. RLIMIT_NOFILE is raised to the hard limit in this process before the
+shadow and the load process are started; the shadow raises its own soft
+limit to its hard limit too (gcwrap.shadow.raise_fd_limit).
 
 Failures are reported, not hidden: every agent that did not finish is counted
 by the phase it failed in and the error, the shadow's warnings and errors
@@ -37,6 +48,7 @@ Usage:
   python benchmarks/fanin.py                                  # real 100, sim 1000 and 10000, 5 runs each
   python benchmarks/fanin.py --real 100 --sim 1000 --runs 5
   python benchmarks/fanin.py --real 10 --real-bytes 1MB --sim 100 --runs 1     # smoke
+  python benchmarks/fanin.py --real 0 --sim '' --ceiling                       # the ceiling alone
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import json
+import math
 import os
 import random
 import re
@@ -78,6 +92,7 @@ from benchlib import (
     signal_tree,
     summary,
     tools,
+    wait_measured,
 )
 
 SEED = 6
@@ -161,7 +176,18 @@ class Result:
 
     @property
     def mb_s(self) -> float:
-        return self.nbytes / self.seconds / MB if self.seconds > 0 else 0.0
+        """Achieved: payload bytes acknowledged per second (sim: counted from the ACKs by the load process, from
+        the first DATA sent to the last ACK; real: the byte-exact bytes over spawn -> last exit)."""
+        acked = self.notes.get("acked_bytes", self.nbytes)
+        return acked / self.seconds / MB if self.seconds > 0 else 0.0
+
+    @property
+    def offered(self) -> float:
+        return float(self.notes.get("offered_mb_s", math.nan))
+
+    def held(self, p99_ms: float) -> bool:
+        """Every agent finished byte-exact, nothing went wrong, and p99 ack <= p99_ms."""
+        return self.ok == self.agents and not self.errors and percentile(self.latencies_ms, 99) <= p99_ms
 
 
 # -- real gcwrap processes -----------------------------------------------------------
@@ -339,6 +365,21 @@ class Generator:
         self.first_send: float | None = None
         self.last_ack = 0.0
         self.connect_s: list[float] = []
+        self.lags: list[float] = []  # seconds each DATA frame was sent after its due time (paced only)
+        self.ack_bins: collections.Counter[int] = collections.Counter()  # bytes acked per second since t_start
+        self.all_connected_at = math.nan  # seconds from the start until every agent had its WELCOME (or failed)
+
+    def results(self, t_start: float, t_end: float) -> dict[str, Any]:
+        """What the parent process needs, as JSON: durations only (trio's clock has an arbitrary origin)."""
+        first = self.first_send if self.first_send is not None else t_start
+        return {
+            "latencies_ms": self.latencies, "errors": dict(self.errors), "connected": self.connected,
+            "failed": self.failed, "finished": self.finished, "acked_bytes": self.acked_bytes,
+            "data_s": max(1e-9, self.last_ack - first) if self.last_ack else math.nan,
+            "total_s": t_end - t_start, "first_send_s": first - t_start, "connect_s": self.connect_s,
+            "lags_s": self.lags, "all_connected_s": self.all_connected_at,
+            "ack_bins": sorted(self.ack_bins.items()),
+        }
 
     def payload(self, i: int) -> memoryview:
         start = (i * 7919) % SRC_SPAN
@@ -351,7 +392,7 @@ class Generator:
             for i in agents:
                 yield (i / self.n + k) * iv, self.payload(i)[k * self.frame:(k + 1) * self.frame]
 
-    async def run(self, baseline: bool, port: int, tag: str, home: Path) -> tuple[float, float]:
+    async def run(self, baseline: bool, port: int, tag: str) -> tuple[float, float]:
         import trio
 
         self.all_connected = trio.Event()
@@ -366,6 +407,7 @@ class Generator:
                     nursery.start_soon(self.agent, i, [i], port, f"sim-{tag}-{i}", f"fanin/sim-{i:05d}.out")
             with trio.move_on_after(self.args.barrier_timeout):
                 await self.all_connected.wait()
+            self.all_connected_at = trio.current_time() - self.t_start
             if not self.all_connected.is_set():
                 self.errors[f"barrier: only {self.connected} of {self.expect} agents connected after "
                             f"{self.args.barrier_timeout:g} s; the others went on anyway"] += 1
@@ -461,6 +503,7 @@ class Generator:
                     while sent and sent[0][0] <= ev.offset:
                         self.latencies.append((now - sent.popleft()[1]) * 1000)
                     self.acked_bytes += ev.offset - acked
+                    self.ack_bins[int(now - self.t_start)] += ev.offset - acked
                     acked = ev.offset
                     self.last_ack = max(self.last_ack, now)
                     if acked >= total:
@@ -499,6 +542,8 @@ class Generator:
                 if self.args.interval > 0:
                     await trio.sleep_until(t0 + due)
                 now = trio.current_time()
+                if self.args.interval > 0:
+                    self.lags.append(now - t0 - due)
                 if self.first_send is None:
                     self.first_send = now
                 frame = conn.send(DataEv(1, offset, bytes(payload)))
@@ -512,45 +557,83 @@ class Generator:
             await done.wait()
 
 
+def source(args: argparse.Namespace) -> bytes:
+    """The bytes the simulated agents' payloads are cut from (the same in the parent and the load process)."""
+    return random.Random(SEED + 1).randbytes(SRC_SPAN + args.frame * args.frames)
+
+
+LOAD_ARGS = ("frame", "frames", "interval", "connect_concurrency", "barrier_timeout", "timeout")
+
+
+def load_worker(params_file: Path, result_file: Path) -> int:
+    """The load process: run the simulated agents (one trio run), write what happened to `result_file`."""
+    import trio
+
+    params = json.loads(params_file.read_text())
+    args = argparse.Namespace(**params["args"])
+    raise_nofile()
+    gen = Generator(args, params["n"], source(args))
+    try:
+        t_start, t_end = trio.run(gen.run, params["baseline"], params["port"], params["tag"])
+    except BaseException as e:  # counted, and reported by the parent
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        gen.errors[f"generator crashed: {type(e).__name__}: {e}"[:200]] += 1
+        t_start = t_end = 0.0
+    tmp = result_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(gen.results(t_start, t_end)))
+    tmp.rename(result_file)
+    return 0
+
+
 class SimBench:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
         self.workdir = workdir
-        self.src = random.Random(SEED + 1).randbytes(SRC_SPAN + args.frame * args.frames)
+        self.src = source(args)
         self.commands: dict[str, str] = {}
 
     def run(self, n: int, path: str, index: int) -> Result:
-        import trio
-
         baseline = path == "baseline"
         rundir = self.workdir / f"sim{n}-{path}-{index}"
         home = rundir / "home"
         shadow = ShadowProc(home, rundir)
         watch: ShadowWatch | None = None
-        gen = Generator(self.args, n, self.src)
+        gen = Generator(self.args, n, self.src)  # for the payloads and the schedule: the load runs elsewhere
+        load: subprocess.Popen[bytes] | None = None
         try:
             port = shadow.wait_ready()
             self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
+            tag = f"{os.getpid()}-{n}-{index}-{'b' if baseline else 'f'}"
+            params, result_file = rundir / "load.json", rundir / "load-result.json"
+            params.write_text(json.dumps({"n": n, "baseline": baseline, "port": port, "tag": tag,
+                                          "args": {k: getattr(self.args, k) for k in LOAD_ARGS}}))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--load-worker", str(params), str(result_file)]
+            self.commands.setdefault("load process", shlex.join(cmd))
             watch = ShadowWatch(shadow.pid)
             watch.start()
             os.sync()
             time.sleep(0.2)
             cpu0 = shadow.cpu()
-            tag = f"{os.getpid()}-{n}-{index}-{'b' if baseline else 'f'}"
-            try:
-                t_start, t_end = trio.run(gen.run, baseline, port, tag, home)
-            except BaseException as e:
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                gen.errors[f"generator crashed: {type(e).__name__}: {e}"[:200]] += 1
-                t_start, t_end = 0.0, 1.0
+            with open(rundir / "load.log", "wb") as log:
+                t0 = time.monotonic()
+                load = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+            r = wait_measured(load, t0 + self.args.timeout + self.args.barrier_timeout + 60)
+            load_wall = r.end - t0
             time.sleep(0.25)
             cpu = shadow.cpu() - cpu0
             hwm = shadow.hwm_mib()
             watch.stopping.set()
+            if r.timed_out or r.returncode != 0 or not result_file.exists():
+                tail = (rundir / "load.log").read_text(errors="replace")[-1500:]
+                raise BenchError(f"sim {n} {path} run {index}: the load process exited {r.returncode}"
+                                 f"{' (timed out)' if r.timed_out else ''}\n{tail}")
+            res = json.loads(result_file.read_text())
+            errors: collections.Counter[str] = collections.Counter(res["errors"])
+            finished = res["finished"]
             alive = shadow.proc.poll() is None
             if not alive:
-                gen.errors[f"the shadow exited with status {shadow.proc.returncode}"] += 1
+                errors[f"the shadow exited with status {shadow.proc.returncode}"] += 1
             # byte-exactness of every finished agent's file
             ok = 0
             nbytes = 0
@@ -560,7 +643,7 @@ class SimBench:
                 for _, frame in gen.schedule(list(range(n))):
                     h.update(frame)
                 landed = home / "fanin/sim-all.out"
-                if gen.finished == 1:
+                if finished == 1:
                     if landed.exists() and landed.stat().st_size == n * gen.per_agent and sha256_file(landed) == h.hexdigest():
                         ok, nbytes = 1, n * gen.per_agent
                     else:
@@ -574,33 +657,54 @@ class SimBench:
                     if landed.stat().st_size == gen.per_agent and sha256_file(landed) == want:
                         ok += 1
                         nbytes += gen.per_agent
-                    elif gen.finished == n:
+                    elif finished == n:
                         mismatch += 1
-                ok = min(ok, gen.finished)
+                ok = min(ok, finished)
             if mismatch:
-                gen.errors[f"{mismatch} landed file(s) differ from the bytes sent"] += 1
-            first = gen.first_send if gen.first_send is not None else t_start
-            data_s = max(1e-9, gen.last_ack - first)
+                errors[f"{mismatch} landed file(s) differ from the bytes sent"] += 1
+            connect = res["connect_s"]
+            lags = res["lags_s"]
             return Result(
                 scenario=f"sim {n}", path=path, index=index, agents=1 if baseline else n, ok=ok, nbytes=nbytes,
-                seconds=data_s, total_s=t_end - t_start, shadow_cpu_s=cpu, shadow_hwm_mib=hwm,
-                shadow_max_fds=watch.max_fds, latencies_ms=gen.latencies, errors=dict(gen.errors),
+                seconds=res["data_s"], total_s=res["total_s"], shadow_cpu_s=cpu, shadow_hwm_mib=hwm,
+                shadow_max_fds=watch.max_fds, latencies_ms=res["latencies_ms"], errors=dict(errors),
                 shadow_problems=log_problems(shadow.log_tail(10**8)),
-                notes={"connect_p50_ms": percentile(gen.connect_s, 50) * 1000 if gen.connect_s else float("nan"),
-                       "connect_max_ms": max(gen.connect_s) * 1000 if gen.connect_s else float("nan"),
+                notes={"connect_p50_ms": percentile(connect, 50) * 1000 if connect else math.nan,
+                       "connect_p99_ms": percentile(connect, 99) * 1000 if connect else math.nan,
+                       "connect_max_ms": max(connect) * 1000 if connect else math.nan,
+                       "all_connected_s": res["all_connected_s"],
+                       "acked_bytes": res["acked_bytes"],
+                       "offered_mb_s": (n * self.args.frame / self.args.interval / MB) if self.args.interval > 0
+                       else math.nan,
+                       "lag_p99_ms": percentile(lags, 99) * 1000 if lags else math.nan,
+                       "lag_max_ms": max(lags) * 1000 if lags else math.nan,
+                       "load_cpu_s": r.rusage_cpu, "load_wall_s": load_wall,
                        "shadow_nofile": nofile_limit(shadow.pid), "shadow_max_rss_mib": watch.max_rss_kib / 1024,
-                       "shadow_threads": watch.max_threads, "connected": gen.connected,
-                       "generator_nofile": "/".join(map(str, raise_nofile()))},
+                       "shadow_threads": watch.max_threads, "connected": res["connected"]},
             )
         finally:
             if watch is not None:
                 watch.stopping.set()
+            if load is not None and load.returncode is None:
+                signal_tree(load, 9)
+                load.wait(10)
             shadow.stop()
             if not self.args.keep:
                 shutil.rmtree(rundir, ignore_errors=True)
 
 
 # -- reporting -------------------------------------------------------------------------
+
+
+def sim_line(r: Result) -> str:
+    """One simulated run in one line."""
+    return (f"{r.ok}/{r.agents} ok  achieved {r.mb_s:6.1f} of {r.offered:.1f} MB/s offered  {r.total_s:6.1f} s  "
+            f"ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/{percentile(r.latencies_ms, 99):.1f}/"
+            f"{max(r.latencies_ms, default=math.nan):.0f} ms  shadow CPU {r.shadow_cpu_s:.2f} s  "
+            f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
+            f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
+            f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
+            + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""))
 
 
 def report(results: list[Result], args: argparse.Namespace) -> bool:
@@ -620,7 +724,12 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
             rows.append([label, fmt(f[0]), fmt(f[1]), fmt(f[2]), fmt(b[0]), fmt(b[1]), fmt(b[2]), ratio])
 
         line("agents finished byte-exact", lambda r: r.ok)
-        line("throughput (MB/s)", lambda r: r.mb_s)
+        if real:
+            line("throughput (MB/s), spawn -> last exit", lambda r: r.mb_s)
+        else:
+            line("offered (MB/s) while sending", lambda r: r.offered)
+            line("achieved (MB/s): acked / (last ACK - first send)", lambda r: r.mb_s)
+            line("achieved / offered", lambda r: r.mb_s / r.offered)
         line("total time (s)", lambda r: r.total_s)
         line(f"{lat_label} p50", lambda r: percentile(r.latencies_ms, 50))
         line(f"{lat_label} p99", lambda r: percentile(r.latencies_ms, 99))
@@ -633,11 +742,18 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
             line("gcwrap CPU, all processes (s)", lambda r: r.notes["gcwrap_cpu_s_total"])
         else:
             line("connect+handshake p50 (ms)", lambda r: r.notes["connect_p50_ms"])
+            line("connect+handshake p99 (ms)", lambda r: r.notes["connect_p99_ms"])
             line("connect+handshake max (ms)", lambda r: r.notes["connect_max_ms"])
+            line("all connected after (s)", lambda r: r.notes["all_connected_s"])
+            line("send lag p99 (ms): frames sent late", lambda r: r.notes["lag_p99_ms"])
+            line("load process CPU (s)", lambda r: r.notes["load_cpu_s"])
+            line("load process CPU / its wall", lambda r: r.notes["load_cpu_s"] / r.notes["load_wall_s"])
         print(render_table(rows))
+        if not real:
+            print("  (the baseline is paced on the same schedule, so its achieved rate is the offered rate too; "
+                  "fan-in/baseline compares latency and CPU, not capacity: see --ceiling)")
         fan = [r for r in rs if r.path == "fan-in"]
-        print(f"shadow RLIMIT_NOFILE soft/hard: {fan[0].notes.get('shadow_nofile')}"
-              + (f"; generator: {fan[0].notes.get('generator_nofile')}" if not real else ""))
+        print(f"shadow RLIMIT_NOFILE soft/hard: {fan[0].notes.get('shadow_nofile')}")
         failed = [r for r in rs if r.errors or r.ok != r.agents]
         for r in failed:
             ok_all = False
@@ -658,7 +774,73 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
     return ok_all
 
 
+def ceiling(sb: SimBench, args: argparse.Namespace) -> tuple[list[Result], str]:
+    """The most simulated agents one shadow holds: every agent byte-exact and p99 ack <= --ceiling-p99.
+
+    Doubles the agent count from --ceiling-start until a probe fails (or
+    --ceiling-max holds), halves it while the first probes fail, then bisects
+    between the most that held and the fewest that did not until they are
+    within --ceiling-resolution of each other. A probe is one run on a fresh
+    shadow; the next probe starts only if its estimated time (the last probe's,
+    scaled by the agent count) fits in what is left of --ceiling-budget.
+    """
+    started = time.monotonic()
+    held: int | None = None
+    failed: int | None = None
+    probes: list[Result] = []
+    n = args.ceiling_start
+    last_s, last_n = 0.0, 1
+    why = ""
+    while True:
+        estimate = last_s * max(1.0, n / last_n)
+        if time.monotonic() - started + estimate > args.ceiling_budget:
+            why = f"stopped: the next probe ({n} agents, about {estimate:.0f} s) would overrun --ceiling-budget"
+            break
+        t0 = time.monotonic()
+        try:
+            r: Result | None = sb.run(n, "fan-in", len(probes) + 1)
+        except BenchError as e:  # the load process failed or timed out: this many did not hold
+            r = None
+            print(f"ceiling probe {len(probes) + 1}: {n:6} agents not held: {e}", flush=True)
+        last_s, last_n = time.monotonic() - t0, n
+        ok = r is not None and r.held(args.ceiling_p99)
+        if r is not None:
+            r.scenario = "ceiling"
+            probes.append(r)
+            print(f"ceiling probe {len(probes)}: {n:6} agents {'HELD' if ok else 'not held'}  " + sim_line(r),
+                  flush=True)
+        if ok:
+            held = n if held is None else max(held, n)
+        else:
+            failed = n if failed is None else min(failed, n)
+        if failed is None:
+            if n >= args.ceiling_max:
+                why = f"--ceiling-max ({args.ceiling_max}) held"
+                break
+            n = min(args.ceiling_max, 2 * n)
+        elif held is None:
+            if n <= 1:
+                why = "not even one agent held"
+                break
+            n = max(1, n // 2)
+        else:
+            if failed <= held * (1 + args.ceiling_resolution) or failed - held <= 1:
+                why = f"resolution reached (within {100 * args.ceiling_resolution:.0f}%)"
+                break
+            n = (held + failed) // 2
+            step = 10 ** max(0, len(str(failed - held)) - 2)  # round to 2 significant digits of the gap
+            n = max(held + 1, min(failed - 1, round(n / step) * step))
+    text = (f"ceiling (p99 ack <= {args.ceiling_p99:g} ms, every agent byte-exact, {args.frames} frames x "
+            f"{args.frame:,} B per agent every {args.interval:g} s): "
+            + (f"{held} agents held" if held is not None else "no probe held")
+            + (f"; {failed} did not" if failed is not None else "")
+            + f" ({len(probes)} probes in {time.monotonic() - started:.0f} s; {why})")
+    return probes, text
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--load-worker":
+        return load_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real", type=int, default=100, help="real gcwrap processes (0: skip; default 100)")
@@ -675,6 +857,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs of each scenario and of its baseline (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run / per agent (600)")
     parser.add_argument("--check-targets", action="store_true", help="print the targets for every sim scenario")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="after the scenarios, find the most simulated agents one shadow holds at p99 ack <= "
+                             "--ceiling-p99 (doubling, then bisecting; one run per probe)")
+    parser.add_argument("--ceiling-p99", type=float, default=250.0, help="p99 ack latency a probe must hold (ms)")
+    parser.add_argument("--ceiling-start", type=int, default=1000, help="agents in the first probe (default 1000)")
+    parser.add_argument("--ceiling-max", type=int, default=32000, help="most agents probed (default 32000)")
+    parser.add_argument("--ceiling-resolution", type=float, default=0.1,
+                        help="stop when the fewest that failed are within this fraction of the most that held (0.1)")
+    parser.add_argument("--ceiling-budget", type=float, default=1500.0,
+                        help="seconds the search may take (default 1500); a probe that would overrun is not started")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -682,7 +874,8 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     soft, hard = raise_nofile()
     print(header("fanin"), flush=True)
-    print(f"RLIMIT_NOFILE of this process (the load generator), raised to the hard limit: {soft}/{hard}")
+    print(f"RLIMIT_NOFILE of this process and the load processes it starts, raised to the hard limit: "
+          f"{soft}/{hard}")
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-fanin-", dir=args.tmpdir))
     results: list[Result] = []
     commands: dict[str, str] = {}
@@ -713,22 +906,25 @@ def main(argv: list[str] | None = None) -> int:
                     for path in ("fan-in", "baseline"):
                         r = sb.run(n, path, i)
                         results.append(r)
-                        print(f"sim  {n:5} {path:8} run {i}: {r.ok}/{r.agents} ok  {r.mb_s:7.1f} MB/s  "
-                              f"{r.total_s:6.1f} s  ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/"
-                              f"{percentile(r.latencies_ms, 99):.1f}/{max(r.latencies_ms, default=float('nan')):.0f} ms"
-                              f"  shadow CPU {r.shadow_cpu_s:.2f} s  RSS {r.shadow_hwm_mib:.0f} MiB  "
-                              f"fds {r.shadow_max_fds}  connect p50/max {r.notes['connect_p50_ms']:.0f}/"
-                              f"{r.notes['connect_max_ms']:.0f} ms"
-                              + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""), flush=True)
+                        print(f"sim  {n:5} {path:8} run {i}: " + sim_line(r), flush=True)
+            commands.update(sb.commands)
+        ceiling_text = ""
+        if args.ceiling:
+            sb = SimBench(args, workdir)
+            print(f"ceiling search: from {args.ceiling_start} agents, at most {args.ceiling_max}, budget "
+                  f"{args.ceiling_budget:.0f} s", flush=True)
+            _probes, ceiling_text = ceiling(sb, args)
             commands.update(sb.commands)
         print("\ncommands (first run):")
         for name, cmd in commands.items():
             print(f"  {name}: {cmd}")
         if sims:
-            print("  load generator: in this process (trio), one TCP connection per simulated agent")
+            print("  load generator: a process of its own (trio), one TCP connection per simulated agent")
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-        if not report(results, args):
+        if results and not report(results, args):
             outcome.status = 1
+        if ceiling_text:
+            print("\n" + ceiling_text)
     return outcome.status
 
 

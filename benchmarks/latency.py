@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Line latency: from a job's write to its bytes being visible, and durable, at home.
+"""Line latency: from a job's write to the durable ACK arriving at the agent, and to the line being visible at home.
 
 A job writes timestamped lines ("SEQ MONOTONIC_NS\\n", 29 bytes, one write(2)
 each) at a fixed rate (10, 1 000 and 10 000 lines/s by default), on an
@@ -9,16 +9,20 @@ the other, at each rate:
 
   gcwrap   gcshadow serve --port 0 --root HOME --port-file F --min-free 0
            gcwrap --shadow 127.0.0.1:PORT --stdout latency-R.out --spool SPOOL --job-id ID -- python -c JOB R N
-           Two figures from the same run, seen by an inotify watcher in this script:
-           * write -> visible at home: the line is in HOME/latency-R.out (the shadow pwrites it; page cache);
-           * write -> durable at home: the shadow's state database (HOME/.gcshadow/state.db) records a
-             durable length covering the line. The shadow records it after fdatasync of the file and
-             just before it sends the ACK, so this is when the line is acknowledged, seen from outside.
-             (Read-only queries every 1 ms while lines wait: the commit becomes readable after the
-             WAL fsync with no inotify event, so this figure is up to ~1 ms late.)
+           Two figures from the same run:
+           * write -> ACK at the agent: when the shadow's ACK covering the line arrives at gcwrap's
+             socket. A packet socket on the loopback interface (AF_PACKET, a BPF filter for TCP from the
+             shadow's port, kernel receive timestamps) sees each segment the shadow sends to gcwrap as
+             the kernel delivers it; the script reassembles that direction of the stream, cuts it into
+             frames and decodes them with gcwrap.protocol. An ACK says every byte below its offset is
+             durable at home, and its arrival is when gcwrap can rely on that: what the user's
+             guarantee is about. Nothing is added to gcwrap's path (no proxy, no polling of the
+             shadow); a lost capture (kernel drop counter, a gap in the sequence numbers) fails the run.
+           * write -> visible at home (page cache), for context: the line is in HOME/latency-R.out (the
+             shadow pwrites it before it syncs), seen by an inotify watcher in this script.
   socat    (baseline for "visible") JOB | socat -u - TCP:127.0.0.1:PORT  ->  socat -u TCP-LISTEN:PORT OPEN:FILE
            write -> visible in FILE, by the same watcher. Nothing is synced.
-  protocol (the shadow's own ack latency) a client in this script speaking the wire protocol
+  protocol (the shadow's own ack latency, without gcwrap) a client in this script speaking the wire protocol
            (gcwrap.protocol, one connection to a fresh gcshadow): HELLO, then at the same rate DATA frames
            holding the lines that are due, then EXIT/DONE. send -> durable ACK: from just before send_all of
            the DATA frame to the arrival of the ACK covering the line.
@@ -49,7 +53,6 @@ import re
 import select
 import shlex
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -61,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
+    AckSniffer,
     guarded,
     BenchError,
     ShadowProc,
@@ -141,30 +145,17 @@ class Lines:
 
 
 class Watcher(threading.Thread):
-    """Reads FILE as it grows (woken by inotify), timing each complete line from its own timestamp.
+    """Reads FILE as it grows (woken by inotify), timing each complete line from its own timestamp."""
 
-    With `state_db` and `job_id`, it also watches the shadow's state directory
-    and reads the durable length the shadow recorded for the job's stdout
-    after each change: lines below it are durable.
-    """
-
-    def __init__(self, path: Path, expected: int, state_db: Path | None = None, job_id: str = "") -> None:
+    def __init__(self, path: Path, expected: int) -> None:
         super().__init__(daemon=True)
         self.path = path
         self.expected = expected
-        self.state_db = state_db
-        self.job_id = job_id
         self.visible = Lines()
-        self.durable = Lines()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.ino = Inotify()
         self.ino.watch(path.parent)
-        if state_db is not None:
-            self.ino.watch(state_db.parent)
-        self.content = bytearray()
-        self.pending: list[tuple[int, int]] = []  # (end offset, timestamp ns) of lines not yet durable
-        self.durable_len = 0
 
     def run(self) -> None:
         try:
@@ -172,23 +163,8 @@ class Watcher(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             self.error = e
 
-    def _durable_length(self, db: sqlite3.Connection | None) -> tuple[sqlite3.Connection | None, int]:
-        if self.state_db is None:
-            return db, 0
-        try:
-            if db is None:
-                if not self.state_db.exists():
-                    return None, self.durable_len
-                db = sqlite3.connect(f"file:{self.state_db}?mode=ro", uri=True, isolation_level=None,
-                                     check_same_thread=False)
-            row = db.execute("SELECT durable FROM streams WHERE job_id = ? AND stream = 1", (self.job_id,)).fetchone()
-        except sqlite3.Error:
-            return db, self.durable_len
-        return db, (int(row[0]) if row else self.durable_len)
-
     def _run(self) -> None:
         fd: int | None = None
-        db: sqlite3.Connection | None = None
         partial = b""
         try:
             while not self.stopping.is_set():
@@ -200,45 +176,33 @@ class Watcher(threading.Thread):
                 if fd is not None:
                     while chunk := os.read(fd, 1 << 20):
                         now = time.monotonic_ns()
-                        self.content += chunk
-                        data = partial + chunk
-                        *lines, partial = data.split(b"\n")
-                        end = len(self.content) - len(partial)
-                        ends = []
-                        for line in reversed(lines):
-                            ends.append(end)
-                            end -= len(line) + 1
-                        for line, line_end in zip(lines, reversed(ends)):
-                            ts = int(line.split(b" ")[1])
-                            self.visible.latencies.append(now - ts)
-                            self.pending.append((line_end, ts))
+                        *lines, partial = (partial + chunk).split(b"\n")
+                        for line in lines:
+                            self.visible.latencies.append(now - int(line.split(b" ")[1]))
                         self.visible.count += len(lines)
-                if self.state_db is not None:
-                    db, n = self._durable_length(db)
-                    if n > self.durable_len:
-                        now = time.monotonic_ns()
-                        self.durable_len = n
-                        k = 0
-                        while k < len(self.pending) and self.pending[k][0] <= n:
-                            self.durable.latencies.append(now - self.pending[k][1])
-                            k += 1
-                        del self.pending[:k]
-                        self.durable.count += k
-                done_visible = self.visible.count >= self.expected
-                done_durable = self.state_db is None or self.durable.count >= self.expected
-                if done_visible and done_durable:
+                if self.visible.count >= self.expected:
                     return
-                # A commit of the state database writes its WAL (an inotify event) and then
-                # fsyncs it; the commit is readable only after that, with no further event
-                # (the wal-index is mmap'd). So while lines wait to be durable, look again
-                # every millisecond; otherwise sleep until the next change.
-                self.ino.wait(1 if self.pending and self.state_db is not None else 50)
+                self.ino.wait(50)
         finally:
             if fd is not None:
                 os.close(fd)
-            if db is not None:
-                db.close()
             self.ino.close()
+
+
+def ack_latencies(content: bytes, acks: list[tuple[int, int]]) -> Lines:
+    """write -> ACK of every line of `content` (the landed bytes): the first ACK whose offset covers its end."""
+    result = Lines()
+    ordered = sorted(acks, key=lambda a: a[1])
+    k = 0
+    covered = 0
+    for offset, arrival in ordered:
+        covered = max(covered, offset)
+        while (k + 1) * LINE_LEN <= covered and k * LINE_LEN < len(content):
+            ts = int(content[k * LINE_LEN + 9:(k + 1) * LINE_LEN - 1])
+            result.latencies.append(arrival - ts)
+            k += 1
+    result.count = k
+    return result
 
 
 def expected_lines(content: bytes, count: int, what: str) -> None:
@@ -261,7 +225,8 @@ def expected_lines(content: bytes, count: int, what: str) -> None:
 
 
 async def protocol_client(port: int, job_id: str, name: str, rate: float, count: int, warm: float,
-                          timeout: float) -> Lines:
+                          timeout: float, receipts: list[tuple[int, int]] | None = None) -> Lines:
+    """The shadow's own ack latency; `receipts` gets (offset, ns) of each ACK as the client reads it."""
     import trio
 
     from gcwrap.events import Ack, Data, Done, Error, Exit, Hello, StreamSpec, Welcome
@@ -302,6 +267,8 @@ async def protocol_client(port: int, job_id: str, name: str, rate: float, count:
                     for ev in await next_events():
                         if isinstance(ev, Ack):
                             now = time.monotonic_ns()
+                            if receipts is not None:
+                                receipts.append((ev.offset, now))
                             while resolved < len(sent) and sent[resolved][0] <= ev.offset:
                                 result.latencies.append(now - sent[resolved][1])
                                 resolved += 1
@@ -407,6 +374,8 @@ class Bench:
         self.gcwrap, _ = tools()
         self.python = sys.executable
         self.commands: dict[str, str] = {}
+        # (ACKs the protocol client read, capture drops, client receipt - wire arrival in µs per ACK matched)
+        self.capture_check: list[tuple[int, int, list[float]]] = []
 
     def job(self, rate: float, count: int) -> list[str]:
         return [self.python, "-c", JOB, repr(rate), str(count), repr(WARMUP)]
@@ -423,6 +392,9 @@ class Bench:
         return 60.0 + 3 * self.seconds(rate)
 
     def run_gcwrap(self, run: int, rate: float) -> tuple[Lines, Lines]:
+        """(write -> visible at home, write -> ACK arrival at gcwrap) of one gcwrap run."""
+        from gcwrap.events import STDOUT
+
         rundir = self.workdir / f"gcwrap-{run}-{rate:g}"
         home, spool = rundir / "home", rundir / "spool"
         if self.args.spool_dir is not None:
@@ -433,11 +405,14 @@ class Bench:
         shadow = ShadowProc(home, rundir)
         wrapper: subprocess.Popen[bytes] | None = None
         watcher: Watcher | None = None
+        sniffer: AckSniffer | None = None
         try:
             port = shadow.wait_ready()
-            state_db = home / ".gcshadow" / "state.db"
-            watcher = Watcher(home / name, count, state_db, job_id)
+            (home / name).parent.mkdir(parents=True, exist_ok=True)
+            watcher = Watcher(home / name, count)
             watcher.start()
+            sniffer = AckSniffer(port, STDOUT)
+            sniffer.start()
             cmd = [*self.gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", name, "--spool", str(spool),
                    "--job-id", job_id, "--", *self.job(rate, count)]
             self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
@@ -453,12 +428,24 @@ class Bench:
             watcher.join(10)
             if watcher.is_alive():
                 raise BenchError(f"gcwrap at {rate:g} lines/s: the watcher saw {watcher.visible.count} lines "
-                                 f"visible and {watcher.durable.count} durable of {count} after gcwrap exited")
+                                 f"of {count} after gcwrap exited")
             if watcher.error:
                 raise BenchError(f"watcher failed: {watcher.error!r}")
-            expected_lines((home / name).read_bytes(), count, f"gcwrap at {rate:g} lines/s")
-            return watcher.visible, watcher.durable
+            time.sleep(0.1)  # gcwrap has exited: every ACK has arrived; let the sniffer read the last ones
+            drops = sniffer.close()
+            if sniffer.error or sniffer.problem or drops:
+                raise BenchError(f"gcwrap at {rate:g} lines/s: the ACK capture failed: {sniffer.error!r} "
+                                 f"{sniffer.problem} ({drops} packets dropped by the kernel)")
+            content = (home / name).read_bytes()
+            expected_lines(content, count, f"gcwrap at {rate:g} lines/s")
+            acked = ack_latencies(content, sniffer.acks)
+            if acked.count != count:
+                raise BenchError(f"gcwrap at {rate:g} lines/s: ACKs seen on the wire cover {acked.count} of "
+                                 f"{count} lines ({len(sniffer.acks)} ACKs in {sniffer.frames} frames)")
+            return watcher.visible, acked
         finally:
+            if sniffer is not None:
+                sniffer.close()
             if watcher is not None:
                 watcher.stopping.set()
                 watcher.join(5)
@@ -529,17 +516,33 @@ class Bench:
         count = self.count(rate)
         name = f"latency-proto-{rate:g}.out"
         shadow = ShadowProc(home, rundir)
+        sniffer: AckSniffer | None = None
         try:
             port = shadow.wait_ready()
             self.commands.setdefault("protocol client", f"in-process trio client -> 127.0.0.1:{port} "
                                      f"(HELLO, DATA per due batch, wait ACK, EXIT, DONE)")
+            # The capture's check: the same ACKs, timed on the wire and by the client that reads them.
+            try:
+                sniffer = AckSniffer(port, 1)
+                sniffer.start()
+            except BenchError:
+                sniffer = None  # no capture here: no check of it either
+            receipts: list[tuple[int, int]] = []
             lines = trio.run(protocol_client, port, f"latency-proto-{os.getpid()}-{run}-{rate:g}", name, rate,
-                             count, WARMUP, self.timeout(rate))
+                             count, WARMUP, self.timeout(rate), receipts)
             expected_lines((home / name).read_bytes(), count, f"protocol client at {rate:g} lines/s")
+            if sniffer is not None:
+                time.sleep(0.1)
+                drops = sniffer.close()
+                wire = dict(sniffer.acks)
+                self.capture_check.append((len(receipts), drops,
+                                           [(t - wire[o]) / 1e3 for o, t in receipts if o in wire]))
             return lines
         except trio.TooSlowError:
             raise BenchError(f"protocol client at {rate:g} lines/s timed out\n{shadow.log_tail()}") from None
         finally:
+            if sniffer is not None:
+                sniffer.close()
             shadow.stop()
             if not self.args.keep:
                 shutil.rmtree(rundir, ignore_errors=True)
@@ -555,8 +558,8 @@ class Bench:
 
 
 PATHS = [
-    ("gcwrap visible", "gcwrap: write -> visible at home"),
-    ("gcwrap durable", "gcwrap: write -> durable at home (state db)"),
+    ("gcwrap ack", "gcwrap: write -> durable ACK at the agent"),
+    ("gcwrap visible", "gcwrap: write -> visible at home (page cache)"),
     ("socat visible", "socat: write -> visible (baseline)"),
     ("protocol ack", "protocol client: send -> durable ACK"),
     ("fsync floor", "local write -> fdatasync (baseline)"),
@@ -598,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates:
                 results: dict[str, Lines] = {}
                 if "gcwrap" in paths:
-                    results["gcwrap visible"], results["gcwrap durable"] = bench.run_gcwrap(run, rate)
+                    results["gcwrap visible"], results["gcwrap ack"] = bench.run_gcwrap(run, rate)
                 if "socat" in paths:
                     results["socat visible"] = bench.run_socat(run, rate)
                 if "protocol" in paths:
@@ -642,15 +645,24 @@ def main(argv: list[str] | None = None) -> int:
                 return summary(s[i] for s in per_run[(rate, key)])[0]
 
             parts = []
-            for num, den in (("gcwrap visible", "socat visible"), ("gcwrap durable", "fsync floor"),
+            for num, den in (("gcwrap visible", "socat visible"), ("gcwrap ack", "fsync floor"),
                              ("protocol ack", "fsync floor")):
                 if (rate, num) not in per_run or (rate, den) not in per_run:
                     continue
                 parts.append(f"{num} / {den}: p50 {med(num, 0) / med(den, 0):.1f}x, p99 {med(num, 1) / med(den, 1):.1f}x")
-            print(f"  {rate:>6g}/s  " + ";  ".join(parts))
+            if parts:
+                print(f"  {rate:>6g}/s  " + ";  ".join(parts))
+        if bench.capture_check:
+            read = sum(c[0] for c in bench.capture_check)
+            diffs = [d for c in bench.capture_check for d in c[2]]
+            print(f"\ncheck of the ACK capture, on the protocol client's connections: {len(diffs)} of the {read} "
+                  f"ACKs the client read were seen on the wire ({sum(c[1] for c in bench.capture_check)} packets "
+                  f"dropped); the client read them after their capture by p50 {percentile(diffs, 50):.0f} µs, "
+                  f"p99 {percentile(diffs, 99):.0f} µs, min {min(diffs, default=math.nan):.0f} µs"
+                  " (negative: the capture's clock is late)")
         if 1000.0 in rates:
             print("\ntargets at 1000 lines/s (p50 <= 5 ms, p99 <= 50 ms, medians over runs):")
-            for key in ("gcwrap durable", "protocol ack"):
+            for key in ("gcwrap ack", "protocol ack"):
                 if (1000.0, key) not in per_run:
                     continue
                 p50 = summary(s[0] for s in per_run[(1000.0, key)])[0]

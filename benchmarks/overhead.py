@@ -9,7 +9,11 @@ most of its time computing: WORK is calibrated once per invocation so that the
 compute alone takes about --target-seconds (default 15 s). The output is
 deterministic.
 
-Runs alternate (unwrapped, wrapped, unwrapped, wrapped, ...):
+Runs come in pairs, one of each; the order within a pair alternates (--order
+abba, the default: pair 1 unwrapped first, pair 2 wrapped first, ...: U W W U
+U W ...), or is drawn at random per pair (--order random, with --seed; the
+seed is printed), so that neither always runs first (after a pause, with a
+cooler page cache or a quieter neighbour):
 
   unwrapped  python -c JOB BLOCKS WORK > FILE            (a local file on the same file system)
   wrapped    gcshadow serve --port 0 --root HOME --port-file F --min-free 0      (started before the clock)
@@ -19,11 +23,13 @@ Wall time is from spawn to exit: for the wrapped job that is until gcwrap
 exits, i.e. every byte acknowledged (durable at home), gcwrap's start-up
 included. The job also reports its own run time (first line to last write, on
 stderr); its ratio shows how much the job itself is slowed down. Every output
-must have the same sha256 as the first unwrapped run's, else the benchmark
-fails. Before every run: sync(), 0.2 s pause.
+must have the same sha256 as the first run's, else the benchmark fails.
+Before every run: sync(), 0.2 s pause. The wall ratio of each pair is also
+given by which of the two ran first, to show an order effect if there is one.
 
 Usage:
   python benchmarks/overhead.py --runs 5
+  python benchmarks/overhead.py --runs 6 --order random --seed 17
   python benchmarks/overhead.py --runs 1 --size 50MB --target-seconds 2     # smoke
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import random
 import re
 import shlex
 import shutil
@@ -106,6 +113,7 @@ class Run:
     wrapper_cpu_s: float = 0.0
     shadow_cpu_s: float = 0.0
     job_cpu_s: float = 0.0
+    first: bool = False  # ran first in its pair
 
 
 def job_seconds(stderr: str) -> float:
@@ -141,7 +149,7 @@ class Bench:
         if not self.expected:
             self.expected = digest
         elif digest != self.expected:
-            raise BenchError(f"{what}: sha256 {digest} differs from the first unwrapped run's {self.expected}")
+            raise BenchError(f"{what}: sha256 {digest} differs from the first run's {self.expected}")
 
     def run_unwrapped(self, index: int) -> Run:
         rundir = self.workdir / f"plain-{index}"
@@ -210,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-seconds", type=float, default=15.0,
                         help="compute time of the job the calibration aims at (default 15)")
     parser.add_argument("--work", type=int, default=None, help="hashes per block (default: calibrated)")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each, alternated (default 5)")
+    parser.add_argument("--runs", type=int, default=5, help="pairs of runs, one of each (default 5)")
+    parser.add_argument("--order", choices=("abba", "random"), default="abba",
+                        help="order within each pair: abba (alternating, the default) or random (--seed)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of --order random (default: drawn from the clock, and printed)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 120 + 10 x target)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
@@ -221,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     print(header("overhead"), flush=True)
     blocks = -(-args.size // BLOCK)
     work = args.work or calibrate(args.target_seconds, blocks)
+    if args.order == "random" and args.seed is None:
+        args.seed = int(time.time() * 1000) % 1_000_000
+    print("order within each pair: " + ("ABBA (pair i runs unwrapped first when i is odd)" if args.order == "abba"
+                                         else f"random, --seed {args.seed}"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-overhead-", dir=args.tmpdir))
     bench = Bench(args, workdir, work)
     runs: list[Run] = []
@@ -228,13 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"job: {bench.blocks} blocks of 64 KiB = {bench.size:,} bytes; {work} sha256 per block "
               f"({'calibrated for ~' + str(args.target_seconds) + ' s of compute' if not args.work else '--work'}); "
               f"runs: {args.runs} of each; work dir {workdir}", flush=True)
-        for i in range(1, args.runs + 1):
-            for path in ("unwrapped", "wrapped"):
+        orders = pair_orders(args.runs, args.order, args.seed)
+        for i, order in enumerate(orders, 1):
+            for k, path in enumerate(order):
                 run = bench.run_unwrapped(i) if path == "unwrapped" else bench.run_wrapped(i)
+                run.first = k == 0
                 runs.append(run)
                 extra = (f"  gcwrap CPU {run.wrapper_cpu_s:5.2f} s  gcshadow CPU {run.shadow_cpu_s:5.2f} s"
                          if path == "wrapped" else "")
-                print(f"run {i} {path:9}  wall {run.wall_s:7.2f} s  job's own time {run.job_s:7.2f} s  "
+                print(f"run {i}{'ab'[k]} {path:9}  wall {run.wall_s:7.2f} s  job's own time {run.job_s:7.2f} s  "
                       f"job CPU {run.job_cpu_s:6.2f} s{extra}  sha256 OK", flush=True)
         print()
         print("commands (first run):")
@@ -255,14 +273,26 @@ def main(argv: list[str] | None = None) -> int:
             w = summary(vals("wrapped", key))
             rows.append([label, "-", "-", "-", fmt(w[0]), fmt(w[1]), fmt(w[2]),
                          f"{w[0] / (bench.size / GiB):.2f} CPU-s/GiB"])
-        pairs = [w.wall_s / u.wall_s for u, w in zip(vals_runs(runs, "unwrapped"), vals_runs(runs, "wrapped"))]
-        p = summary(pairs)
+        pairs = list(zip(vals_runs(runs, "unwrapped"), vals_runs(runs, "wrapped")))
+        p = summary(w.wall_s / u.wall_s for u, w in pairs)
         rows.append(["wall ratio of each pair (run i)", "", "", "", fmt(p[0]), fmt(p[1]), fmt(p[2]), ""])
+        for label, first in (("... pairs run unwrapped first", "unwrapped"), ("... pairs run wrapped first", "wrapped")):
+            sel = [w.wall_s / u.wall_s for u, w in pairs if (u.first if first == "unwrapped" else w.first)]
+            q = summary(sel)
+            rows.append([f"{label} ({len(sel)})", "", "", "", fmt(q[0]), fmt(q[1]), fmt(q[2]), ""])
         print(render_table(rows))
         ratio = summary(vals("wrapped", "wall_s"))[0] / summary(vals("unwrapped", "wall_s"))[0]
         print(f"\noverhead on the job (wall, median wrapped / median unwrapped): {ratio:.3f}x "
               f"(target <= 1.05x: {'met' if ratio <= 1.05 else 'NOT met'})")
     return outcome.status
+
+
+def pair_orders(pairs: int, order: str, seed: int | None) -> list[tuple[str, str]]:
+    """The order of the two runs of each pair: ABBA (unwrapped first in odd pairs), or drawn with `seed`."""
+    if order == "abba":
+        return [("unwrapped", "wrapped") if i % 2 else ("wrapped", "unwrapped") for i in range(1, pairs + 1)]
+    rng = random.Random(seed)
+    return [("unwrapped", "wrapped") if rng.random() < 0.5 else ("wrapped", "unwrapped") for _ in range(pairs)]
 
 
 def vals_runs(runs: list[Run], path: str) -> list[Run]:

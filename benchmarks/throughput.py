@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -413,7 +414,8 @@ class Bench:
         if got != self.expected:
             raise BenchError(f"{what}: sha256 {got} != expected {self.expected}")
 
-    def run_gcwrap(self, index: int) -> Run:
+    def run_gcwrap(self, index: int, profile: Path | None = None) -> Run:
+        """One timed gcwrap run; with `profile`, an untimed one under py-spy (see --profile)."""
         rundir = self.workdir / f"gcwrap-{index}"
         home, spool = rundir / "home", rundir / "spool"
         home.mkdir(parents=True)
@@ -439,6 +441,8 @@ class Bench:
             self.commands.setdefault("gcwrap", wrap_cmd)
             os.sync()  # start every run with no dirty pages left by the previous one
             time.sleep(0.2)
+            if profile is not None:
+                return self._profiled(index, shadow, wrap_cmd, wrap_log, home, profile)
             shadow_cpu0, _ = proc_times(shadow.pid)
             with open(wrap_log, "wb") as log:
                 t0 = time.monotonic()
@@ -474,6 +478,19 @@ class Bench:
             stop(shadow)
             if not self.args.keep:
                 shutil.rmtree(rundir, ignore_errors=True)
+
+    def _profiled(self, index: int, shadow: subprocess.Popen[bytes], wrap_cmd: list[str], wrap_log: Path,
+                  home: Path, profile: Path) -> Run:
+        """gcwrap launched by py-spy, gcshadow sampled by pid, perf on both (benchlib.profiled_run). Not
+        timed (sampling slows both); the bytes are checked all the same."""
+        from benchlib import profiled_run
+
+        wall, text = profiled_run(profile, "bulk", shadow.pid, wrap_cmd, wrap_log, float(self.args.timeout))
+        self.verify(home / OUT_NAME, f"gcwrap run {index} (profiled)")
+        print(f"\n-- profile of gcwrap -> gcshadow, bulk {self.size:,} bytes ({wall:.1f} s under the samplers; "
+              f"files in {profile}) --\n{text}", flush=True)
+        return Run(path="gcwrap", index=index, wall_s=wall, mb_s=self.size / wall / MB, sender_cpu_s=math.nan,
+                   receiver_cpu_s=math.nan, sender_rss_mib=math.nan, receiver_rss_mib=math.nan, job_cpu_s=math.nan)
 
     def run_socat(self, index: int) -> Run:
         rundir = self.workdir / f"socat-{index}"
@@ -626,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the source, spool, and landed files go (default: the system temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's figures to this file")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (and the landed files)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="after the timed runs, one more gcwrap run under py-spy (gcshadow attached by pid, "
+                             "gcwrap launched by it): raw stacks and summaries go to this directory; not timed")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -678,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(table(runs, args.size))
         print("\nCPU-s/GiB = CPU seconds (user+sys) per 2^30 bytes moved; ratio = gcwrap median / socat median.")
+        if args.profile is not None:
+            bench.run_gcwrap(args.runs + 1, profile=args.profile)
     if args.json is not None and runs:
         args.json.write_text(json.dumps({"size": args.size, "runs": [asdict(r) for r in runs]}, indent=2))
     return outcome.status

@@ -1,0 +1,222 @@
+"""The benchmarks' own measuring logic: what would silently mis-measure if it were wrong.
+
+The ACK capture (benchlib.AckSniffer) is checked against a real TCP
+connection on loopback carrying real protocol frames; the line diagnosis,
+the order of overhead.py's pairs and fanin.py's ceiling search against
+inputs whose answer is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import benchlib
+import fanin
+import latency
+import lines
+import overhead
+
+from gcwrap.events import Ack, Pong, Welcome
+from gcwrap.protocol import encode
+
+
+def _can_capture() -> bool:
+    try:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(benchlib.ETH_P_IP))
+    except (OSError, AttributeError):
+        return False
+    s.close()
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _can_capture(), reason="needs a packet socket (root or CAP_NET_RAW)")
+def test_ack_sniffer_sees_every_ack_before_the_agent_reads_it() -> None:
+    """ACK frames split across segments, coalesced with other frames, on a real loopback connection: the
+    capture decodes every ACK with its offset, and timestamps it no later than the reader's receipt."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    sniffer = benchlib.AckSniffer(port, 1)
+    sniffer.start()
+    frames = [encode(Welcome(version=1, session=1, durable=((1, 0),)))]
+    offsets = [29 * (k + 1) for k in range(200)]
+    for k, off in enumerate(offsets):
+        frames.append(encode(Ack(1, off)))
+        if k % 7 == 0:
+            frames.append(encode(Ack(2, off)))  # another stream: not counted
+            frames.append(encode(Pong(k)))
+    wire = b"".join(frames)
+    received: list[tuple[int, bytes]] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pos = 0
+            step = 3  # odd sizes: frames span segments, several frames share one
+            while pos < len(wire):
+                conn.sendall(wire[pos:pos + step])
+                pos += step
+                step = 1 + (step * 7) % 23
+                time.sleep(0.0005)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            while True:
+                data = client.recv(65536)
+                if not data:
+                    break
+                received.append((time.monotonic_ns(), data))
+        t.join(10)
+        time.sleep(0.1)
+    finally:
+        drops = sniffer.close()
+        server.close()
+    assert b"".join(d for _, d in received) == wire
+    assert drops == 0 and not sniffer.problem and sniffer.error is None
+    assert [off for off, _ in sniffer.acks] == offsets
+    # The capture's (kernel) time of each ACK precedes the time the reader had all of its bytes.
+    ends: list[tuple[int, int]] = []
+    total = 0
+    for stamp, data in received:
+        total += len(data)
+        ends.append((total, stamp))
+    pos = len(frames[0])
+    k = 0
+    for frame in frames[1:]:
+        pos += len(frame)
+        if frame == encode(Ack(1, offsets[k])):
+            got = next(stamp for end, stamp in ends if end >= pos)
+            assert sniffer.acks[k][1] <= got + 1000  # 1 µs of slack for the clock conversion
+            k += 1
+    assert k == len(offsets)
+
+
+def test_ack_latencies_take_the_first_ack_that_covers_each_line() -> None:
+    """Line i ends at 29 (i+1); its latency runs from its own timestamp to the first ACK covering that end,
+    whatever order the ACKs were captured in (they are sorted by arrival)."""
+    ts = [1_000, 2_000, 3_000, 4_000]
+    content = b"".join(b"%08d %019d\n" % (i, t) for i, t in enumerate(ts))
+    acks = [(29 * 4, 9_000), (29 * 1, 5_000), (29 * 3, 6_000)]
+    got = latency.ack_latencies(content, acks)
+    assert got.count == 4
+    assert got.latencies == [5_000 - 1_000, 6_000 - 2_000, 6_000 - 3_000, 9_000 - 4_000]
+    partial = latency.ack_latencies(content, [(29 * 2 + 5, 7_000)])
+    assert partial.count == 2  # a line half covered is not acknowledged
+
+
+def test_lines_diagnosis_names_what_is_wrong(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    lines.make_source(src, 50, 40)
+    data = src.read_bytes()
+    rows = [data[i * 40:(i + 1) * 40] for i in range(50)]
+    assert all(len(r) == 40 and r.endswith(b"\n") and r[:9] == b"%09d" % i for i, r in enumerate(rows))
+    landed = tmp_path / "landed"
+    landed.write_bytes(b"".join(rows))
+    assert lines.diagnose(landed, src, 40, 50)[0]
+    swapped = rows[:10] + [rows[11], rows[10]] + rows[12:]
+    landed.write_bytes(b"".join(swapped))
+    complete, text = lines.diagnose(landed, src, 40, 50)
+    assert complete and text.startswith("0 missing, 0 duplicated, 0 altered") and "3 out of order" in text
+    broken = rows[:5] + rows[6:] + [rows[7]]
+    broken[0] = broken[0][:20] + b"!" + broken[0][21:]  # not a base64 character: altered for sure
+    landed.write_bytes(b"".join(broken))
+    complete, text = lines.diagnose(landed, src, 40, 50)
+    assert not complete
+    assert text.startswith("1 missing, 1 duplicated, 1 altered")
+
+
+def test_overhead_pairs_alternate_or_follow_the_seed() -> None:
+    abba = overhead.pair_orders(4, "abba", None)
+    assert [o[0] for o in abba] == ["unwrapped", "wrapped", "unwrapped", "wrapped"]
+    assert all(sorted(o) == ["unwrapped", "wrapped"] for o in abba)
+    drawn = overhead.pair_orders(40, "random", 17)
+    assert drawn == overhead.pair_orders(40, "random", 17)
+    firsts = {o[0] for o in drawn}
+    assert firsts == {"unwrapped", "wrapped"}
+
+
+class _Probes:
+    """Stands in for fanin.SimBench: a shadow that holds exactly `limit` agents."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.asked: list[int] = []
+
+    def run(self, n: int, path: str, index: int) -> fanin.Result:
+        self.asked.append(n)
+        p99 = 100.0 if n <= self.limit else 400.0
+        notes = {k: 0.0 for k in ("connect_p50_ms", "connect_p99_ms", "connect_max_ms", "lag_p99_ms",
+                                  "load_cpu_s", "offered_mb_s", "acked_bytes")}
+        return fanin.Result("sim", path, index, n, n, 1, 1.0, 1.0, 0.0, 0.0, 0, latencies_ms=[p99] * 100,
+                            notes=notes)
+
+
+@pytest.mark.parametrize("limit", [1, 700, 1500, 1880, 5000, 40000])
+def test_ceiling_search_brackets_the_limit(limit: int, capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(ceiling_start=1000, ceiling_max=32000, ceiling_resolution=0.1, ceiling_budget=600.0,
+                              ceiling_p99=250.0, frames=8, frame=16384, interval=1.0)
+    probes = _Probes(limit)
+    _, text = fanin.ceiling(probes, args)
+    held = [n for n in probes.asked if n <= limit]
+    failed = [n for n in probes.asked if n > limit]
+    if limit >= args.ceiling_max:
+        assert not failed and max(held) == args.ceiling_max
+        return
+    best, worst = max(held), min(failed)
+    assert best <= limit < worst
+    assert worst <= best * 1.1 or worst - best <= 1
+    assert f"{best} agents held" in text and f"{worst} did not" in text
+    assert len(probes.asked) <= 20
+
+
+def test_ceiling_search_stops_within_its_budget() -> None:
+    args = argparse.Namespace(ceiling_start=1000, ceiling_max=32000, ceiling_resolution=0.1, ceiling_budget=0.5,
+                              ceiling_p99=250.0, frames=8, frame=16384, interval=1.0)
+
+    class Slow(_Probes):
+        def run(self, n: int, path: str, index: int) -> fanin.Result:
+            time.sleep(0.2)
+            return super().run(n, path, index)
+
+    probes = Slow(10**6)
+    _, text = fanin.ceiling(probes, args)
+    assert "would overrun --ceiling-budget" in text
+    assert len(probes.asked) <= 3
+
+
+def test_pyspy_summary_shares(tmp_path: Path) -> None:
+    raw = tmp_path / "p.raw"
+    raw.write_text(
+        "thread (1): MainThread;<module> (app.py:1);work (app.py:5);os_write (posixmodule.c:10) 6\n"
+        "thread (1);<module> (app.py:1);wait (app.py:9) 2\n"
+        "thread (2): worker;run (threading.py:1);commit (db.py:3);0x7f00 (libsqlite3.so.0) 2\n"
+    )
+    text = benchlib.pyspy_summary(raw, title="t")
+    assert "t: 10 samples" in text
+    assert "60.0%  os_write (posixmodule.c)" in text
+    assert "80.0%  MainThread" in text and "20.0%  worker" in text
+    assert "60.0%  work (app.py:5)" in text  # the native frame counted under its Python line
+    assert "20.0%  commit (db.py:3)" in text
+    assert math.isclose(sum(float(line.split("%")[0]) for line in text.split("by thread:")[1].split("self")[0]
+                            .strip().splitlines()), 100.0)
+
+
+def test_tcp_filter_is_well_formed() -> None:
+    prog = benchlib.tcp_from_port_filter(4242)
+    assert len(prog) == 9 * 8
+    assert prog[6 * 8 + 4:6 * 8 + 8] == (4242).to_bytes(4, sys.byteorder)
+    assert os.path.basename(lines.__file__) == "lines.py"
