@@ -41,7 +41,7 @@ from .events import ErrorCode, StreamSpec
 if TYPE_CHECKING:
     import sqlite_utils
 from .names import STATE_DIR, NameError_, split_name
-from .spool import transaction
+from .db import transaction, uri
 from .spool import migrate as spool_migrate
 
 
@@ -102,7 +102,7 @@ def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:
 def open_state(root: Path, *, readonly: bool = False) -> sqlite_utils.Database:
     path = root / STATE_DIR / "state.db"
     if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(uri(path, mode="ro"), uri=True, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout = 10000")
         return _database(conn)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -222,3 +222,30 @@ def test_status_with_no_spools(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "no spools" in res.output
     res = CliRunner().invoke(gcwrap_main, ["status", "--json", "--spool", str(tmp_path / "none")])
     assert json.loads(res.output) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dirname", ["C#1", "a?b", "50%", "%41", "two words"])
+def test_jobs_and_tail_under_a_root_with_uri_characters(tmp_path: Path, dirname: str) -> None:
+    """The shadow's state is read through a SQLite URI: "#", "?" and "%" in
+    the root's path must not cut it short (for a root ".../C#1", `gcshadow
+    jobs` opened, and created, ".../C" and found no jobs table)."""
+    root, logs = tmp_path / dirname, tmp_path / "logs"
+    root.mkdir()
+    logs.mkdir()
+    sh = ShadowProc(root, logs)
+    sh.start()
+    try:
+        w = Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / "spool"), "--job-id", "odd-root",
+                     "--stdout", "odd.out", "--", "echo", "hello from an odd root"])
+        assert w.wait(30) == 0, w.err.decode()
+    finally:
+        sh.stop()
+    res = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(root)], capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr.decode()
+    (job,) = json.loads(res.stdout)
+    assert job["job_id"] == "odd-root" and job["state"] == "finished"
+    res = subprocess.run([*tool("gcshadow"), "tail", "--root", str(root), "odd-root"], capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == b"hello from an odd root\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dirname, "logs", "spool"]), "no stray database"
