@@ -28,12 +28,26 @@ VETH_HOST, VETH_NS = f"gcw{_NET}v0", f"gcw{_NET}v1"
 HOST_IP, NS_IP = f"10.200.{_NET}.1", f"10.200.{_NET}.2"
 
 
-def need_root() -> None:
+PACKAGES = {"ip": "iproute2", "iptables": "iptables", "mount": "mount", "umount": "mount", "tc": "iproute2"}
+
+
+def need_root(*tools: str) -> None:
+    """Skip unless running as root with these commands installed."""
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, iptables, tmpfs mounts)")
-    for tool in ("ip", "iptables", "mount"):
+    for tool in tools:
         if shutil.which(tool) is None:
-            pytest.skip(f"needs the {tool} command (apt-get install iproute2 iptables)")
+            pytest.skip(f"needs the {tool} command (apt-get install {PACKAGES.get(tool, tool)})")
+
+
+def need_netns() -> None:
+    """What NetNS and its faults use: network namespaces, veth pairs, iptables."""
+    need_root("ip", "iptables")
+
+
+def need_tmpfs() -> None:
+    """What Tmpfs uses: mount and umount, nothing of the network."""
+    need_root("mount", "umount")
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
+from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -62,9 +62,21 @@ def check_landed(home: Path, name: str, n: int, seed: int) -> None:
     assert sha256_file(home / name) == expected(n, seed), f"{name}: bytes differ"
 
 
+def test_a_tmpfs_needs_no_iptables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests that only mount a tmpfs run where iptables is missing; those that
+    make a network namespace say what they lack."""
+    import faults
+
+    which = shutil.which
+    monkeypatch.setattr(faults.shutil, "which", lambda tool: None if tool == "iptables" else which(tool))
+    need_tmpfs()  # does not skip
+    with pytest.raises(pytest.skip.Exception, match="iptables"):
+        need_netns()
+
+
 @pytest.fixture
 def netns() -> object:
-    need_root()
+    need_netns()
     with NetNS() as ns:
         yield ns
 
@@ -176,7 +188,7 @@ def test_loss_and_delay_whole_run(netns: NetNS, home: Path, spool_dir: Path, tmp
 
 @pytest.mark.timeout(120)
 def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "small", "4m") as fs:
         filler = fs.fill(leave=64 << 10)
         ts = tmp_path / "stamps"
@@ -195,7 +207,7 @@ def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: P
 
 @pytest.mark.timeout(120)
 def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -229,7 +241,7 @@ def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_pa
 
 @pytest.mark.timeout(120)
 def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -263,7 +275,7 @@ def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
 def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None:
     """The shadow's root stops taking writes (ENOSPC): the agent is told,
     backs off, the job goes on, and everything lands once space is back."""
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "root", "24m") as fs:
         logs = tmp_path / "logs"
         logs.mkdir()
@@ -359,6 +371,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.mark.timeout(120)
 def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) -> None:
+    need_tmpfs()
     rng = random.Random(chaos_seed)
     home, spool_dir, logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
     home.mkdir()

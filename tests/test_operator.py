@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from faults import Tmpfs, need_root
+from faults import Tmpfs, need_tmpfs
 from gcwrap.cli import main as gcwrap_main
 from gcwrap.render import jobs_table, status_details, status_table
 from gcwrap.shadow_cli import main as gcshadow_main
@@ -47,7 +47,7 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
     """64 KiB free: the spool is made, but there is no room for its ballast or
     its final commit. The live file (preallocated, rewritten in place) still
     gets the final state, and `gcwrap status` reports it, not "wrapper gone"."""
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "tiny", "4m") as fs:
         fs.fill(leave=64 << 10)
         w = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(fs.path), "--job-id", "lastword",
@@ -62,7 +62,7 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
 
 @pytest.mark.timeout(120)
 def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
