@@ -245,8 +245,8 @@ class Relay:
     """A TCP relay on loopback that misbehaves as relays and middleboxes do
     with connection attempts.
 
-    - It duplicates them: with probability `duplicate`, a connection goes to
-      two upstream connections, and every byte the client sends goes to both
+    - It duplicates them: the first, then each with probability `duplicate`,
+      goes to two upstream connections, and every byte the client sends goes to both
       (which copy first is drawn per connection); only one upstream's replies
       go back to the client, the other's are read and dropped.
     - It black-holes (`hole()` until `heal()`): it keeps accepting and
@@ -275,6 +275,7 @@ class Relay:
         self.links: list[_Link] = []
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.attempts = 0
         self.duplicated = 0
         self.stale = 0
 
@@ -336,7 +337,9 @@ class Relay:
         if link.upstreams or link.closed:
             return
         with self.lock:
-            n = 2 if self.rng.random() < self.duplicate else 1
+            # The first attempt is duplicated whenever any may be: every run meets the fault at least once.
+            n = 2 if self.duplicate and (not self.attempts or self.rng.random() < self.duplicate) else 1
+            self.attempts += 1
             first = self.rng.randrange(n)
         try:
             ups = [socket.create_connection(self.target, timeout=5) for _ in range(n)]
