@@ -13,7 +13,8 @@ when every read, send and durability batch is a step as well.
 
 At every step the test asserts: at most one session holds the job; no file
 is cut back (ftruncate) while an earlier session of the job still has it
-open; only the holder pwrites. At the end: every session's files are closed
+open; only the holder pwrites; a fenced session sends no WELCOME, ACK or
+DONE. At the end: every session's files are closed
 (no descriptor left behind), and the file holds the job's bytes exactly once.
 
 The shadow is the real one (`gcwrap.shadow.Shadow` over a real `Store` in a
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.events import Ack, ConnectionClosed, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
-from gcwrap.protocol import NEED_DATA, Connection, Role
+from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
 from gcwrap.shadow import LiveJob, Shadow, ShadowOptions
 from gcwrap.shadow_store import Store
 from gcwrap.sync import leaves
@@ -72,6 +74,7 @@ class Scheduler:
         self.choose = choose
         self.gate_all = gate_all  # every read, send and durability batch too, not only the admission path
         self.waiting: list[Gate] = []
+        self.violations: list[str] = []
         self.closing = False  # the run is over: gates no longer hold anyone
         self.seq = 0
         self.steps = 0
@@ -110,10 +113,12 @@ class SteppedShadow(Shadow):
         super().__init__(opts, store)
         self.sched = sched
         self.claimed: list[LiveJob] = []
+        self.mine: dict[int, LiveJob] = {}  # each connection's session
 
     def _claim(self, job_id: str, identity: str) -> LiveJob:
         job = super()._claim(job_id, identity)
         self.claimed.append(job)
+        self.mine[WHO.get()] = job
         return job
 
     async def _gone(self, job: LiveJob) -> None:
@@ -135,11 +140,14 @@ class SteppedShadow(Shadow):
 
 
 class SteppedStream(trio.abc.Stream):
-    """The shadow's end of a memory connection: reads and sends are steps."""
+    """The shadow's end of a memory connection: reads and sends are steps.
+    What goes out is checked: a session that no longer holds its job sends
+    no WELCOME, ACK or DONE (an ERROR, yes)."""
 
-    def __init__(self, inner: trio.abc.Stream, sched: Scheduler) -> None:
+    def __init__(self, inner: trio.abc.Stream, sched: Scheduler, shadow: SteppedShadow) -> None:
         self.inner = inner
         self.sched = sched
+        self.shadow = shadow
         self.reads = 0
         self.sends = 0
 
@@ -147,6 +155,12 @@ class SteppedStream(trio.abc.Stream):
         self.sends += 1
         if self.sched.gate_all or self.sends == 1:  # the first send is the WELCOME (or a refusal)
             await self.sched.point("send")
+        job = self.shadow.mine.get(WHO.get())
+        if job is not None and (job.fenced or self.shadow.live.get(JOB) is not job):
+            kinds = _frame_types(bytes(data))
+            if kinds & {FrameType.WELCOME, FrameType.ACK, FrameType.DONE}:
+                self.sched.violations.append(f"session {WHO.get()} sent {sorted(k.name for k in kinds)} "
+                                             "after it was fenced")
         await self.inner.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -202,6 +216,18 @@ async def agent(stream: trio.abc.Stream, outcome: list[str]) -> None:
 # -- one run ----------------------------------------------------------------------------------
 
 
+def _frame_types(data: bytes) -> set[FrameType]:
+    """The types of the whole frames in `data` (sends are whole frames)."""
+    kinds, pos = set(), 0
+    if data.startswith(MAGIC):
+        pos = len(MAGIC)
+    while pos + 5 <= len(data):
+        length, ftype = struct.unpack_from("!IB", data, pos)
+        kinds.add(FrameType(ftype))
+        pos += 4 + length
+    return kinds
+
+
 def _fd_path(fd: int) -> str:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -210,10 +236,9 @@ def _fd_path(fd: int) -> str:
 
 
 @contextlib.contextmanager
-def watched(shadow: SteppedShadow, out: Path) -> Iterator[list[str]]:
+def watched(shadow: SteppedShadow, out: Path, violations: list[str]) -> Iterator[list[str]]:
     """Check the invariants where they matter: at every ftruncate of the
     job's file and at every pwrite."""
-    violations: list[str] = []
     real_ftruncate, real_pwrite = os.ftruncate, os.pwrite
 
     def open_elsewhere() -> list[LiveJob]:
@@ -258,7 +283,7 @@ def run_race(n: int, choose: Callable[[int], int], gate_all: bool) -> list[str]:
         outcomes: list[list[str]] = [[] for _ in range(n)]
         inflight: list[Any] = []
         try:
-            with watched(shadow, root / "out") as violations:
+            with watched(shadow, root / "out", sched.violations) as violations:
                 try:
                     trio.run(_race, shadow, sched, outcomes, inflight)
                 except BaseExceptionGroup as group:
@@ -299,7 +324,7 @@ async def _race(shadow: SteppedShadow, sched: Scheduler, outcomes: list[list[str
 
             async def session(i: int = i, server: trio.abc.Stream = server) -> None:
                 WHO.set(i)
-                stream = SteppedStream(server, sched)
+                stream = SteppedStream(server, sched, shadow)
                 try:
                     await shadow._serve_stream(stream, Connection(Role.SHADOW), f"agent{i}", "test", "")
                 finally:
@@ -434,3 +459,71 @@ def test_every_interleaving_of_three_sessions() -> None:
 @given(data=st.data())
 def test_interleavings_with_every_step_scheduled(sessions: int, data: st.DataObject) -> None:
     run_race(sessions, lambda n: data.draw(st.integers(0, n - 1)), gate_all=True)
+
+
+# -- the state database: a superseded session records nothing -----------------------------------------
+
+
+def _open(store: Store, instance: str) -> Any:
+    return store.open_job(job_id=JOB, instance=instance, streams=[StreamSpec(1, "stdout", "out")], host="h",
+                          user="u", command=[], peer="p", codes=ErrorCode)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("instance", ["i1", "i2"], ids=["same attempt", "new attempt"])
+def test_a_late_batch_of_a_superseded_session_records_nothing(tmp_path: Path, instance: str) -> None:
+    """A durability batch of session 1 that lands after session 2 opened the
+    job: its length is not recorded (in the same transaction as the check of
+    who holds the job) and comes back Superseded, so it is neither
+    acknowledged nor cut back. Unconditionally recorded, a new attempt's
+    file (started afresh, 0 bytes) was recorded as holding the old attempt's
+    length: acknowledged bytes it never had."""
+    from gcwrap.shadow_store import Superseded
+
+    store = Store(tmp_path)
+    try:
+        old = _open(store, "i1")
+        sf = old.outputs[1]
+        os.pwrite(sf.fd, b"x" * 5000, 0)
+        sf.written = 5000
+        old.close()  # (its descriptor closed, as a fenced session's are before the next opens)
+        new = _open(store, instance)
+        assert new.session == old.session + 1
+        sf.fd = os.open(tmp_path / "out", os.O_WRONLY)  # the batch still holds a descriptor of the file
+        try:
+            results, db_error = store.make_durable([(sf, 5000)])
+        finally:
+            os.close(sf.fd)
+        durable = store.db.execute("SELECT durable FROM streams WHERE job_id = ?", [JOB]).fetchone()[0]
+        assert durable == 0, "the superseded session's length was recorded"
+        assert db_error == ""
+        assert [type(err) for _, _, err in results] == [Superseded]
+        # The holder's own batch records as ever.
+        mine = new.outputs[1]
+        os.pwrite(mine.fd, b"y" * 10, 0)
+        mine.written = 10
+        results, _ = store.make_durable([(mine, 10)])
+        assert [err for _, _, err in results] == [None]
+        assert store.db.execute("SELECT durable FROM streams WHERE job_id = ?", [JOB]).fetchone()[0] == 10
+        new.close()
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_exit_and_disconnect_are_recorded_only_by_the_holder(tmp_path: Path) -> None:
+    """A superseded session's EXIT or "disconnected" must not land on the
+    job's row once a newer session holds it."""
+    store = Store(tmp_path)
+    try:
+        old = _open(store, "i1")
+        old.close()
+        new = _open(store, "i1")
+        assert not store.record_state(JOB, if_session=old.session, state="disconnected")
+        assert not store.record_state(JOB, if_session=old.session, state="finished", exit_code=3)
+        row = store.db.execute("SELECT state, exit_code FROM jobs WHERE job_id = ?", [JOB]).fetchone()
+        assert tuple(row) == ("streaming", None)
+        assert store.record_state(JOB, if_session=new.session, state="finished", exit_code=0)
+        new.close()
+    finally:
+        store.close()

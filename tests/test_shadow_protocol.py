@@ -362,3 +362,55 @@ def test_two_identical_hellos_at_once_one_session_holds_the_job(shadow: ShadowPr
         assert hashlib.sha256(data).digest() == hashlib.sha256(content).digest(), f"round {round_}: bytes differ"
     # Every raced session's files are closed again (not one descriptor per round).
     wait_until(lambda: _open_fds(shadow.proc.pid) <= fds_before + 2, 10, "the raced sessions' files to close")
+
+
+@pytest.mark.timeout(120)
+def test_jobs_per_identity_cap_holds_for_hellos_at_once(home: Path, tmp_path: Path) -> None:
+    """Two jobs of one identity, capped at one live job, send HELLO at the
+    same instant: the cap is checked and the job claimed with no await
+    between, so at most one of them is welcomed (the other is told BUSY)."""
+    import threading
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--max-jobs-per-identity", "1"])
+    sh.start()
+    decided = 0
+    try:
+        for round_ in range(20):
+            agents = [RawAgent(sh.port), RawAgent(sh.port)]
+            frames = [a.conn.send(hello(f"cap{round_}-{i}", out=f"cap{round_}-{i}.out")) for i, a in enumerate(agents)]
+            start = threading.Barrier(2)
+            answers: list[Event | None] = [None, None]
+
+            def one(i: int) -> None:
+                start.wait(10)
+                agents[i].sock.sendall(frames[i])
+                answers[i] = agents[i].next()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            welcomed = [a for a in answers if isinstance(a, Welcome)]
+            assert len(welcomed) <= 1, f"round {round_}: both jobs welcomed past the cap: {answers}"
+            busy = [a for a in answers if isinstance(a, Error) and a.code is ErrorCode.BUSY]
+            decided += len(welcomed) == 1 and len(busy) == 1
+            for a in agents:  # end both, and wait until the shadow has let go of the welcomed one
+                a.close()
+            wait_until(lambda: "cap" not in _live_jobs(home), 10, "the jobs to be released")
+    finally:
+        sh.stop()
+    assert decided >= 10, "the rounds were not races"
+
+
+def _live_jobs(home: Path) -> str:
+    import subprocess
+
+    from helpers import tool
+
+    res = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True, timeout=30)
+    import json
+
+    return " ".join(j["job_id"] for j in json.loads(res.stdout or b"[]") if j["state"] == "streaming")
