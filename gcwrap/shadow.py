@@ -608,7 +608,7 @@ class Shadow:
                 files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof)
-                job.check()
+                self._check(job)
                 await stream.send_all(conn.send(welcome))
                 log.info("%s: job %s session %d (%s)", peer, files.job_id, files.session, hello.host or "?")
                 send_lock = trio.Lock()
@@ -669,10 +669,12 @@ class Shadow:
         earlier session of the job can write them: every one is fenced and
         is waited for until its files are closed. After every await, the
         session checks that it still holds the job (a later claim cancels it)."""
-        with trio.fail_after(10):
+        with trio.move_on_after(10) as waited:
             for prev in job.prev:
                 await self._gone(prev)
                 self._check(job)
+        if waited.cancelled_caught:
+            raise StoreError(ErrorCode.BUSY, f"an earlier connection of job {job.job_id} is still closing its files")
         job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)

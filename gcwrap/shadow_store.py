@@ -40,8 +40,8 @@ from .events import ErrorCode, StreamSpec
 
 if TYPE_CHECKING:
     import sqlite_utils
-from .names import STATE_DIR, NameError_, split_name
 from .db import transaction, uri
+from .names import STATE_DIR, NameError_, split_name
 from .spool import migrate as spool_migrate
 
 

@@ -30,7 +30,7 @@ import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 import trio
@@ -38,7 +38,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcwrap.events import Ack, ConnectionClosed, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
+from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
 from gcwrap.shadow import LiveJob, Shadow, ShadowOptions
 from gcwrap.shadow_store import Store
@@ -527,3 +527,38 @@ def test_exit_and_disconnect_are_recorded_only_by_the_holder(tmp_path: Path) -> 
         new.close()
     finally:
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_session_waits_for_an_earlier_one_a_bounded_time_and_says_why(tmp_path: Path) -> None:
+    """An earlier session of the job that cannot close its files (a sync
+    stuck on a slow disk) keeps the next one out, not forever: BUSY after
+    10 s, saying why, and nothing opened or cut back meanwhile."""
+    (tmp_path / "out").write_bytes(b"kept")
+    store = Store(tmp_path)
+    shadow = Shadow(ShadowOptions(root=tmp_path, min_free=0), store)
+    stuck = shadow._claim(JOB, "test")  # never gone
+    got: list[Event] = []
+
+    async def main() -> None:
+        client, server = trio.testing.memory_stream_pair()
+        conn = Connection(Role.AGENT)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shadow._serve_stream, server, Connection(Role.SHADOW), "late", "test", "")
+            hello = Hello(job_id=JOB, instance="i1", streams=(StreamSpec(1, "stdout", "out"),))
+            await client.send_all(conn.send(hello))
+            while not got:
+                while (ev := conn.next_event()) is NEED_DATA:
+                    conn.receive_data(await client.receive_some(65536))
+                got.append(ev)
+            await client.aclose()
+
+    try:
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        store.close()
+    (ev,) = got
+    assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
+    assert "an earlier connection of job racer is still closing its files" in ev.message
+    assert stuck.fenced
+    assert (tmp_path / "out").read_bytes() == b"kept"
