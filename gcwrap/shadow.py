@@ -254,6 +254,10 @@ class Durability:
                 self.cond.notify()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
+            # The last batch dropped its pins but is never applied: wake who
+            # waits for pins to drop (a session closing its files), or it
+            # waits forever and the shadow never stops.
+            self.done.fire()
 
     def apply(
         self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,

@@ -562,3 +562,51 @@ def test_a_session_waits_for_an_earlier_one_a_bounded_time_and_says_why(tmp_path
     assert "an earlier connection of job racer is still closing its files" in ev.message
     assert stuck.fenced
     assert (tmp_path / "out").read_bytes() == b"kept"
+
+
+@pytest.mark.timeout(60)
+def test_stopping_with_a_batch_in_flight_closes_the_files_and_ends(tmp_path: Path) -> None:
+    """SIGTERM (the shadow's nursery cancelled) while a durability batch
+    holds a session's files pinned: the batch ends, the files are closed and
+    the shadow stops. The session's release waited for the batch's "done",
+    which a stopped durability loop never fired: the shadow hung."""
+    import threading
+
+    store = Store(tmp_path)
+    shadow = Shadow(ShadowOptions(root=tmp_path, min_free=0), store)
+    in_sync, let_go = threading.Event(), threading.Event()
+    real_sync = store.syncer.sync
+
+    def slow_sync(files: list[Any]) -> list[Any]:
+        in_sync.set()
+        let_go.wait(20)
+        return real_sync(files)
+
+    store.syncer.sync = slow_sync  # type: ignore[method-assign]
+    ended = False
+
+    async def main() -> None:
+        nonlocal ended
+        client, server = trio.testing.memory_stream_pair()
+        conn = Connection(Role.AGENT)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(shadow.durability.run)
+                nursery.start_soon(shadow._serve_stream, server, Connection(Role.SHADOW), "a", "test", "")
+                hello = Hello(job_id=JOB, instance="i1", streams=(StreamSpec(1, "stdout", "out"),))
+                await client.send_all(conn.send(hello))
+                while not isinstance(conn.next_event(), Welcome):
+                    conn.receive_data(await client.receive_some(65536))
+                await client.send_all(conn.send(Data(1, 0, b"x" * 100)))
+                await trio.to_thread.run_sync(in_sync.wait, 10)  # the batch is in flight, the file pinned
+                nursery.cancel_scope.cancel()  # the shadow stops
+                threading.Timer(0.2, let_go.set).start()
+        ended = True
+
+    try:
+        trio.run(main)
+    finally:
+        let_go.set()
+        store.close()
+    assert ended
+    assert not shadow.sessions and len(shadow.files) == 0
