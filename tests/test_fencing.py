@@ -75,6 +75,7 @@ class Scheduler:
         self.gate_all = gate_all  # every read, send and durability batch too, not only the admission path
         self.waiting: list[Gate] = []
         self.violations: list[str] = []
+        self.started: set[int] = set()  # agents that made their first step
         self.closing = False  # the run is over: gates no longer hold anyone
         self.seq = 0
         self.steps = 0
@@ -363,12 +364,17 @@ async def _schedule(shadow: SteppedShadow, sched: Scheduler, inflight: list[Any]
         if steps and not sched.gate_all:
             steps[0][1]()  # batches run as soon as they can: only the admission path is scheduled
             continue
-        choices = [(f"{g.who}:{g.what}", g.go.set) for g in sched.options()] + steps
+        # The agents are alike, so orders that differ only in which agent is
+        # which are one order: agent i makes its first step after agent i-1.
+        gates = [g for g in sched.options() if g.who in sched.started or g.who == len(sched.started)]
+        choices = [(f"{g.who}:{g.what}", g.go.set, g.who) for g in gates] + [(n, go, -1) for n, go in steps]
         if not choices:
             return
         if sched.steps > 2000:
             raise sched.abort(f"no end after {sched.steps} steps")
-        name, go = choices[sched.choose(len(choices))]
+        name, go, who = choices[sched.choose(len(choices))]
+        if who >= 0:
+            sched.started.add(who)
         sched.trace.append(name)
         sched.steps += 1
         go()
@@ -439,15 +445,15 @@ def every_interleaving(sessions: int, limit: int) -> int:
 @pytest.mark.timeout(120)
 def test_every_interleaving_of_two_sessions() -> None:
     runs = every_interleaving(2, 1000)
-    assert runs >= 100, f"only {runs} interleavings: the scheduler steers nothing"
+    assert runs >= 40, f"only {runs} interleavings: the scheduler steers nothing"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_every_interleaving_of_three_sessions() -> None:
-    """About 49,000 orders (20-odd minutes)."""
-    runs = every_interleaving(3, 200_000)
-    assert runs >= 10_000, f"only {runs} interleavings: the scheduler steers nothing"
+    """About 8,000 orders (three minutes)."""
+    runs = every_interleaving(3, 50_000)
+    assert runs >= 5_000, f"only {runs} interleavings: the scheduler steers nothing"
 
 
 # -- orders hypothesis chooses, every read, send and batch a step ------------------------------------
