@@ -430,8 +430,15 @@ def resume_progress(console: Any, job_id: str, hidden: bool) -> Iterator[Callabl
     if hidden:
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, Task, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        Task,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
     from rich.text import Text
 
     class Speed(TransferSpeedColumn):

@@ -16,6 +16,8 @@ the shadow records it and answers DONE. Either side may send PING (answered by
 PONG) at any time, and ERROR, after which the connection is closed.
 
 Frames are `u32 length | u8 type | body`, length counting type and body.
+Offsets and lengths are u64 on the wire, and at most 2**63 - 1 (MAX_OFFSET)
+together with the bytes they cover, as a file offset is.
 Control frames (HELLO, WELCOME, EXIT, DONE, ERROR) carry a JSON object;
 the hot frames (DATA, ACK, STDIN_*, PING, PONG) are fixed binary structs.
 A frame longer than `max_frame` is refused from its header alone, before the
@@ -63,7 +65,12 @@ MAX_PAYLOAD = 1 << 20  # largest DATA / STDIN_DATA payload either side sends
 MAX_CONTROL = 64 << 10  # largest JSON control frame body
 DEFAULT_MAX_FRAME = MAX_PAYLOAD + 64
 
-_U64 = (1 << 64) - 1
+# Offsets and lengths travel as u64 but are file offsets (off_t) at both
+# ends: no file holds more than 2**63 - 1 bytes, and pread/pwrite refuse a
+# range that ends past it. So every offset, and every offset plus length,
+# is at most MAX_OFFSET, else the frame is malformed (BAD_FRAME), never left
+# to fail later at the receiver as an error of its own.
+MAX_OFFSET = (1 << 63) - 1
 _HEADER = struct.Struct("!IB")
 _DATA = struct.Struct("!BQ")
 _ACK = struct.Struct("!BQ")
@@ -403,9 +410,18 @@ def _hex(obj: dict[str, Any], key: str, ftype: FrameType) -> str:
     return value
 
 
-def _check_u64(value: int, what: str) -> None:
-    if not 0 <= value <= _U64:
-        raise LocalProtocolError(f"{what} {value} out of range")
+def _check_offset(value: int, what: str) -> None:
+    if not 0 <= value <= MAX_OFFSET:
+        raise LocalProtocolError(f"{what} {value} out of range (0..{MAX_OFFSET})")
+
+
+def _check_pairs(pairs: tuple[tuple[int, int], ...], what: str) -> None:
+    if len(pairs) > _MAX_STREAMS:
+        raise LocalProtocolError(f"{what}: at most {_MAX_STREAMS} streams")
+    for sid, length in pairs:
+        if not 0 <= sid <= 255:
+            raise LocalProtocolError(f"{what}: stream id {sid} out of range")
+        _check_offset(length, f"{what}: length")
 
 
 def encode(event: Event) -> bytes:
@@ -418,24 +434,26 @@ def encode(event: Event) -> bytes:
 
 def _encode(event: Event) -> bytes:
     if isinstance(event, Data):
-        _check_u64(event.offset, "offset")
-        _check_u64(event.offset + len(event.payload), "end offset")
+        _check_offset(event.offset, "offset")
+        _check_offset(event.offset + len(event.payload), "end offset")
         if len(event.payload) > MAX_PAYLOAD:
             raise LocalProtocolError("DATA payload too large")
         # One copy of the payload, not two (header + body, then frame + body).
         return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
     if isinstance(event, Ack):
-        _check_u64(event.offset, "offset")
+        _check_offset(event.offset, "offset")
         return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))
     if isinstance(event, StdinRead):
-        _check_u64(event.offset, "offset")
+        _check_offset(event.offset, "offset")
         if not 0 < event.max_bytes <= MAX_PAYLOAD:
             raise LocalProtocolError(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
+        _check_offset(event.offset + event.max_bytes, "end offset")
         return _frame(
             FrameType.STDIN_READ, _STDIN_READ.pack(event.stream, event.offset, event.max_bytes)
         )
     if isinstance(event, StdinData):
-        _check_u64(event.offset, "offset")
+        _check_offset(event.offset, "offset")
+        _check_offset(event.offset + len(event.payload), "end offset")
         if len(event.payload) > MAX_PAYLOAD:
             raise LocalProtocolError("STDIN_DATA payload too large")
         head = _STDIN_DATA.pack(event.stream, event.offset, int(event.eof))
@@ -461,6 +479,8 @@ def _encode(event: Event) -> bytes:
             ),
         )
     if isinstance(event, Welcome):
+        _check_offset(event.session, "session")
+        _check_pairs(event.durable, "WELCOME")
         return _frame(
             FrameType.WELCOME,
             _json_body(
@@ -474,6 +494,7 @@ def _encode(event: Event) -> bytes:
             ),
         )
     if isinstance(event, Exit):
+        _check_pairs(event.lengths, "EXIT")
         return _frame(
             FrameType.EXIT,
             _json_body(
@@ -544,7 +565,7 @@ def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...
             or len(item) != 2
             or not all(_is_int(v) for v in item)
             or not 0 <= item[0] <= 255
-            or not 0 <= item[1] <= _U64
+            or not 0 <= item[1] <= MAX_OFFSET
         ):
             raise _bad(f"{ftype.name}: {key!r} holds a bad (stream, length) pair")
         out.append((item[0], item[1]))
@@ -642,7 +663,7 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
         heartbeat = obj.get("heartbeat", 10.0)
         if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 0 < heartbeat < 86400:
             raise _bad("WELCOME: 'heartbeat' must be a positive number of seconds")
-        if not 0 <= session <= _U64:
+        if not 0 <= session <= MAX_OFFSET:
             raise _bad("WELCOME: 'session' out of range")
         return Welcome(
             version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat),
@@ -684,7 +705,7 @@ def _decode_data(body: bytes | memoryview) -> Data:
     payload = body[_DATA.size :]
     if len(payload) > MAX_PAYLOAD:
         raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
-    if offset + len(payload) > _U64:
+    if offset + len(payload) > MAX_OFFSET:
         raise _bad("DATA runs past the largest offset")
     return Data(stream, offset, cast(bytes, payload))  # a memoryview when `body` is one: bytes-like, no copy
 
@@ -693,11 +714,16 @@ def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
     if ftype is FrameType.DATA:
         return _decode_data(body)
     if ftype is FrameType.ACK:
-        return Ack(*_fixed(_ACK, body, ftype, exact=True))
+        stream, offset = _fixed(_ACK, body, ftype, exact=True)
+        if offset > MAX_OFFSET:
+            raise _bad("ACK: offset past the largest offset")
+        return Ack(stream, offset)
     if ftype is FrameType.STDIN_READ:
         stream, offset, max_bytes = _fixed(_STDIN_READ, body, ftype, exact=True)
         if not 0 < max_bytes <= MAX_PAYLOAD:
             raise _bad(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
+        if offset + max_bytes > MAX_OFFSET:
+            raise _bad("STDIN_READ runs past the largest offset")
         return StdinRead(stream, offset, max_bytes)
     if ftype is FrameType.STDIN_DATA:
         stream, offset, eof = _fixed(_STDIN_DATA, body, ftype, exact=False)
@@ -706,6 +732,8 @@ def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
         payload = bytes(body[_STDIN_DATA.size :])  # the agent gets bytes it may keep
         if len(payload) > MAX_PAYLOAD:
             raise RemoteProtocolError("STDIN_DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
+        if offset + len(payload) > MAX_OFFSET:
+            raise _bad("STDIN_DATA runs past the largest offset")
         return StdinData(stream, offset, payload, bool(eof))
     (nonce,) = _fixed(_NONCE, body, ftype, exact=True)
     return Ping(nonce) if ftype is FrameType.PING else Pong(nonce)

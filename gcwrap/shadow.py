@@ -18,10 +18,15 @@ accepting until one is freed: an agent is never refused with EMFILE.
 Job handshakes and state updates run in one worker thread and durability
 batches in another, so neither waits behind the other.
 
-A job id has one active connection at a time: a newer connection of the same
-job fences the older one off (it writes nothing more, its handler is
-cancelled and its files closed before the newer one reopens them at their
-durable length), so two sessions never write one file.
+A job id has one session at a time. A connection claims its job the moment
+its handshake is read, with no await between the look-up and the claim
+(`Shadow._claim`); a later claim fences every earlier session of the job
+off: it writes, records and acknowledges nothing more (each checks that it
+still holds the job right where it acts: before the pwrite, in the state
+database's update, before the ACK), its handler is cancelled, and the newer
+one opens the files, cutting them back to their durable length, only once
+every earlier session's files are closed. So two sessions never write one
+file, and no file is cut back beneath a session that could still write it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import trio
 
@@ -62,10 +67,11 @@ from .events import (
     Welcome,
 )
 from .protocol import NEED_DATA, PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile
+from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile, Superseded
 from .sync import Signal, first_error
 
 log = logging.getLogger("gcshadow")
+T = TypeVar("T")
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
@@ -107,23 +113,37 @@ class Fenced(Exception):
     """This connection must stop: replaced by a newer one, or its files failed."""
 
 
-@dataclass
+@dataclass(eq=False)
 class LiveJob:
-    """A job with an open connection (or a recent one): its files and waiters."""
+    """One session of a job, from its claim until its files are closed.
 
-    files: JobFiles
+    `files` is empty (session 0) until the session has opened them. `prev`
+    are the sessions of the job claimed before this one whose files may
+    still be open: this one opens the files only once they are all `gone`."""
+
+    job_id: str
     identity: str = ""
+    files: JobFiles = field(init=False)
+    prev: list[LiveJob] = field(default_factory=list)
     scope: trio.CancelScope | None = None
     durable_changed: Signal = field(default_factory=Signal)
-    gone: trio.Event = field(default_factory=trio.Event)
-    fenced: str = ""  # why this connection must stop writing, once it must
+    gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
+    fenced: str = ""  # why this session must stop, once it must
     finished: bool = False
 
+    def __post_init__(self) -> None:
+        self.files = JobFiles(self.job_id, "", session=0)
+
     def fence(self, why: str) -> None:
-        """Stop this connection: no write after this, its handler is cancelled."""
+        """Stop this session: no write, record or ACK after this; its handler is cancelled."""
         self.fenced = self.fenced or why
         if self.scope is not None:
             self.scope.cancel()
+
+    def check(self) -> None:
+        """Raise Fenced unless this session may still act for its job."""
+        if self.fenced:
+            raise Fenced(self.fenced)
 
 
 class Durability:
@@ -140,13 +160,16 @@ class Durability:
     batch: its descriptor must not be closed, so its number is not reused
     under a sync). A file whose sync failed is never synced or recorded
     again in its session: after a reported writeback error a later sync can
-    succeed although the bytes are gone."""
+    succeed although the bytes are gone. A length is recorded only while
+    the file's session still holds its job (`Store.record_durable`): a
+    batch of a fenced session that lands late records and acknowledges
+    nothing, and cuts nothing back."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.mutex = threading.Lock()
         self.cond = threading.Condition(self.mutex)
-        self.pending: dict[tuple[str, int], tuple[StreamFile, LiveJob]] = {}
+        self.pending: dict[StreamFile, LiveJob] = {}
         self.thread_idle = False
         self.stopping = False
         self.inbox: collections.deque[Any] = collections.deque()
@@ -157,16 +180,16 @@ class Durability:
 
     def mark(self, sf: StreamFile, job: LiveJob) -> None:
         with self.mutex:
-            self.pending[(sf.job_id, sf.stream)] = (sf, job)
+            self.pending[sf] = job
             if self.thread_idle:
                 self.thread_idle = False
                 self.cond.notify()
 
-    def drop(self, job_id: str) -> None:
-        """Forget a job's files that wait for a batch (the job is leaving)."""
+    def drop(self, job: LiveJob) -> None:
+        """Forget the files of one session that wait for a batch (it is leaving)."""
         with self.mutex:
-            for key in [k for k in self.pending if k[0] == job_id]:
-                del self.pending[key]
+            for sf in [sf for sf, owner in self.pending.items() if owner is job]:
+                del self.pending[sf]
 
     # -- the durability thread ---------------------------------------------------
 
@@ -180,26 +203,32 @@ class Durability:
                     self.thread_idle = False
                     if self.stopping:
                         return
-                    batch, self.pending = self.pending, {}
-                    snapshot = []
-                    for sf, _ in batch.values():
-                        sf.pins += 1
-                        snapshot.append((sf, sf.written))  # bytes pwritten before this are covered
-                try:
-                    todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
-                    results, db_error = self.store.make_durable(todo) if todo else ([], "")
-                    failed = OSError(errno.EIO, "an earlier sync of this file failed")
-                    results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
-                    for sf, _, err in results:
-                        if err is not None:
-                            sf.sync_failed = True  # before the next batch can pick it up
-                finally:
-                    with self.mutex:
-                        for sf, _ in snapshot:
-                            sf.pins -= 1
-                self._post((batch, results, db_error))
+                self._post(self.run_batch())
         except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
             self._post(e)
+
+    def run_batch(self) -> tuple[dict[StreamFile, LiveJob], list[tuple[StreamFile, int, OSError | None]], str]:
+        """One batch (blocking): take every file marked so far, sync and
+        record them. The result is for `apply`, in the event loop."""
+        with self.mutex:
+            batch, self.pending = self.pending, {}
+            snapshot = []
+            for sf in batch:
+                sf.pins += 1
+                snapshot.append((sf, sf.written))  # bytes pwritten before this are covered
+        try:
+            todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
+            results, db_error = self.store.make_durable(todo) if todo else ([], "")
+            failed = OSError(errno.EIO, "an earlier sync of this file failed")
+            results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
+            for sf, _, err in results:
+                if err is not None and not isinstance(err, Superseded):
+                    sf.sync_failed = True  # before the next batch can pick it up
+        finally:
+            with self.mutex:
+                for sf, _ in snapshot:
+                    sf.pins -= 1
+        return batch, results, db_error
 
     def _post(self, item: Any) -> None:
         self.inbox.append(item)
@@ -222,25 +251,37 @@ class Durability:
                 item = self.inbox.popleft()
                 if isinstance(item, BaseException):
                     raise RuntimeError("the durability thread failed") from item  # noqa: TRY004
-                self._apply(*item)
+                self.apply(*item)
         finally:
             with self.cond:
                 self.stopping = True
                 self.cond.notify()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
+            # The last batch dropped its pins but is never applied: wake who
+            # waits for pins to drop (a session closing its files), or it
+            # waits forever and the shadow never stops.
+            self.done.fire()
 
-    def _apply(
-        self, batch: dict[tuple[str, int], tuple[StreamFile, LiveJob]],
-        results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
+    def apply(
+        self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
     ) -> None:
+        """A batch's results: lengths become durable (what the ackers send);
+        a file whose sync failed is cut back and its session fenced."""
         if db_error:
             log.error("cannot record durable lengths in the state database: %s", db_error)
         self.batches += 1
-        jobs = {sf.job_id: job for sf, job in batch.values()}
         for sf, n, err in results:
+            job = batch.get(sf)
             if err is None:
                 sf.durable = max(sf.durable, n)
+                continue
+            if isinstance(err, Superseded):
+                # A newer session holds the job: this one's bytes are not its
+                # to record. Nothing is cut back: the file may be the newer
+                # session's by now.
+                if job is not None:
+                    job.fence(str(err))
                 continue
             if sf.cut_back:
                 continue
@@ -255,10 +296,9 @@ class Durability:
                     os.ftruncate(sf.fd, sf.durable)
                 except OSError:
                     pass
-            job = jobs.get(sf.job_id)
-            if job:
+            if job is not None:
                 job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
-        for job in jobs.values():
+        for job in set(batch.values()):
             job.durable_changed.fire()
         self.done.fire()
 
@@ -301,7 +341,8 @@ class Shadow:
         self.files = FileCache(store.root_fd, self.durability.mutex)
         self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
         self.budget = FdBudget(_nofile(), _open_fds(), opts.max_connections)
-        self.live: dict[str, LiveJob] = {}
+        self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
+        self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
 
@@ -434,8 +475,20 @@ class Shadow:
             if admitted is None:
                 return
             stream, cn = admitted
+            await self._serve_stream(stream, conn, peer, cn or ip, cn)
+        finally:
+            await trio.aclose_forcefully(stream)
+            if stream is not tcp:
+                await trio.aclose_forcefully(tcp)
+            self.connections -= 1
+            self.fds_freed.fire()
+
+    async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
+                            cn: str) -> None:
+        """Serve one admitted connection; every failure ends in an ERROR to the peer."""
+        try:
             with first_error():
-                await self._serve_connection(stream, conn, peer, cn or ip, cn)
+                await self._serve_connection(stream, conn, peer, identity, cn)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
             log.info("%s: connection lost (%s)", peer, e)
         except ProtocolError as e:
@@ -462,12 +515,6 @@ class Shadow:
         except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
             log.exception("%s: internal error", peer)
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
-        finally:
-            await trio.aclose_forcefully(stream)
-            if stream is not tcp:
-                await trio.aclose_forcefully(tcp)
-            self.connections -= 1
-            self.fds_freed.fire()
 
     async def _refuse(
         self, stream: trio.abc.Stream, conn: Connection, code: ErrorCode, message: str, peer: str,
@@ -572,16 +619,17 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
-        job = await self._claim(hello, peer, identity)
-        files = job.files
-        session = files.session
+        job = self._claim(hello.job_id, identity)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:
-                job.scope = scope
+                job.scope = scope  # before the first await: a later claim cancels this one wherever it waits
+                await self._open_job(job, hello, peer)
+                files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
-                welcome = Welcome(PROTOCOL_VERSION, session, durable, self.opts.idle_timeout, proof)
+                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof)
+                self._check(job)
                 await stream.send_all(conn.send(welcome))
-                log.info("%s: job %s session %d (%s)", peer, files.job_id, session, hello.host or "?")
+                log.info("%s: job %s session %d (%s)", peer, files.job_id, files.session, hello.host or "?")
                 send_lock = trio.Lock()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
@@ -590,10 +638,9 @@ class Shadow:
             if scope.cancelled_caught:
                 raise Fenced(job.fenced or "stopped")
         finally:
-            if self.live.get(files.job_id) is job:
-                del self.live[files.job_id]
-                await self._release(job)
-            job.gone.set()
+            if self.live.get(job.job_id) is job:
+                del self.live[job.job_id]
+            await self._release(job)
 
     def _busy(self) -> str:
         """Why the shadow cannot take a session now (carrier sense), or ""."""
@@ -607,22 +654,50 @@ class Shadow:
                 return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
         return ""
 
-    async def _claim(self, hello: Hello, peer: str, identity: str) -> LiveJob:
+    def _claim(self, job_id: str, identity: str) -> LiveJob:
+        """A new session takes the job, at once: no await between looking up
+        who holds it and taking it, so one session holds a job at any instant.
+        The holder until now is fenced: it writes, records and acknowledges
+        nothing more, and its handler is cancelled."""
         cap = self.opts.max_jobs_per_identity
-        if cap and hello.job_id not in self.live:
+        if cap and job_id not in self.live:
             mine = sum(1 for j in self.live.values() if j.identity == identity)
             if mine >= cap:
                 raise StoreError(ErrorCode.BUSY, f"{identity} already has {mine} jobs streaming here (the cap is {cap})")
-        old = self.live.get(hello.job_id)
+        old = self.live.get(job_id)
         if old is not None:
-            # Fence: the older connection writes nothing more (every write
-            # checks `fenced`), its handler is cancelled, and its files are
-            # closed before this one opens them again.
             old.fence("a newer connection of this job took over")
-            with trio.fail_after(10):
-                await old.gone.wait()
+        sessions = self.sessions.setdefault(job_id, [])
+        job = LiveJob(job_id, identity, prev=list(sessions))
+        sessions.append(job)
+        self.live[job_id] = job
+        return job
+
+    def _holds(self, job: LiveJob) -> bool:
+        """Whether `job` is still the session that holds its job."""
+        return not job.fenced and self.live.get(job.job_id) is job
+
+    def _check(self, job: LiveJob) -> None:
+        """Raise Fenced unless `job` still holds its job (the fencing epoch)."""
+        if not self._holds(job):
+            job.fence("a newer connection of this job took over")
+            job.check()
+
+    async def _open_job(self, job: LiveJob, hello: Hello, peer: str) -> None:
+        """Open the files of a claimed job at their durable lengths, once no
+        earlier session of the job can write them: every one is fenced and
+        is waited for until its files are closed. After every await, the
+        session checks that it still holds the job (a later claim cancels it)."""
+        with trio.move_on_after(10) as waited:
+            for prev in job.prev:
+                await self._gone(prev)
+                self._check(job)
+        if waited.cancelled_caught:
+            raise StoreError(ErrorCode.BUSY, f"an earlier connection of job {job.job_id} is still closing its files")
+        job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
-        files = await trio.to_thread.run_sync(
+        self._check(job)
+        files = await self._worker(
             lambda: self.store.open_job(
                 job_id=hello.job_id,
                 instance=hello.instance,
@@ -632,46 +707,65 @@ class Shadow:
                 command=list(hello.command),
                 peer=peer,
                 codes=ErrorCode,
-            ),
-            limiter=self.limiter,
+            )
         )
+        job.files = files  # before any other await: whatever happens next, _release closes them
         for sf in files.all():
             self.files.add(sf)
         self._trim_files()
-        job = LiveJob(files, identity)
-        self.live[hello.job_id] = job
+        self._check(job)
         self.stats["accepted"] += 1
-        return job
+
+    async def _gone(self, job: LiveJob) -> None:
+        """Wait until an earlier session's files are closed."""
+        await job.gone.wait()
+
+    async def _worker(self, fn: Callable[[], T]) -> T:
+        """Run blocking state work in the one worker thread for handshakes and state records."""
+        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
 
     async def _release(self, job: LiveJob) -> None:
-        """Close a job's files once nothing can sync them any more."""
+        """Close a session's files once nothing can sync them any more, then
+        let a later session of the job open them."""
         with trio.CancelScope(shield=True):
-            durability = self.durability
-            durability.drop(job.files.job_id)
-            files = job.files.all()
-            while True:
-                with durability.mutex:
-                    if not any(sf.pins for sf in files):  # no batch in flight uses them
-                        for sf in files:
-                            self.files.forget(sf)
-                        job.files.close()
-                        break
-                await durability.done.wait()
-            self.fds_freed.fire()
-            if log.isEnabledFor(logging.DEBUG):
-                sync = self.store.syncer.stats
-                log.debug("job %s: files closed; %d connections, %d files open (budget %d); the cache reopened %d, "
-                          "closed %d; %d batches: %d syncfs, %d fdatasync", job.files.job_id, self.connections,
-                          len(self.files), self.budget.avail, self.files.reopened, self.files.evicted,
-                          self.durability.batches, sync["syncfs"], sync["fdatasync"])
-            if not job.finished:
-                try:
-                    await trio.to_thread.run_sync(
-                        lambda: self.store.record_state(job.files.job_id, state="disconnected", last_seen=time.time()),
-                        limiter=self.limiter,
-                    )
-                except Exception as e:  # noqa: BLE001
-                    log.error("cannot record job state: %s", e)
+            try:
+                if job.files.session:
+                    await self._close_files(job)
+            finally:
+                sessions = self.sessions.get(job.job_id, [])
+                if job in sessions:
+                    sessions.remove(job)
+                if not sessions:
+                    self.sessions.pop(job.job_id, None)
+                job.gone.set()
+                self.fds_freed.fire()
+
+    async def _close_files(self, job: LiveJob) -> None:
+        durability = self.durability
+        durability.drop(job)
+        files = job.files.all()
+        session = job.files.session
+        while True:
+            with durability.mutex:
+                if not any(sf.pins for sf in files):  # no batch in flight uses them
+                    for sf in files:
+                        self.files.forget(sf)
+                    job.files.close()
+                    break
+            await durability.done.wait()
+        if log.isEnabledFor(logging.DEBUG):
+            sync = self.store.syncer.stats
+            log.debug("job %s: files closed; %d connections, %d files open (budget %d); the cache reopened %d, "
+                      "closed %d; %d batches: %d syncfs, %d fdatasync", job.job_id, self.connections,
+                      len(self.files), self.budget.avail, self.files.reopened, self.files.evicted,
+                      self.durability.batches, sync["syncfs"], sync["fdatasync"])
+        if not job.finished:
+            try:
+                # Only while no later session has taken the job over in the state database.
+                await self._worker(lambda: self.store.record_state(
+                    job.job_id, if_session=session, state="disconnected", last_seen=time.time()))
+            except Exception as e:  # noqa: BLE001
+                log.error("cannot record job state: %s", e)
 
     async def _acker(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock) -> None:
         acked = {sid: sf.durable for sid, sf in job.files.outputs.items()}
@@ -679,8 +773,9 @@ class Shadow:
             sent = False
             for sid, sf in job.files.outputs.items():
                 if sf.durable > acked[sid]:
-                    acked[sid] = durable = sf.durable
                     async with lock:
+                        self._check(job)  # a fenced session acknowledges nothing, not even what it made durable
+                        acked[sid] = durable = sf.durable
                         await stream.send_all(conn.send(Ack(sid, durable)))
                     sent = True
             if not sent:
@@ -715,18 +810,16 @@ class Shadow:
         """Act on the events of one read; True when the session is over."""
         files = job.files
         for ev in events:
-            if job.fenced:
-                raise Fenced(job.fenced)
+            self._check(job)
             if isinstance(ev, Data):
                 sf = files.outputs.get(ev.stream)
                 if sf is not None and sf.fd < 0:
                     await self._open(sf)
-                    if job.fenced:
-                        raise Fenced(job.fenced)
                 self._write(job, ev)
             elif isinstance(ev, StdinRead):
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
+                self._check(job)
                 reply = self._read_stdin(files, ev)
                 async with lock:
                     await stream.send_all(conn.send(reply))
@@ -764,6 +857,7 @@ class Shadow:
                 raise StoreError(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         payload = memoryview(ev.payload)[skip:] if skip else ev.payload
         offset = sf.written
+        self._check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
         self.files.use(sf)
         while payload:
             n = os.pwrite(sf.fd, payload, offset)
@@ -794,17 +888,22 @@ class Shadow:
                     f"EXIT says stream {sid} has {length} bytes, the shadow holds {held}", ErrorCode.LENGTH_MISMATCH
                 )
         summary = dict(ev.summary)
-        await trio.to_thread.run_sync(
+        self._check(job)
+        recorded = await self._worker(
             lambda: self.store.record_state(
-                files.job_id, state="finished", ended=time.time(), last_seen=time.time(),
+                files.job_id, if_session=files.session, state="finished", ended=time.time(), last_seen=time.time(),
                 exit_code=ev.code, exit_signal=ev.signal, reason=ev.reason, summary=summary,
-            ),
-            limiter=self.limiter,
+            )
         )
+        if not recorded:
+            job.fence("a newer connection of this job took over")
+            job.check()
+        job.finished = True  # recorded: the exit stands whoever holds the job next
+        self._check(job)
         status = f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None else "unknown status"
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
-        job.finished = True
         async with lock:
+            self._check(job)
             await stream.send_all(conn.send(Done()))
 
 

@@ -40,10 +40,9 @@ from .events import ErrorCode, StreamSpec
 
 if TYPE_CHECKING:
     import sqlite_utils
+from .db import transaction, uri
 from .names import STATE_DIR, NameError_, split_name
-from .spool import transaction
 from .spool import migrate as spool_migrate
-
 
 LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
 LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
@@ -55,6 +54,13 @@ class StoreError(Exception):
     def __init__(self, code: Any, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class Superseded(OSError):
+    """A durable length not recorded: a newer session holds the job."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(errno.ESTALE, f"a newer session of job {job_id} holds it")
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -99,7 +105,7 @@ def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:
 def open_state(root: Path, *, readonly: bool = False) -> sqlite_utils.Database:
     path = root / STATE_DIR / "state.db"
     if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(uri(path, mode="ro"), uri=True, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout = 10000")
         return _database(conn)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -275,6 +281,7 @@ class StreamFile:
     written: int  # bytes in the file (the end of the last write)
     durable: int  # bytes fsynced and recorded: safe to acknowledge
     write: bool = True  # an output; False: the job's stdin, read only
+    session: int = 0  # the session that opened it: only while it holds the job are its lengths recorded
     dev: int = 0  # the file's identity when first opened: a reopened file must be the same
     ino: int = 0
     pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
@@ -665,7 +672,7 @@ class Store:
         except OSError as e:
             raise StoreError(codes.IO_ERROR, f"cannot open {norm!r}: {e.strerror}") from None
         if spec.kind == "stdin":
-            files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False)
+            files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session)
             files.stdin.identify()
             files.stdin_stream = spec.id
             db.execute(
@@ -701,7 +708,7 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable)
+        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session)
         sf.identify()
         files.outputs[spec.id] = sf
 
@@ -711,42 +718,65 @@ class Store:
         """Sync the files up to their lengths, then commit the lengths of the
         ones that synced: (file, length, error) for each, and why the commit
         failed ("" if it did not). Only a length with no error, and no commit
-        failure, may be acknowledged."""
+        failure, may be acknowledged. A file whose session no longer holds
+        its job gets `Superseded`: its length is not recorded."""
         results = self.syncer.sync(files)
-        good = [(sf.job_id, sf.stream, n) for sf, n, err in results if err is None]
+        good = [(sf.job_id, sf.stream, n, sf.session) for sf, n, err in results if err is None]
         if good:
             try:
-                self.record_durable(good)
+                stale = self.record_durable(good)
             except Exception as e:  # noqa: BLE001 - the state disk failed: acknowledge nothing
                 failed = OSError(errno.EIO, f"cannot record durable lengths in the state database: {e}")
                 return [(sf, n, err or failed) for sf, n, err in results], str(e) or type(e).__name__
+            if stale:
+                results = [(sf, n, Superseded(sf.job_id) if err is None and (sf.job_id, sf.stream) in stale else err)
+                           for sf, n, err in results]
         return results, ""
 
-    def record_durable(self, lengths: Iterable[tuple[str, int, int]]) -> None:
-        lengths = list(lengths)
-        # A job's "last seen" follows its data: stamped in the transaction
-        # that records its new lengths, at most once per LAST_SEEN_EVERY.
+    _RECORD_DURABLE = (
+        "UPDATE streams SET durable = max(durable, ?) WHERE job_id = ? AND stream = ? "
+        "AND (SELECT session FROM jobs WHERE jobs.job_id = streams.job_id) = ?"
+    )
+
+    def record_durable(self, lengths: Iterable[tuple[str, int, int, int]]) -> set[tuple[str, int]]:
+        """Record (job, stream, length, session) tuples, each only while that
+        session holds the job in the state database (in the same transaction
+        as the check). Returns the (job, stream) pairs not recorded. A job's
+        "last seen" follows its data: stamped in the same transaction, at most
+        once per LAST_SEEN_EVERY."""
+        rows = [(n, j, s, session) for j, s, n, session in lengths]
         now = time.time()
         stamped = self.last_seen
-        stale = {j for j, _, _ in lengths if now - stamped.get(j, 0.0) >= LAST_SEEN_EVERY}
+        refused: set[tuple[str, int]] = set()
         with self.db_lock, transaction(self.db.conn):
-            self.db.conn.executemany(
-                "UPDATE streams SET durable = max(durable, ?) WHERE job_id = ? AND stream = ?",
-                [(n, j, s) for j, s, n in lengths],
-            )
+            conn = self.db.conn
+            if conn.executemany(self._RECORD_DURABLE, rows).rowcount != len(rows):
+                # Some session was superseded (rare): find which rows did not apply.
+                # Recording a length again is harmless (max).
+                refused = {(j, s) for n, j, s, session in rows
+                           if conn.execute(self._RECORD_DURABLE, (n, j, s, session)).rowcount == 0}
+            stale = {j for _, j, s, _ in rows
+                     if (j, s) not in refused and now - stamped.get(j, 0.0) >= LAST_SEEN_EVERY}
             if stale:
-                self.db.conn.executemany("UPDATE jobs SET last_seen = ? WHERE job_id = ?", [(now, j) for j in stale])
+                conn.executemany("UPDATE jobs SET last_seen = ? WHERE job_id = ?", [(now, j) for j in stale])
         if len(stamped) > 4 * LAST_SEEN_JOBS:  # (bounded: forget the jobs that went quiet)
             for j in [j for j, t in stamped.items() if now - t >= LAST_SEEN_EVERY]:
                 del stamped[j]
         stamped.update(dict.fromkeys(stale, now))
+        return refused
 
-    def record_state(self, job_id: str, **fields: Any) -> None:
+    def record_state(self, job_id: str, *, if_session: int | None = None, **fields: Any) -> bool:
+        """Update a job's row; with `if_session`, only while that session
+        holds the job. Whether a row was updated."""
         if "summary" in fields:
             fields["summary"] = json.dumps(fields["summary"])
         sets = ", ".join(f"{k} = ?" for k in fields)
+        where, args = "job_id = ?", [job_id]
+        if if_session is not None:
+            where, args = "job_id = ? AND session = ?", [job_id, if_session]
         with self.db_lock, transaction(self.db.conn):
-            self.db.execute(f"UPDATE jobs SET {sets} WHERE job_id = ?", [*fields.values(), job_id])
+            cur = self.db.execute(f"UPDATE jobs SET {sets} WHERE {where}", [*fields.values(), *args])
+            return cur.rowcount > 0
 
     def mark_disconnected(self) -> None:
         """At start-up: no job is connected to a shadow that just started."""

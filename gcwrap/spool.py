@@ -27,12 +27,12 @@ import re
 import resource
 import sqlite3
 import time
-import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
 
+from .db import transaction, uri
 from .segments import DEFAULT_SEGMENT, Segments
 
 if TYPE_CHECKING:
@@ -143,19 +143,6 @@ class JobRecord:
     connected: bool = False
     delivered: bool = False
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN ... COMMIT, or ROLLBACK on any error (autocommit connections)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 # -- migrations --------------------------------------------------------------
@@ -430,11 +417,9 @@ class Spool:
             raise SpoolError(f"spool {path}: cannot be read ({why})") from None
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
-        # Quote the path: in a URI "?" and "#" end it and "%" escapes, so
-        # /tmp/C#/job.spool would open (and create) /tmp/C instead.
-        uri = f"file:{urllib.parse.quote(str(path))}" + ("?mode=ro" if readonly else "")
         try:
-            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(uri(path, **({"mode": "ro"} if readonly else {})), uri=True,
+                                   isolation_level=None, check_same_thread=False)
             if not readonly:
                 configure(conn, new=False)
             else:

@@ -4,7 +4,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from helpers import ShadowProc, Wrapper
 
 

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 
@@ -28,12 +28,26 @@ VETH_HOST, VETH_NS = f"gcw{_NET}v0", f"gcw{_NET}v1"
 HOST_IP, NS_IP = f"10.200.{_NET}.1", f"10.200.{_NET}.2"
 
 
-def need_root() -> None:
+PACKAGES = {"ip": "iproute2", "iptables": "iptables", "mount": "mount", "umount": "mount", "tc": "iproute2"}
+
+
+def need_root(*tools: str) -> None:
+    """Skip unless running as root with these commands installed."""
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, iptables, tmpfs mounts)")
-    for tool in ("ip", "iptables", "mount"):
+    for tool in tools:
         if shutil.which(tool) is None:
-            pytest.skip(f"needs the {tool} command (apt-get install iproute2 iptables)")
+            pytest.skip(f"needs the {tool} command (apt-get install {PACKAGES.get(tool, tool)})")
+
+
+def need_netns() -> None:
+    """What NetNS and its faults use: network namespaces, veth pairs, iptables."""
+    need_root("ip", "iptables")
+
+
+def need_tmpfs() -> None:
+    """What Tmpfs uses: mount and umount, nothing of the network."""
+    need_root("mount", "umount")
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -225,6 +239,214 @@ class DelayProxy:
             if not data:
                 break
         w.join(30)
+
+
+class Relay:
+    """A TCP relay on loopback that misbehaves as relays and middleboxes do
+    with connection attempts.
+
+    - It duplicates them: the first, then each with probability `duplicate`,
+      goes to two upstream connections, and every byte the client sends goes to both
+      (which copy first is drawn per connection); only one upstream's replies
+      go back to the client, the other's are read and dropped.
+    - It black-holes (`hole()` until `heal()`): it keeps accepting and
+      reading, and forwards nothing either way. A connection the client
+      gives up on meanwhile is abandoned, not forgotten: at `heal()` its
+      bytes (a HELLO, maybe DATA) are delivered upstream together with those
+      of the connections still alive, and its upstream is held open a while,
+      as a stale attempt's would be.
+
+    `duplicated` and `stale` count what it did, so a test can tell the fault
+    happened. Each link has a lock per direction: a direction blocked on a
+    full socket never holds up the other one."""
+
+    def __init__(self, target: tuple[str, int], *, duplicate: float = 0.0, seed: int = 0,
+                 stale_hold: float = 2.0) -> None:
+        import random
+
+        self.target = target
+        self.duplicate = duplicate
+        self.stale_hold = stale_hold
+        self.rng = random.Random(seed)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.forwarding = True
+        self.lock = threading.Lock()  # guards `links`, `rng` and the counters
+        self.links: list[_Link] = []
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.attempts = 0
+        self.duplicated = 0
+        self.stale = 0
+
+    def __enter__(self) -> Relay:
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            links = list(self.links)
+        for link in links:
+            link.close()
+        for t in self.threads:
+            t.join(5)
+        for link in links:
+            for sock in link.socks:
+                sock.close()
+
+    def _spawn(self, fn: Callable[..., None], *args: object) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def hole(self) -> None:
+        self.forwarding = False
+
+    def heal(self) -> None:
+        """Forward again: what was held back goes now, abandoned attempts too, in random order."""
+        self.forwarding = True
+        with self.lock:
+            links = list(self.links)
+            self.rng.shuffle(links)
+        for link in links:
+            with link.up_lock:
+                self._connect(link)
+                link.flush_up()
+            with link.down_lock:
+                link.flush_down()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            link = _Link(client)
+            with self.lock:
+                self.links.append(link)
+            if self.forwarding:
+                with link.up_lock:
+                    self._connect(link)
+            self._spawn(self._from_client, link)
+
+    def _connect(self, link: _Link) -> None:
+        """Open the link's upstream connection(s), once (its up_lock held)."""
+        if link.upstreams or link.closed:
+            return
+        with self.lock:
+            # The first attempt is duplicated whenever any may be: every run meets the fault at least once.
+            n = 2 if self.duplicate and (not self.attempts or self.rng.random() < self.duplicate) else 1
+            self.attempts += 1
+            first = self.rng.randrange(n)
+        try:
+            ups = [socket.create_connection(self.target, timeout=5) for _ in range(n)]
+        except OSError:
+            link.close()
+            return
+        for up in ups:
+            up.settimeout(None)
+        link.socks += ups
+        with link.down_lock:
+            link.primary = ups[-1]  # the one whose replies reach the client
+        link.upstreams = ups[first:] + ups[:first]  # the order each chunk is sent in
+        with self.lock:
+            self.duplicated += n - 1
+            self.stale += link.client_gone
+        if link.client_gone:
+            self._spawn(self._close_later, link)
+        for up in ups:
+            self._spawn(self._from_upstream, link, up)
+
+    def _close_later(self, link: _Link) -> None:
+        with self.lock:
+            hold = self.rng.uniform(0, self.stale_hold)
+        self.stopping.wait(hold)
+        link.close()
+
+    HOLD = 1 << 20  # bytes held back per connection in a black hole; then TCP pushes back, as on a full path
+
+    def _from_client(self, link: _Link) -> None:
+        while True:
+            while not self.forwarding and len(link.to_upstream) >= self.HOLD and not self.stopping.is_set():
+                self.stopping.wait(0.05)
+            try:
+                data = link.client.recv(65536)
+            except OSError:
+                data = b""
+            with link.up_lock:
+                if not data:
+                    link.client_gone = True
+                    if self.forwarding:
+                        link.flush_up()
+                        link.close()  # a working relay passes the close on
+                    return  # held back: delivered at heal(), as an abandoned attempt
+                link.to_upstream += data
+                if self.forwarding:
+                    link.flush_up()
+
+    def _from_upstream(self, link: _Link, up: socket.socket) -> None:
+        while True:
+            try:
+                data = up.recv(65536)
+            except OSError:
+                data = b""
+            with link.down_lock:
+                if up is not link.primary:
+                    if not data:
+                        return
+                    continue  # a duplicate's replies: dropped
+                if not data:
+                    link.close()
+                    return
+                link.to_client += data
+                if self.forwarding:
+                    link.flush_down()
+
+
+class _Link:
+    """One client connection of a Relay and its upstream connection(s)."""
+
+    def __init__(self, client: socket.socket) -> None:
+        self.client = client
+        self.up_lock = threading.Lock()  # client -> upstreams: `upstreams`, `to_upstream`, `client_gone`
+        self.down_lock = threading.Lock()  # primary -> client: `primary`, `to_client`
+        self.upstreams: list[socket.socket] = []
+        self.primary: socket.socket | None = None
+        self.to_upstream = bytearray()
+        self.to_client = bytearray()
+        self.client_gone = False
+        self.closed = False
+        self.socks = [client]  # every socket it opened, closed when the relay stops
+
+    def flush_up(self) -> None:
+        if self.to_upstream and self.upstreams:
+            for up in list(self.upstreams):
+                try:
+                    up.sendall(self.to_upstream)
+                except OSError:
+                    self.upstreams.remove(up)
+            self.to_upstream.clear()
+
+    def flush_down(self) -> None:
+        if self.to_client:
+            try:
+                self.client.sendall(self.to_client)
+            except OSError:
+                pass
+            self.to_client.clear()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for sock in self.socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequence[str] = ()) -> tuple[

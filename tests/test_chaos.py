@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Tmpfs, need_root, shadow_in_ns
-from gcwrap.render import human_bytes
+from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Relay, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -34,6 +32,8 @@ from helpers import (
     tool,
     wait_until,
 )
+
+from gcwrap.render import human_bytes
 
 MB = 1_000_000
 pytestmark = pytest.mark.root
@@ -64,9 +64,21 @@ def check_landed(home: Path, name: str, n: int, seed: int) -> None:
     assert sha256_file(home / name) == expected(n, seed), f"{name}: bytes differ"
 
 
+def test_a_tmpfs_needs_no_iptables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests that only mount a tmpfs run where iptables is missing; those that
+    make a network namespace say what they lack."""
+    import faults
+
+    which = shutil.which
+    monkeypatch.setattr(faults.shutil, "which", lambda tool: None if tool == "iptables" else which(tool))
+    need_tmpfs()  # does not skip
+    with pytest.raises(pytest.skip.Exception, match="iptables"):
+        need_netns()
+
+
 @pytest.fixture
 def netns() -> object:
-    need_root()
+    need_netns()
     with NetNS() as ns:
         yield ns
 
@@ -178,7 +190,7 @@ def test_loss_and_delay_whole_run(netns: NetNS, home: Path, spool_dir: Path, tmp
 
 @pytest.mark.timeout(120)
 def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "small", "4m") as fs:
         filler = fs.fill(leave=64 << 10)
         ts = tmp_path / "stamps"
@@ -197,7 +209,7 @@ def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: P
 
 @pytest.mark.timeout(120)
 def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -235,7 +247,7 @@ def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
     memory, and the retry limit ends it. Then the job no longer needs the
     space kept for it: what memory held (and its pipe) is spooled there,
     nothing is lost (exit 124, not 121), and resume delivers all of it."""
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -281,7 +293,7 @@ def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, 
     against what the job itself says it wrote), exits 121, records it in
     the spool for `gcwrap status`, and `gcwrap resume` delivers the rest
     and tells home."""
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -348,7 +360,7 @@ def test_resume_of_a_backlog_of_more_segments_than_descriptors(home: Path, tmp_p
     blocks). Segments are small because the spool's file system was small
     when the spool was made (fs_size // 64, 64 KiB); it grows afterwards,
     so the backlog spans many of them."""
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh_ = ShadowProc(home, logs)
@@ -387,7 +399,7 @@ def test_resume_of_a_backlog_of_more_segments_than_descriptors(home: Path, tmp_p
 def test_shadow_disk_full_then_recovers(spool_dir: Path, tmp_path: Path) -> None:
     """The shadow's root stops taking writes (ENOSPC): the agent is told,
     backs off, the job goes on, and everything lands once space is back."""
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "root", "24m") as fs:
         logs = tmp_path / "logs"
         logs.mkdir()
@@ -421,7 +433,7 @@ def test_a_spool_directory_that_exists_but_cannot_be_written(shadow: ShadowProc,
     byte-exact, and gcwrap says why in one line (before: a traceback,
     `sqlite3.OperationalError: unable to open database file`, exit 1, and
     the job never started)."""
-    need_root()
+    need_tmpfs()
     out_n, err_n = 3 * MB, 300_000
     args = ["--shadow", shadow.address, "--job-id", "nospool", "--stdout", "n.out", "--stderr", "n.err", "--",
             *genjob(out_n, err_n, seed=41, rate=4 * MB)]
@@ -527,10 +539,13 @@ def chaos_seeds(config: pytest.Config) -> list[int]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "chaos_seed" in metafunc.fixturenames:
         metafunc.parametrize("chaos_seed", chaos_seeds(metafunc.config))
+    if "relay_seed" in metafunc.fixturenames:
+        metafunc.parametrize("relay_seed", list(range(2, 2 + (metafunc.config.getoption("--seeds") or 30))))
 
 
 @pytest.mark.timeout(120)
 def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) -> None:
+    need_tmpfs()
     rng = random.Random(chaos_seed)
     home, spool_dir, logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
     home.mkdir()
@@ -585,6 +600,77 @@ def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) ->
     CHAOS_TOTALS["duplicated"] += dup_o + dup_e
     assert rc == 0, w.err.decode()
     assert (lost_o, dup_o, lost_e, dup_e) == (0, 0, 0, 0)
+
+
+# -- 8. a relay that duplicates connection attempts -----------------------------------------
+
+
+def relay_schedule(seed: int) -> list[tuple[float, str]]:
+    """When the relay black-holes and forwards again. Seed 0 is the schedule
+    that left zero-filled holes in 4 of 23 runs (two sessions of the job
+    writing at once): black hole at 0.6 s and at 3.7 s, forwarding at 9 s."""
+    if seed == 0:
+        return [(0.6, "hole"), (2.4, "heal"), (3.7, "hole"), (9.0, "heal")]
+    if seed == 1:  # long enough for gcwrap to give up on attempts (3 heartbeats each): delivered late, at once
+        return [(1.0, "hole"), (14.0, "heal")]
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(rng.randint(1, 3)):
+        t += rng.uniform(0.3, 2.0)
+        out.append((t, "hole"))
+        t += rng.uniform(0.5, 12.0)
+        out.append((t, "heal"))
+    return out
+
+
+def relay_run(home: Path, spool_dir: Path, tmp_path: Path, seed: int) -> Relay:
+    """A job streaming ~630 KB/s on each of stdout and stderr through a Relay
+    that duplicates half the connection attempts and delivers abandoned ones
+    late; every byte lands exactly once and gcwrap exits 0."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--idle-timeout", "10"])
+    sh.start()
+    n = 7_500_000
+    try:
+        # Seed 0 duplicates every attempt: the earlier copy of each HELLO races the later one.
+        with Relay(("127.0.0.1", sh.port), duplicate=1.0 if seed == 0 else 0.5, seed=seed) as relay:
+            w = Wrapper(["--shadow", f"127.0.0.1:{relay.port}", "--spool", str(spool_dir), "--job-id", f"relay-{seed}",
+                         "--retry-limit", "0", "--retry-timeout", "1", "--heartbeat", "1",
+                         "--stdout", "r.out", "--stderr", "r.err", "--",
+                         *genjob(n, n, seed=seed + 300, rate=1_260_000)])
+            started = time.monotonic()
+            for at, what in relay_schedule(seed):
+                time.sleep(max(0.0, started + at - time.monotonic()))
+                relay.hole() if what == "hole" else relay.heal()
+            rc = w.wait(120)
+    finally:
+        sh.stop()
+    assert rc == 0, w.err.decode()
+    # sha256 of what the job wrote: zero-filled holes would pass a size check, not this.
+    check_landed(home, "r.out", n, seed + 300)
+    check_landed(home, "r.err", n, seed + 301)
+    jobs = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True,
+                                     check=True, timeout=30).stdout)
+    assert jobs[0]["state"] == "finished" and jobs[0]["exit_code"] == 0
+    assert [s["durable"] for s in jobs[0]["streams"]] == [n, n]
+    assert relay.duplicated + relay.stale > 0, "the relay duplicated nothing: the test tested nothing"
+    print(f"relay seed {seed}: {relay.duplicated} attempts duplicated, {relay.stale} abandoned ones delivered late, "
+          f"{sh.log().count('took over')} sessions fenced by a newer one")
+    return relay
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_relay_duplicating_connection_attempts(home: Path, spool_dir: Path, tmp_path: Path, seed: int) -> None:
+    relay_run(home, spool_dir, tmp_path, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_relay_duplicating_connection_attempts_many_schedules(home: Path, spool_dir: Path, tmp_path: Path,
+                                                              relay_seed: int) -> None:
+    relay_run(home, spool_dir, tmp_path, relay_seed)
 
 
 # -- carrier sense and slow shadows ------------------------------------------------------

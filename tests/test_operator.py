@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from faults import Tmpfs, need_root
+from faults import Tmpfs, need_tmpfs
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -72,7 +72,7 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
     """64 KiB free: the spool is made, but there is no room for its ballast or
     its final commit. The live file (preallocated, rewritten in place) still
     gets the final state, and `gcwrap status` reports it, not "wrapper gone"."""
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "tiny", "4m") as fs:
         fs.fill(leave=64 << 10)
         w = Wrapper(["--shadow", "127.0.0.1:9", "--spool", str(fs.path), "--job-id", "lastword",
@@ -92,7 +92,7 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
 
 @pytest.mark.timeout(120)
 def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     logs = tmp_path / "logs"
     logs.mkdir()
     sh = ShadowProc(home, logs)
@@ -456,7 +456,7 @@ def test_unwritable_root_is_named_not_the_address(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_root_on_a_read_only_file_system_is_named(tmp_path: Path) -> None:
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "ro", "1m") as fs:
         fs.remount(readonly=True)
         error = serve_fails(["--root", str(fs.path)])
@@ -676,7 +676,7 @@ def test_a_full_spool_is_said_once_not_at_every_commit(shadow: ShadowProc, home:
     gcwrap says "cannot take more bytes" once and does not flip back and forth
     (before: 20 such lines and 2 "takes output again" in 0.4 s), and says
     nothing of pauses that are mere flow control while home is reachable."""
-    need_root()
+    need_tmpfs()
     with Tmpfs(tmp_path / "spool", "8m") as fs:
         fs.fill(leave=2 << 20)
         w = Wrapper(["--shadow", shadow.address, "--spool", str(fs.path), "--job-id", "hyst", "--memory-limit",
@@ -688,3 +688,29 @@ def test_a_full_spool_is_said_once_not_at_every_commit(shadow: ShadowProc, home:
     assert len([line for line in said if "the spool takes output again" in line]) <= 1, text
     assert not [line for line in said if "paused" in line or "resumes" in line], text
     assert sha256_file(home / "h.out") == expected(12 * MB, 9) and sha256_file(home / "h.err") == expected(12 * MB, 10)
+
+
+@pytest.mark.parametrize("dirname", ["C#1", "a?b", "50%", "%41", "two words"])
+def test_jobs_and_tail_under_a_root_with_uri_characters(tmp_path: Path, dirname: str) -> None:
+    """The shadow's state is read through a SQLite URI: "#", "?" and "%" in
+    the root's path must not cut it short (for a root ".../C#1", `gcshadow
+    jobs` opened, and created, ".../C" and found no jobs table)."""
+    root, logs = tmp_path / dirname, tmp_path / "logs"
+    root.mkdir()
+    logs.mkdir()
+    sh = ShadowProc(root, logs)
+    sh.start()
+    try:
+        w = Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / "spool"), "--job-id", "odd-root",
+                     "--stdout", "odd.out", "--", "echo", "hello from an odd root"])
+        assert w.wait(30) == 0, w.err.decode()
+    finally:
+        sh.stop()
+    res = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(root)], capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr.decode()
+    (job,) = json.loads(res.stdout)
+    assert job["job_id"] == "odd-root" and job["state"] == "finished"
+    res = subprocess.run([*tool("gcshadow"), "tail", "--root", str(root), "odd-root"], capture_output=True, timeout=30)
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == b"hello from an odd root\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dirname, "logs", "spool"]), "no stray database"

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.events import (
-    Auth,
-    Challenge,
     PROTOCOL_VERSION,
     STREAM_KINDS,
     Ack,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -44,6 +44,7 @@ from gcwrap.protocol import (
     DEFAULT_MAX_FRAME,
     MAGIC,
     MAX_CONTROL,
+    MAX_OFFSET,
     MAX_PAYLOAD,
     NEED_DATA,
     Connection,
@@ -297,9 +298,11 @@ def test_largest_payloads_round_trip() -> None:
     pair.run(CONVERSATION[:STREAMING_AT])
     big = bytes(range(256)) * (MAX_PAYLOAD // 256)
     assert len(big) == MAX_PAYLOAD
-    assert pair.send(A, Data(1, U64 - MAX_PAYLOAD, big)) == [Data(1, U64 - MAX_PAYLOAD, big)]
-    assert pair.send(S, StdinData(0, U64, big, True)) == [StdinData(0, U64, big, True)]
-    assert pair.send(A, StdinRead(255, U64, MAX_PAYLOAD)) == [StdinRead(255, U64, MAX_PAYLOAD)]
+    last = MAX_OFFSET - MAX_PAYLOAD  # the payload ends at the largest offset
+    assert pair.send(A, Data(1, last, big)) == [Data(1, last, big)]
+    assert pair.send(S, StdinData(0, last, big, True)) == [StdinData(0, last, big, True)]
+    assert pair.send(A, StdinRead(255, last, MAX_PAYLOAD)) == [StdinRead(255, last, MAX_PAYLOAD)]
+    assert pair.send(S, Ack(1, MAX_OFFSET)) == [Ack(1, MAX_OFFSET)]
 
 
 def test_largest_control_frame_round_trips() -> None:
@@ -386,6 +389,7 @@ def test_whole_agent_side_in_one_buffer() -> None:
 
 u8 = st.integers(0, 255)
 u64 = st.integers(0, U64)
+offsets = st.integers(0, MAX_OFFSET)
 
 
 def text(max_size: int, min_size: int = 0) -> st.SearchStrategy[str]:
@@ -401,7 +405,7 @@ instances = st.text(
 )
 payloads = st.binary(max_size=4096)
 seconds = st.floats(0, 86400, exclude_max=True, allow_nan=False)
-pairs = st.lists(st.tuples(u8, u64), max_size=16).map(tuple)
+pairs = st.lists(st.tuples(u8, offsets), max_size=16).map(tuple)
 
 
 @st.composite
@@ -424,7 +428,7 @@ hellos = st.builds(
 welcomes = st.builds(
     Welcome,
     version=st.integers(0, 1 << 31),
-    session=u64,
+    session=offsets,
     durable=pairs,
     heartbeat=st.floats(0, 86400, exclude_min=True, exclude_max=True, allow_nan=False),
     proof=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
@@ -436,18 +440,26 @@ auths = st.builds(Auth, mac=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True))
 @st.composite
 def datas(draw: st.DrawFn) -> Data:
     payload = draw(payloads)
-    offset = draw(st.integers(0, U64 - len(payload)) | st.just(U64 - len(payload)))
+    offset = draw(st.integers(0, MAX_OFFSET - len(payload)) | st.just(MAX_OFFSET - len(payload)))
     return Data(draw(u8), offset, payload)
 
 
-acks = st.builds(Ack, stream=u8, offset=u64)
-stdin_reads = st.builds(StdinRead, stream=u8, offset=u64, max_bytes=st.integers(1, MAX_PAYLOAD))
+acks = st.builds(Ack, stream=u8, offset=offsets)
+
+
+@st.composite
+def stdin_reads_(draw: st.DrawFn) -> StdinRead:
+    max_bytes = draw(st.integers(1, MAX_PAYLOAD))
+    return StdinRead(draw(u8), draw(st.integers(0, MAX_OFFSET - max_bytes)), max_bytes)
+
+
+stdin_reads = stdin_reads_()
 
 
 @st.composite
 def stdin_datas(draw: st.DrawFn) -> StdinData:
     payload = draw(payloads)
-    return StdinData(draw(u8), draw(st.integers(0, U64 - len(payload))), payload, draw(st.booleans()))
+    return StdinData(draw(u8), draw(st.integers(0, MAX_OFFSET - len(payload))), payload, draw(st.booleans()))
 
 
 exits = st.builds(
@@ -519,10 +531,22 @@ def test_codec_round_trip(event: Event) -> None:
         Data(1, -1, b""),
         Data(1, U64 + 1, b""),
         Data(1, U64, b"x"),  # runs past the largest offset
+        Data(1, MAX_OFFSET + 1, b""),  # no file is that long
+        Data(1, MAX_OFFSET, b"x"),
         Data(1, 0, bytes(MAX_PAYLOAD + 1)),
         Ack(256, 0),
         Ack(1, U64 + 1),
+        Ack(1, MAX_OFFSET + 1),
         Ack(1, -1),
+        StdinRead(1, MAX_OFFSET + 1, 1),
+        StdinRead(1, MAX_OFFSET, 1),  # reads past the largest offset
+        StdinData(1, MAX_OFFSET + 1, b"", False),
+        StdinData(1, MAX_OFFSET, b"x", False),
+        Welcome(1, MAX_OFFSET + 1, ()),
+        Welcome(1, 1, ((1, MAX_OFFSET + 1),)),
+        Welcome(1, 1, ((256, 0),)),
+        Exit(0, None, ((1, MAX_OFFSET + 1),)),
+        Exit(0, None, tuple((i, 0) for i in range(17))),
         StdinRead(1, 0, 0),
         StdinRead(1, 0, MAX_PAYLOAD + 1),
         StdinRead(1, 0, 1 << 32),
@@ -856,6 +880,79 @@ def test_garbage_mutated_frames() -> None:
     print(f"mutated frames: {tried} inputs, {refused} refused")
 
 
+# Boundary values for every numeric field: either side of each limit the
+# codec knows (field widths, MAX_PAYLOAD, MAX_OFFSET) and of the ones it
+# must not forget (2**31, 2**32, 2**63, 2**64).
+EDGES = sorted({
+    *(e + d for e in (0, 128, 256, 1 << 16, 1 << 31, 1 << 32, MAX_PAYLOAD, 1 << 63, 1 << 64) for d in (-1, 0, 1)),
+    MAX_OFFSET - MAX_PAYLOAD, MAX_OFFSET - 1, -(1 << 63), -(1 << 64), 10**30,
+})
+edge_int = st.sampled_from(EDGES)
+json_edge = (edge_int | st.sampled_from([10**400, -(10**400), 0.5, -0.0, 1e308, float("inf"), float("-inf"),
+                                         float("nan"), True, False, None, "1", [1]]))
+u8_edge, u32_edge = st.sampled_from([0, 1, 2, 255]), st.sampled_from([e for e in EDGES if 0 <= e < 1 << 32])
+u64_edge = st.sampled_from([e for e in EDGES if 0 <= e < 1 << 64])
+payload_edge = st.sampled_from([0, 1, 2, MAX_PAYLOAD, MAX_PAYLOAD + 1]).map(bytes)
+
+
+@st.composite
+def edge_frames(draw: st.DrawFn) -> tuple[int, bytes]:
+    """One frame body of any type, a boundary value in one or more of its numeric fields."""
+    ftype = draw(st.sampled_from(list(FrameType)))
+    if ftype is FrameType.DATA:
+        return ftype, struct.pack("!BQ", draw(u8_edge), draw(u64_edge)) + draw(payload_edge)
+    if ftype is FrameType.ACK:
+        return ftype, struct.pack("!BQ", draw(u8_edge), draw(u64_edge))
+    if ftype is FrameType.STDIN_READ:
+        return ftype, struct.pack("!BQI", draw(u8_edge), draw(u64_edge), draw(u32_edge))
+    if ftype is FrameType.STDIN_DATA:
+        return ftype, struct.pack("!BQB", draw(u8_edge), draw(u64_edge), draw(u8_edge)) + draw(payload_edge)
+    if ftype in (FrameType.PING, FrameType.PONG):
+        return ftype, struct.pack("!Q", draw(u64_edge))
+    obj: dict[str, Any]
+    if ftype is FrameType.HELLO:
+        obj = hello_obj(versions=[draw(json_edge)], streams=[[draw(json_edge), "stdout", "o"]])
+    elif ftype is FrameType.WELCOME:
+        obj = welcome_obj(version=draw(json_edge), session=draw(json_edge), heartbeat=draw(json_edge),
+                          durable=[[draw(json_edge), draw(json_edge)]])
+    elif ftype is FrameType.EXIT:
+        obj = exit_obj(code=draw(json_edge), signal=draw(json_edge), lengths=[[draw(json_edge), draw(json_edge)]])
+    elif ftype is FrameType.ERROR:
+        obj = error_obj(code=draw(json_edge), retry_after=draw(json_edge))
+    else:  # CHALLENGE, AUTH, DONE: no numbers; a number where text goes
+        obj = {"nonce": draw(json_edge), "mac": draw(json_edge)}
+    # Usually one field at its edge and the others valid, so that each edge is what decides.
+    if draw(st.booleans()):
+        valid = {FrameType.HELLO: hello_obj, FrameType.WELCOME: welcome_obj, FrameType.EXIT: exit_obj,
+                 FrameType.ERROR: error_obj}.get(ftype, dict)()
+        keep = draw(st.sampled_from(sorted(obj)))
+        obj = {**valid, keep: obj[keep]}
+    return ftype, json.dumps(obj, allow_nan=True).encode()
+
+
+@budget(GARBAGE_EXAMPLES)
+@given(frame=edge_frames())
+def test_boundary_values_in_every_numeric_field_decode_or_are_bad_frames(frame: tuple[int, bytes]) -> None:
+    """The decoder's whole contract: a valid event, one that can be sent on
+    unchanged, or RemoteProtocolError BAD_FRAME / FRAME_TOO_LARGE. Never
+    another exception, and never an event whose numbers a receiver cannot
+    use (STDIN_READ at 2**63 was decoded, then crashed the shadow's pread)."""
+    ftype, body = frame
+    try:
+        ev = decode(ftype, body)
+    except RemoteProtocolError as e:
+        assert e.code in (ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE), e.code
+        return
+    again = encode(ev)  # LocalProtocolError here: the decoder let through what no sender may send
+    assert decode(again[4], again[5:]) == ev
+    for name in ("offset", "session"):
+        assert 0 <= getattr(ev, name, 0) <= MAX_OFFSET
+    for _, length in getattr(ev, "durable", ()) + getattr(ev, "lengths", ()):
+        assert 0 <= length <= MAX_OFFSET
+    end = getattr(ev, "offset", 0) + len(getattr(ev, "payload", b"")) + getattr(ev, "max_bytes", 0)
+    assert end <= MAX_OFFSET
+
+
 @pytest.mark.parametrize(
     "ftype, make",
     [(FrameType.HELLO, hello_obj), (FrameType.WELCOME, welcome_obj), (FrameType.EXIT, exit_obj),
@@ -936,6 +1033,7 @@ WRONG_TYPES = [
     (FrameType.WELCOME, welcome_obj(version="1")),
     (FrameType.WELCOME, welcome_obj(session=-1)),
     (FrameType.WELCOME, welcome_obj(session=1 << 64)),
+    (FrameType.WELCOME, welcome_obj(session=1 << 63)),
     (FrameType.WELCOME, welcome_obj(heartbeat=0)),
     (FrameType.WELCOME, welcome_obj(heartbeat=86400)),
     (FrameType.WELCOME, welcome_obj(heartbeat=float("nan"))),
@@ -944,6 +1042,7 @@ WRONG_TYPES = [
     (FrameType.WELCOME, welcome_obj(durable=[[1, 2, 3]])),
     (FrameType.WELCOME, welcome_obj(durable=[[256, 0]])),
     (FrameType.WELCOME, welcome_obj(durable=[[1, 1 << 64]])),
+    (FrameType.WELCOME, welcome_obj(durable=[[1, 1 << 63]])),
     (FrameType.WELCOME, welcome_obj(durable=[[1, 1.5]])),
     (FrameType.WELCOME, welcome_obj(durable=[[i, 0] for i in range(17)])),
     (FrameType.EXIT, exit_obj(code=256)),
@@ -952,6 +1051,8 @@ WRONG_TYPES = [
     (FrameType.EXIT, exit_obj(code=None, signal=0)),
     (FrameType.EXIT, exit_obj(code=None, signal=128)),
     (FrameType.EXIT, exit_obj(lengths=None)),
+    (FrameType.EXIT, exit_obj(lengths=[[1, 1 << 63]])),
+    (FrameType.EXIT, exit_obj(lengths=[[1, -1]])),
     (FrameType.EXIT, exit_obj(reason=None)),
     (FrameType.EXIT, exit_obj(reason="r" * 4097)),
     (FrameType.EXIT, exit_obj(summary={"k": "v"})),
@@ -1023,6 +1124,14 @@ def test_done_takes_any_json_object_but_nothing_else() -> None:
         (FrameType.DATA, b""),
         (FrameType.DATA, b"\x01" * 8),  # shorter than stream + offset
         (FrameType.DATA, b"\x01" + b"\xff" * 8 + b"x"),  # runs past 2**64 - 1
+        (FrameType.DATA, b"\x01" + struct.pack("!Q", 1 << 63)),  # past the largest file offset
+        (FrameType.DATA, b"\x01" + struct.pack("!Q", MAX_OFFSET) + b"x"),
+        (FrameType.ACK, b"\x01" + struct.pack("!Q", 1 << 63)),
+        (FrameType.STDIN_READ, b"\x01" + struct.pack("!QI", 1 << 63, 1)),  # was answered INTERNAL by the shadow
+        (FrameType.STDIN_READ, b"\x01" + struct.pack("!QI", U64, 1)),
+        (FrameType.STDIN_READ, b"\x01" + struct.pack("!QI", MAX_OFFSET, 1)),  # pread refuses: EINVAL
+        (FrameType.STDIN_DATA, b"\x01" + struct.pack("!QB", 1 << 63, 0)),
+        (FrameType.STDIN_DATA, b"\x01" + struct.pack("!QB", MAX_OFFSET, 0) + b"x"),
         (FrameType.ACK, b"\x01" * 8),
         (FrameType.ACK, b"\x01" * 10),
         (FrameType.STDIN_READ, b"\x01" * 12),

@@ -433,7 +433,8 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
         async def main() -> None:
             with trio.fail_after(30):
                 durability = Durability(store)
-                job = LiveJob(files)
+                job = LiveJob("j")
+                job.files = files
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(durability.run)
                     _write(sf, b"first")

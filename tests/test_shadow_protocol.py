@@ -8,11 +8,13 @@ sans-I/O Connection directly.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from helpers import ShadowProc, file_size, wait_until
 
 from gcwrap.events import (
     Ack,
@@ -32,8 +34,6 @@ from gcwrap.events import (
     Welcome,
 )
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
-from helpers import ShadowProc, file_size, wait_until
-
 
 _OPEN: list[socket.socket] = []
 
@@ -273,3 +273,143 @@ def test_second_shadow_on_same_root_refused(shadow: ShadowProc, home: Path, tmp_
                          timeout=30)
     assert res.returncode == 1
     assert b"another gcshadow is already serving" in res.stderr
+
+
+# -- two sessions of one job at once ----------------------------------------------------
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _race_two_hellos(port: int, h: Hello, content: bytes, chunk: int = 16 << 10) -> list[list[str]]:
+    """Two agents of one job send the same HELLO at the same instant, then
+    each streams `content` from where its WELCOME says and finishes. Returns
+    what each saw, in order: "welcome", "ack", "fenced", "done", "error:CODE"."""
+    import threading
+
+    start = threading.Barrier(2)
+    seen: list[list[str]] = [[], []]
+    # Prepared before the barrier: the two HELLOs leave within microseconds.
+    agents = [RawAgent(port), RawAgent(port)]
+
+    def one(i: int) -> None:
+        a, log = agents[i], seen[i]
+        hello_bytes = a.conn.send(h)
+        try:
+            start.wait(10)
+            a.sock.sendall(hello_bytes)
+            ev = a.next()
+            if not isinstance(ev, Welcome):
+                log.append(f"error:{ev.code.name}" if isinstance(ev, Error) else type(ev).__name__)
+                return
+            log.append("welcome")
+            pos = dict(ev.durable)[1]
+            while pos < len(content):
+                a.send(Data(1, pos, content[pos : pos + chunk]))
+                pos = min(len(content), pos + chunk)
+            while True:
+                ev = a.next()
+                if isinstance(ev, Ack):
+                    log.append("ack")
+                    if ev.offset == len(content):
+                        break
+                    continue
+                if isinstance(ev, Error):
+                    log.append("fenced" if ev.code is ErrorCode.FENCED else f"error:{ev.code.name}")
+                    return
+                if isinstance(ev, ConnectionClosed):
+                    log.append("closed")
+                    return
+            a.send(Exit(0, None, ((1, len(content)),)))
+            ev = a.next()
+            log.append("done" if isinstance(ev, Done) else
+                       "fenced" if isinstance(ev, Error) and ev.code is ErrorCode.FENCED else repr(ev))
+        except OSError as e:  # the shadow closed a fenced connection under our feet
+            log.append(f"oserror:{e.errno}")
+        finally:
+            a.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "an agent hung"
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_two_identical_hellos_at_once_one_session_holds_the_job(shadow: ShadowProc, home: Path) -> None:
+    """A relay delivers an abandoned connection attempt together with the
+    current one: two identical HELLOs within microseconds. At most one session
+    holds the job (a welcomed one is fenced by the later one before it can
+    finish), exactly one finishes, and the file is byte-exact: no hole."""
+    import hashlib
+
+    assert shadow.proc is not None
+    content = random.Random(7).randbytes(600_000)
+    fds_before = _open_fds(shadow.proc.pid)
+    for round_ in range(20):
+        name = f"race{round_}.out"
+        seen = _race_two_hellos(shadow.port, hello(f"race{round_}", out=name), content)
+        holders = [s for s in seen if "welcome" in s and "fenced" not in s and not any("error" in x for x in s)]
+        assert len(holders) <= 1, f"round {round_}: two sessions held the job: {seen}"
+        assert sum("done" in s for s in seen) == 1, f"round {round_}: {seen}"
+        data = (home / name).read_bytes()
+        assert len(data) == len(content), f"round {round_}: {len(data)} bytes landed"
+        assert hashlib.sha256(data).digest() == hashlib.sha256(content).digest(), f"round {round_}: bytes differ"
+    # Every raced session's files are closed again (not one descriptor per round).
+    wait_until(lambda: _open_fds(shadow.proc.pid) <= fds_before + 2, 10, "the raced sessions' files to close")
+
+
+@pytest.mark.timeout(120)
+def test_jobs_per_identity_cap_holds_for_hellos_at_once(home: Path, tmp_path: Path) -> None:
+    """Two jobs of one identity, capped at one live job, send HELLO at the
+    same instant: the cap is checked and the job claimed with no await
+    between, so at most one of them is welcomed (the other is told BUSY)."""
+    import threading
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--max-jobs-per-identity", "1"])
+    sh.start()
+    decided = 0
+    try:
+        for round_ in range(20):
+            agents = [RawAgent(sh.port), RawAgent(sh.port)]
+            frames = [a.conn.send(hello(f"cap{round_}-{i}", out=f"cap{round_}-{i}.out")) for i, a in enumerate(agents)]
+            start = threading.Barrier(2)
+            answers: list[Event | None] = [None, None]
+
+            def one(i: int) -> None:
+                start.wait(10)
+                agents[i].sock.sendall(frames[i])
+                answers[i] = agents[i].next()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            welcomed = [a for a in answers if isinstance(a, Welcome)]
+            assert len(welcomed) <= 1, f"round {round_}: both jobs welcomed past the cap: {answers}"
+            busy = [a for a in answers if isinstance(a, Error) and a.code is ErrorCode.BUSY]
+            decided += len(welcomed) == 1 and len(busy) == 1
+            for a in agents:  # end both, and wait until the shadow has let go of the welcomed one
+                a.close()
+            wait_until(lambda: "cap" not in _live_jobs(home), 10, "the jobs to be released")
+    finally:
+        sh.stop()
+    assert decided >= 10, "the rounds were not races"
+
+
+def _live_jobs(home: Path) -> str:
+    import subprocess
+
+    from helpers import tool
+
+    res = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True, timeout=30)
+    import json
+
+    return " ".join(j["job_id"] for j in json.loads(res.stdout or b"[]") if j["state"] == "streaming")

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from faults import NS_IP, NetNS, Tmpfs, need_root, shadow_in_ns
-from gcwrap.render import human_bytes
+from faults import NS_IP, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import Wrapper, file_size, tool, wait_until
+
+from gcwrap.render import human_bytes
 
 # The job: writes known amounts, and says how it went in a JSON file of its own
 # (rewritten atomically): its start, bytes written per stream, and the time it
@@ -199,7 +199,8 @@ def check_jobs_row(rec: dict[str, Any], text: str, window: tuple[float, float], 
 
 @pytest.mark.timeout(180)
 def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
-    need_root()
+    need_netns()
+    need_tmpfs()
     home, logs = tmp_path / "home", tmp_path / "logs"
     home.mkdir()
     logs.mkdir()
@@ -307,7 +308,8 @@ def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_every_figure_of_a_job_through_an_outage(tmp_path: Path) -> None:
-    need_root()
+    need_netns()
+    need_tmpfs()
     home, logs, spool = tmp_path / "home", tmp_path / "logs", tmp_path / "spool"
     home.mkdir()
     logs.mkdir()

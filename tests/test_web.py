@@ -351,9 +351,9 @@ def test_without_the_web_extra_it_says_what_to_install(home: Path, monkeypatch: 
 @pytest.mark.root
 def test_token_is_required_on_a_non_loopback_address(home: Path, shadow: ShadowProc, logs: Path,
                                                      spool_dir: Path) -> None:
-    from faults import HOST_IP, NetNS, need_root
+    from faults import HOST_IP, NetNS, need_netns
 
-    need_root()
+    need_netns()
     run_job(shadow, spool_dir, "secret-job", out=1000)
     token = logs / "web-token"
     token.write_text("s3cret-token-of-the-web-view-0123456789\n")

@@ -178,9 +178,9 @@ def test_refused_files_and_unknown_jobs_say_why(browser: Any, web: WebProc, shad
 @pytest.mark.root
 def test_a_non_loopback_view_asks_for_the_token_first(browser: Any, home: Path, shadow: ShadowProc, tmp_path: Path,
                                                      spool_dir: Path) -> None:
-    from faults import HOST_IP, NetNS, need_root
+    from faults import HOST_IP, NetNS, need_netns
 
-    need_root()
+    need_netns()
     run_job(shadow, spool_dir, "private-job", out=500)
     token = tmp_path / "web-token"
     token.write_text("the-web-token-0123456789abcdef\n")

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, tool, wait_until
 
 from gcwrap.spool import Spool
-from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, tool, wait_until
 
 MB = 1_000_000
 
