@@ -54,16 +54,39 @@ def wait_for(driver: Any, cond: Callable[[Any], Any], what: str, timeout: float 
     from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    from selenium.common.exceptions import WebDriverException
+
+    def settled(d: Any) -> Any:
+        # The page re-renders while we look: an element found a moment ago may
+        # have left the document. That is "not yet", never a failure.
+        try:
+            return cond(d)
+        except WebDriverException as e:
+            if isinstance(e, StaleElementReferenceException) or "does not belong to the document" in str(e):
+                return False
+            raise
+
     try:
-        return WebDriverWait(driver, timeout, ignored_exceptions=[StaleElementReferenceException]).until(cond)
+        return WebDriverWait(driver, timeout).until(settled)
     except TimeoutException:
         raise AssertionError(f"the browser did not show {what} within {timeout} s; page text:\n"
                              + driver.find_element("tag name", "body").text[:3000]) from None
 
 
 def text_of(driver: Any, css: str) -> str:
-    found = driver.find_elements("css selector", css)
-    return found[0].text if found else ""
+    # Read in one script run: the page re-renders while we look, and an element
+    # found by one WebDriver call can be gone from the document by the next.
+    text = driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        " return e && e.getClientRects().length ? e.innerText : '';", css)  # shown text only, as a user sees it
+    return (text or "").strip()
+
+
+def attr_of(driver: Any, css: str, name: str) -> str | None:
+    value = driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.getAttribute(arguments[1]) : null;",
+        css, name)
+    return None if value is None else str(value)
 
 
 @pytest.fixture
@@ -101,18 +124,19 @@ def test_a_running_job_shows_its_new_lines_live_and_then_its_exit(browser: Any, 
     (steps / "exit").write_text("7")
     wait_for(browser, lambda d: "Ended with status 7" in text_of(d, "#exit"), "the exit status")
     assert job.wait(30) == 7
-    assert browser.find_element("css selector", "#pill .pill").get_attribute("data-state") == "failed"
+    assert attr_of(browser, "#pill .pill", "data-state") == "failed"
     wait_for(browser, lambda d: text_of(d, "#live") == "complete", "the stream marked complete")
     summary = text_of(browser, "#summary")
     assert "wall time" in summary and "stdout bytes" in summary
     assert browser.execute_script("return window.noReload") == "the same page", "the page was reloaded"
     stdout = text_of(browser, 'pre[data-stream="stdout"]')
     assert stdout.count("line 1, written") == 1 and stdout.count("line 2, written") == 1  # never a line twice
-    link = browser.find_element("css selector", 'section[data-stream="stdout"] a.download')
-    assert link.get_attribute("href") == web.base + "/api/jobs/browser-1/files/stdout"
+    href = browser.execute_script(
+        "return document.querySelector(arguments[0]).href;", 'section[data-stream="stdout"] a.download')
+    assert href == web.base + "/api/jobs/browser-1/files/stdout"
     browser.get(web.base + "/")
     wait_for(browser, lambda d: d.find_elements("css selector", row + '[data-state="failed"]'), "the failed state")
-    assert browser.find_element("css selector", row + " td.exit").text == "7"
+    assert text_of(browser, row + " td.exit") == "7"
 
 
 def test_the_list_filters_and_sorts(browser: Any, web: WebProc, shadow: ShadowProc, spool_dir: Path) -> None:
@@ -124,7 +148,8 @@ def test_the_list_filters_and_sorts(browser: Any, web: WebProc, shadow: ShadowPr
     browser.get(web.base + "/")
 
     def shown(d: Any) -> list[str]:
-        return [r.get_attribute("data-job") for r in d.find_elements("css selector", "#jobs tbody tr")]
+        return list(d.execute_script(
+            "return Array.from(document.querySelectorAll('#jobs tbody tr'), r => r.dataset.job);"))
 
     wait_for(browser, lambda d: len(shown(d)) == 3, "three jobs")
     browser.find_element("id", "filter").send_keys("bad")
