@@ -35,9 +35,10 @@ import ssl
 import subprocess
 import termios
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
 
@@ -155,7 +156,8 @@ def exit_status(returncode: int) -> int:
 
 def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
     specs = []
-    for sid, kind, name in ((STDOUT, "stdout", opts.stdout), (STDERR, "stderr", opts.stderr), (STDIN, "stdin", opts.stdin)):
+    named = ((STDOUT, "stdout", opts.stdout), (STDERR, "stderr", opts.stderr), (STDIN, "stdin", opts.stdin))
+    for sid, kind, name in named:
         if name is not None:
             specs.append(StreamSpec(sid, kind, name))
     return specs
@@ -271,7 +273,8 @@ class Agent:
 
     # -- the pipe readers ------------------------------------------------
 
-    async def read_pipe(self, out: OutStream, pipe: trio.lowlevel.FdStream) -> None:
+    async def read_pipe(self, out: OutStream, pipe: trio.abc.ReceiveStream) -> None:
+        assert isinstance(pipe, trio.lowlevel.FdStream)  # (a child's pipe, on Unix)
         fd = pipe.fileno()
         capacity = grow_pipe(fd)
         fill = BULK_FILL * capacity if capacity >= BULK_MIN_PIPE else 0
@@ -598,7 +601,7 @@ class Agent:
                 self.delivered.set()
                 self.changed.fire()
                 return
-            except Exception as e:  # noqa: BLE001 - every failure is classified and retried
+            except Exception as e:
                 log.debug("session failed", exc_info=True)
                 error = e
             if session.welcomed and session.progressed:
@@ -619,10 +622,9 @@ class Agent:
                 # not have started it. Its output so far stays in the spool.
                 log.info("%s; ending the job, its stdin can never be fed", reason)
                 self.end_job(f"the job's stdin {self.opts.stdin!r} can never be fed ({reason}): the job was ended")
-            elif refused:
+            elif refused and (self.refusal is None or str(self.refusal) != str(error)):
                 # Refused for good (token, name, owner...): something to fix at
                 # home. The job keeps running into its spool; say so now, loudly.
-                if self.refusal is None or str(self.refusal) != str(error):
                     log.error("%s; the job goes on, its output is kept in the spool", reason)
             if refused:
                 self.refusal = error  # type: ignore[assignment]
@@ -916,7 +918,8 @@ async def _run_job(
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
-    log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid, spool_path if specs else "none (nothing to spool)")
+    log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
+             spool_path if specs else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_forward_signals, proc, agent, signals)
         with first_error():

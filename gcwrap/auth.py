@@ -26,6 +26,7 @@ import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 MIN_TOKEN = 16  # bytes: shorter secrets are too easy to guess
 _AGENT = b"gcwrap agent v1"
@@ -108,7 +109,8 @@ def subject_cn(peercert: dict[str, object] | None) -> str:
     """The common name of a verified peer certificate ("" if none)."""
     if not peercert:
         return ""
-    for rdn in peercert.get("subject", ()):  # type: ignore[union-attr]
+    subject = cast("tuple[tuple[tuple[str, str], ...], ...]", peercert.get("subject", ()))
+    for rdn in subject:
         for key, value in rdn:
             if key == "commonName":
                 return str(value)
@@ -177,8 +179,8 @@ class AllowList:
             ip = ipaddress.ip_address(address.split("%")[0])
         except ValueError:
             return f"{address} is not an IP address"
-        if ip.version == 6 and ip.ipv4_mapped:  # type: ignore[union-attr]
-            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+            ip = ip.ipv4_mapped
         if any(ip in net for net in self.networks):
             return ""
         for host in self.hosts:

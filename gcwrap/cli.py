@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
 from . import __version__, exitcodes
+from .clitypes import Size
 from .names import NameError_, normalize
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -103,20 +105,6 @@ def expand_name(value: str | None, values: dict[str, str], param: str) -> str | 
     except NameError_ as e:
         shown = str(e) if name == value else f"{value!r} expands to {name!r}: {e}"
         raise click.BadParameter(shown, param_hint=param) from None
-
-
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        from .units import parse_size
-
-        try:
-            return parse_size(str(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
 
 
 class SpoolDir(click.Path):
@@ -215,7 +203,8 @@ def main() -> None:
 def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
-    write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
+    write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
+    log_format: str,
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -314,7 +303,8 @@ def _run(
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
+              envvar="GCWRAP_SPOOL", show_envvar=True,
+              help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
 def status(spool_dir: Path | None, as_json: bool) -> None:
     """Show the spools on this machine: job, state, bytes written, acked, pending.
@@ -339,7 +329,8 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
+              envvar="GCWRAP_SPOOL", show_envvar=True,
+              help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
               help="Deliver to this shadow instead of the one recorded in the spool.")
 @click.option("--include-refused", is_flag=True,
@@ -458,7 +449,8 @@ def resume_progress(console: Any, job_id: str, hidden: bool) -> Iterator[Callabl
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--size", default="8MiB", show_default=True, help="Bytes the sample job writes to stdout (it also writes progress lines to stderr).")
+@click.option("--size", default="8MiB", show_default=True,
+              help="Bytes the sample job writes to stdout (it also writes progress lines to stderr).")
 @click.option("--keep", is_flag=True, help="Keep the demo's directory instead of deleting it.")
 def demo(size: str, keep: bool) -> None:
     """Run a shadow on loopback and a sample job through gcwrap; verify checksums.

@@ -6,8 +6,8 @@ import contextlib
 import os
 import sqlite3
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def uri(path: Path | str, **params: str) -> str:

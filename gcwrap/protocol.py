@@ -218,7 +218,7 @@ class Connection:
 
     # -- receiving -------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed bytes from the peer; b"" means the peer closed (EOF)."""
         if self._eof and data:
             raise LocalProtocolError("data received after EOF")
@@ -632,9 +632,9 @@ def _decode_hello(obj: dict[str, Any]) -> Hello:
 def _decode_exit(obj: dict[str, Any]) -> Exit:
     f = FrameType.EXIT
     code, sig = obj.get("code"), obj.get("signal")
-    if not (code is None or _is_int(code) and 0 <= code <= 255):
+    if not (code is None or (_is_int(code) and 0 <= code <= 255)):
         raise _bad("EXIT: 'code' must be null or 0..255")
-    if not (sig is None or _is_int(sig) and 0 < sig < 128):
+    if not (sig is None or (_is_int(sig) and 0 < sig < 128)):
         raise _bad("EXIT: 'signal' must be null or 1..127")
     summary_raw = obj.get("summary", [])
     if not isinstance(summary_raw, list) or len(summary_raw) > 64:
@@ -693,7 +693,7 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
 
 
 def _fixed(st: struct.Struct, body: bytes | memoryview, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
-    if len(body) < st.size or exact and len(body) != st.size:
+    if len(body) < st.size or (exact and len(body) != st.size):
         raise _bad(f"{ftype.name} frame has the wrong length ({len(body)} bytes)")
     return st.unpack_from(body)
 

@@ -11,8 +11,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from .spool import loss_text
 
@@ -285,7 +286,7 @@ def status_view(spools: list[dict[str, Any]], width: int | None) -> Any:
 
 def job_state_text(job: dict[str, Any], now: float | None = None) -> str:
     """A job's state in words: streaming, disconnected since T, finished..."""
-    state = job["state"]
+    state = str(job["state"])
     if state == "disconnected":
         return f"disconnected since {ago(job['last_seen'], now)}"
     if state != "finished":
@@ -489,10 +490,10 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
     return [
         f"job {job_id} ended with {status}; wall {summary.get('wall_s', 0):.1f} s",
         "  output: " + (", ".join(streams) or "none") + f"; {summary.get('throughput_mb_s', 0):.1f} MB/s",
-        f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
-        f"job paused {summary.get('paused_s', 0):.1f} s",
-        f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
-        f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all",
+        (f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
+         f"job paused {summary.get('paused_s', 0):.1f} s"),
+        (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
+         f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
     ] + ([f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
 
 

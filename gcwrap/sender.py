@@ -47,7 +47,7 @@ from .events import (
 )
 from .liveness import Liveness, watch
 from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
-from .retry import HeartbeatTimeout, ShadowRefused, Stalled
+from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
 from .sync import first_error
 
 if TYPE_CHECKING:
@@ -69,10 +69,6 @@ DAMAGED_IN_TRANSIT = frozenset({
 
 class SessionEnd(Exception):
     """The shadow said DONE: everything is home."""
-
-
-class ConnectionLost(Exception):
-    """The shadow closed the connection."""
 
 
 class StdinFeeder:
@@ -144,7 +140,7 @@ class Session:
             parts: list[bytes | memoryview] = [header, payload]
             while parts:
                 try:
-                    sent = await sock.sendmsg(parts)  # type: ignore[union-attr]
+                    sent = await sock.sendmsg(parts)
                 except OSError as e:  # as SocketStream.send_all reports it
                     raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
                 while parts and sent >= len(parts[0]):
@@ -180,7 +176,7 @@ class Session:
                 except BlockingIOError:
                     pass
                 while header:
-                    header = header[await sock.send(header, socket.MSG_MORE) :]  # type: ignore[union-attr]
+                    header = header[await sock.send(header, socket.MSG_MORE) :]
             except OSError as e:  # as SocketStream.send_all reports it
                 raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
             done = 0
@@ -202,7 +198,7 @@ class Session:
             self.raw = socket.socket(fileno=os.dup(self.sock.fileno()))
         return self.raw
 
-    async def run(self, stream: trio.abc.Stream, sock: socket.socket | trio.socket.SocketType) -> None:
+    async def run(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         """Speak the protocol over `stream` (plain TCP, or TLS over it); `sock`
         is the TCP socket underneath, for its options and send queue."""
         agent = self.agent
@@ -270,8 +266,8 @@ class Session:
 
     async def _receive_events(self, stream: trio.abc.Stream) -> list[Event]:
         if self.pending:  # what came in the same read as the handshake's answer
-            events, self.pending = self.pending, []
-            return events
+            held, self.pending = self.pending, []
+            return held
         data = await stream.receive_some(65536)
         self.liveness.heard(trio.current_time())
         try:

@@ -41,14 +41,16 @@ import resource
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 from .auth import AllowList, SubjectMap, agent_mac, new_nonce, same, shadow_proof, subject_cn
 from .events import (
+    PROTOCOL_VERSION,
     Ack,
     Auth,
     Challenge,
@@ -66,7 +68,7 @@ from .events import (
     StdinRead,
     Welcome,
 )
-from .protocol import NEED_DATA, PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from .protocol import NEED_DATA, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile, Superseded
 from .sync import Signal, first_error
 
@@ -250,7 +252,7 @@ class Durability:
                     await self.arrived.wait()
                 item = self.inbox.popleft()
                 if isinstance(item, BaseException):
-                    raise RuntimeError("the durability thread failed") from item  # noqa: TRY004
+                    raise RuntimeError("the durability thread failed") from item
                 self.apply(*item)
         finally:
             with self.cond:
@@ -512,7 +514,7 @@ class Shadow:
             else:
                 log.error("%s: I/O error: %s", peer, e)
                 await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
-        except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
+        except Exception as e:
             log.exception("%s: internal error", peer)
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
 
@@ -542,7 +544,7 @@ class Shadow:
                     if not data:
                         break
                     drained += len(data)
-            except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
+            except Exception:  # noqa: BLE001 - best effort: the peer may be gone
                 pass
 
     async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .cli import Size
+from .clitypes import Size
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -18,7 +18,7 @@ class DefaultServeGroup(click.Group):
     """`gcshadow --port 50000` means `gcshadow serve --port 50000`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help", "--version")):
             args = ["serve", *args]
         return super().parse_args(ctx, args)
 

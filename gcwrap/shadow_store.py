@@ -31,10 +31,11 @@ import sqlite3
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .events import ErrorCode, StreamSpec
 
@@ -771,7 +772,8 @@ class Store:
         if "summary" in fields:
             fields["summary"] = json.dumps(fields["summary"])
         sets = ", ".join(f"{k} = ?" for k in fields)
-        where, args = "job_id = ?", [job_id]
+        args: list[object] = [job_id]
+        where = "job_id = ?"
         if if_session is not None:
             where, args = "job_id = ? AND session = ?", [job_id, if_session]
         with self.db_lock, transaction(self.db.conn):

@@ -28,9 +28,10 @@ import resource
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from .db import transaction, uri
 from .segments import DEFAULT_SEGMENT, Segments
@@ -271,10 +272,10 @@ def spool_files(directory: Path) -> list[Path]:
 
 # -- the spool ---------------------------------------------------------------
 
-_JOB_FIELDS = (
-    "job_id instance command host user shadow started wrapper_pid child_pid ended exit_code "
-    "exit_signal state reason last_error retries connected delivered summary"
-).split()
+_JOB_FIELDS = [
+    "job_id", "instance", "command", "host", "user", "shadow", "started", "wrapper_pid", "child_pid", "ended",
+    "exit_code", "exit_signal", "state", "reason", "last_error", "retries", "connected", "delivered", "summary",
+]
 
 
 class SpoolError(Exception):

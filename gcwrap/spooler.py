@@ -18,16 +18,17 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-log = logging.getLogger("gcwrap")
-T = TypeVar("T")
-
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
 from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError, os_reason, sqlite_reason
+
+log = logging.getLogger("gcwrap")
+T = TypeVar("T")
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
