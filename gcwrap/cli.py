@@ -258,10 +258,11 @@ def _run(
 
     import trio
 
-    from .agent import run_job, stream_specs
     from .identity import default_job_id, hostname, username
+    from .records import JobRecord
     from .render import Reporter
-    from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
+    from .run import run_job, stream_specs
+    from .spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
 
     job_id = job_id or default_job_id()
     instance = new_instance()
@@ -356,9 +357,10 @@ def resume(
     """
     import trio
 
-    from .agent import AgentOptions, resume_spool
+    from .agent import AgentOptions
     from .render import Reporter, setup_logging, stderr_console
-    from .spool import Spool, SpoolError, default_spool_dir, spool_files
+    from .run import resume_spool
+    from .spool import SpoolError, default_spool_dir, spool_files
     from .status import in_use
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
@@ -374,12 +376,7 @@ def resume(
             say.say(f"{path}: in use by a running gcwrap; skipped", "info")
             continue
         try:
-            recorded = Spool.open(path, readonly=True)
-            try:
-                job = recorded.job()
-                recorded.streams()  # (readable before a progress bar is shown for it)
-            finally:
-                recorded.close()
+            job = _recorded_job(path)
         except SpoolError as e:
             say.say(str(e))
             worst = exitcodes.worst(worst, exitcodes.INTERNAL)
@@ -413,6 +410,19 @@ def resume(
                 say.say(f"job {job.job_id}: {outcome.lost}")
         worst = exitcodes.worst(worst, outcome.status)
     sys.exit(worst)
+
+
+def _recorded_job(path: Path) -> Any:
+    """The job a spool records (a JobRecord); SpoolError if it cannot be read."""
+    from .spool import Spool
+
+    recorded = Spool.open(path, readonly=True)
+    try:
+        job = recorded.job()
+        recorded.streams()  # (readable before a progress bar is shown for it)
+    finally:
+        recorded.close()
+    return job
 
 
 @contextlib.contextmanager

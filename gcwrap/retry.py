@@ -81,7 +81,7 @@ def describe(exc: BaseException, where: str = "") -> str:
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the shadow's host{at}: {exc.strerror or exc}"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS failure with the shadow{at}: {exc.reason or exc}"
+        return f"TLS failure with the shadow{at}: {getattr(exc, 'reason', None) or exc}"
     if isinstance(exc, TimeoutError):
         return f"connecting to the shadow{at} timed out"
     if isinstance(exc, ConnectionRefusedError):

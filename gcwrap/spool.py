@@ -29,11 +29,11 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from .db import transaction, uri
+from .records import Chunk, Extent, JobRecord, SourceError, StreamState
 from .segments import DEFAULT_SEGMENT, Segments
 
 if TYPE_CHECKING:
@@ -61,89 +61,6 @@ SPOOL_SUFFIX = ".spool"
 # commit writes every page it touches to the WAL. With the 64 KiB pages of
 # the blob days, a 64 KiB pipe read cost about 200 KiB of WAL writes.
 PAGE_SIZE = 4096
-
-
-@dataclass(frozen=True)
-class Chunk:
-    stream: int
-    start: int
-    data: bytes
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.data)
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-
-@dataclass(frozen=True)
-class Extent:
-    """Stream bytes [start, end) already in their segment file (spliced from
-    the job's pipe, never in memory); they are spooled once their row is
-    committed. Only with a spool of natural layout (gcwrap.segments)."""
-
-    stream: int
-    start: int
-    end: int
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class StreamState:
-    id: int
-    kind: str
-    name: str
-    appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
-    acked: int = 0  # bytes durable at home
-    eof: bool = False
-    written: int | None = None  # bytes the job wrote, recorded when the run ended (None: not recorded)
-
-    @property
-    def pending(self) -> int:
-        return self.appended - self.acked
-
-    @property
-    def lost(self) -> int:
-        """Bytes the job wrote that neither the spool nor home holds: the
-        tail [appended, written), held only in memory when the run ended."""
-        return max(0, self.written - self.appended) if self.written is not None else 0
-
-
-def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
-    """In words, what is lost: (stream kind, first lost offset, end) each,
-    e.g. "the last 1,024 bytes of stdout (offsets 4,096 to 5,120)". Lost
-    bytes are always a stream's tail: what was held only in memory."""
-    parts = [f"the last {end - start:,} bytes of {kind} (offsets {start:,} to {end:,})"
-             for kind, start, end in losses if end > start]
-    return ", and ".join(parts)
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    instance: str
-    command: list[str]
-    host: str = ""
-    user: str = ""
-    shadow: str = ""
-    started: float = 0.0
-    wrapper_pid: int | None = None
-    child_pid: int | None = None
-    ended: float | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    state: str = "starting"
-    reason: str = ""
-    last_error: str = ""
-    retries: int = 0
-    connected: bool = False
-    delivered: bool = False
-    summary: dict[str, Any] = field(default_factory=dict)
 
 
 # -- migrations --------------------------------------------------------------
@@ -278,7 +195,7 @@ _JOB_FIELDS = [
 ]
 
 
-class SpoolError(Exception):
+class SpoolError(SourceError):
     """The spool could not be read or written (disk full, I/O error, corrupt)."""
 
 

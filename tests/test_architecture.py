@@ -29,17 +29,14 @@ MAX_FUNCTION_LINES = 80
 
 # Known exceptions (lines today). They shrink; none is added.
 BIG_MODULES: dict[str, int] = {
-    "gcwrap.agent": 1127,  # the god class: see issue 16
-    "gcwrap.spool": 747,
     "gcwrap.protocol": 757,  # the frame table: split with the wire package
     "gcwrap.shadow": 944,  # split into server/admission/durability after the security work lands
     "gcwrap.shadow_store": 811,  # likewise
 }
 LONG_FUNCTIONS: dict[str, int] = {
-    "gcwrap.agent.Agent.deliver_loop": 95,
     "gcwrap.spool.Spool.commit": 103,
     "gcwrap.cli.run": 83,  # click options are parameters: one per option
-    "gcwrap.cli.resume": 86,
+    "gcwrap.cli.resume": 82,
     "gcwrap.shadow_cli.jobs": 81,
     "gcwrap.shadow_cli.web": 85,
     "gcwrap.protocol._encode": 89,  # an isinstance chain where a table would do
@@ -47,8 +44,8 @@ LONG_FUNCTIONS: dict[str, int] = {
 # Layer rules (module -> modules it must not import, even for types only).
 # The two programs' sides: what runs on the execute machine never imports
 # the shadow's modules, and the reverse.
-AGENT_SIDE = ("gcwrap.agent", "gcwrap.sender", "gcwrap.outbox", "gcwrap.records", "gcwrap.spooler",
-              "gcwrap.spool", "gcwrap.segments", "gcwrap.policy", "gcwrap.bytesource")
+AGENT_SIDE = ("gcwrap.agent", "gcwrap.run", "gcwrap.sender", "gcwrap.outbox", "gcwrap.records", "gcwrap.spooler",
+              "gcwrap.spool", "gcwrap.segments", "gcwrap.policy", "gcwrap.pipes")
 SHADOW_SIDE = ("gcwrap.shadow", "gcwrap.shadow_store", "gcwrap.tail", "gcwrap.web", "gcwrap.webstate")
 WIRE = ("gcwrap.events", "gcwrap.protocol", "gcwrap.auth", "gcwrap.names")
 CLIS = ("gcwrap.cli", "gcwrap.shadow_cli")
@@ -68,8 +65,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
 # Known layer exceptions (module, what it imports). They shrink.
 WRONG_WAY: set[tuple[str, str]] = {
     ("gcwrap.shadow_store", "gcwrap.spool"),  # the spool's migrate(), until gcwrap.db has migrations
-    ("gcwrap.sender", "gcwrap.agent"),  # Session reads and writes the Agent's members
-    ("gcwrap.outbox", "gcwrap.spool"),  # for Chunk and Extent (and sqlite3 with them)
 }
 
 
@@ -244,7 +239,7 @@ def test_layers_point_one_way() -> None:
 
 
 # What importing the outbox and the sender still pulls in (known, shrinking).
-PURE_LEAKS: set[str] = {"sqlite3", "_sqlite3", "gcwrap.spool"}
+PURE_LEAKS: set[str] = set()
 
 
 def test_the_outbox_and_the_sender_import_no_sqlite_not_even_through_others() -> None:
