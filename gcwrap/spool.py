@@ -195,6 +195,22 @@ _JOB_FIELDS = [
 ]
 
 
+def _job_values(job: dict[str, Any]) -> dict[str, Any]:
+    """Job fields as the job table stores them (JSON, 0/1); ValueError for
+    a field it does not have."""
+    values = dict(job)
+    for key in ("command", "summary"):
+        if key in values:
+            values[key] = json.dumps(values[key])
+    for key in ("connected", "delivered"):
+        if key in values:
+            values[key] = int(values[key])
+    bad = set(values) - set(_JOB_FIELDS)
+    if bad:
+        raise ValueError(f"unknown job fields {sorted(bad)}")
+    return values
+
+
 class SpoolError(SourceError):
     """The spool could not be read or written (disk full, I/O error, corrupt)."""
 
@@ -441,96 +457,102 @@ class Spool:
         job fields, record what the job `written` to each stream (at the end
         of a run). Group commit: callers batch many pipe reads into one call.
         Raises SpoolError (with the OS reason) when the disk refuses."""
-        conn = self.db.conn
-        segments = self.segments
-        ends: dict[int, int] = {}
-        rows: list[tuple[Any, ...]] = []
-        now = time.time()
-        natural = self.natural
         chunks = list(chunks)
-        if natural:
-            # A byte's place is fixed by its offset: a chunk over bytes already
-            # spooled would write over them before the transaction could fail.
-            floor = {sid: st.appended for sid, st in self.streams().items()}
-            for c in chunks:
-                if c.size and c.start < floor.get(c.stream, 0):
-                    raise SpoolError(
-                        f"spool {self.path}: bytes {c.start}..{c.end} of stream {c.stream} are already spooled"
-                    )
-                floor[c.stream] = max(floor.get(c.stream, 0), c.end)
+        acked = acked or {}
+        if self.natural:
+            self._check_unspooled(chunks)
         try:
-            for c in chunks:
-                if not c.size:
-                    # Nothing to keep, and a row would take (stream, start)
-                    # from the chunk that really holds the bytes there.
-                    continue
-                if isinstance(c, Extent):
-                    # Spliced: the bytes are in place already, at most to a segment's end.
-                    if not natural:
-                        raise ValueError("spliced bytes need a spool of natural layout")
-                    assert segments is not None
-                    seg, pos, room = segments.where(c.start)
-                    if c.size > room:
-                        raise ValueError(f"extent {c.start}..{c.end} crosses the end of segment {seg}")
-                    rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
-                elif natural:
-                    # The bytes first; they count once their row is committed.
-                    assert segments is not None
-                    for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
-                        rows.append((c.stream, start, end, b"", now, seg, pos))
-                elif segments is not None:
-                    # Made by an earlier version: gcwrap only ever delivers it
-                    # (`gcwrap resume`), which appends nothing.
-                    raise ValueError("a spool of the appending layout takes no new bytes")
-                else:
-                    rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
-                ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+            rows, ends = self._place(chunks)
         except OSError as e:
             raise SpoolError(describe_os_error(e, self.path)) from e
         try:
-            with transaction(conn):
-                if rows:
-                    conn.executemany(
-                        'INSERT INTO chunks (stream, start, "end", data, t, seg, pos) VALUES (?, ?, ?, ?, ?, ?, ?)',
-                        rows,
-                    )
-                for sid, end in ends.items():
-                    conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
-                for sid, offset in (acked or {}).items():
-                    conn.execute(
-                        "UPDATE streams SET acked = max(acked, ?), appended = max(appended, ?) WHERE id = ?",
-                        (offset, offset, sid),
-                    )
-                    conn.execute(
-                        'DELETE FROM chunks WHERE stream = ? AND start < ? AND "end" <= ?',
-                        (sid, offset, offset),
-                    )
-                for sid in eof:
-                    conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
-                for sid, end in (written or {}).items():
-                    conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
-                if job:
-                    values = dict(job)
-                    for key in ("command", "summary"):
-                        if key in values:
-                            values[key] = json.dumps(values[key])
-                    for key in ("connected", "delivered"):
-                        if key in values:
-                            values[key] = int(values[key])
-                    bad = set(values) - set(_JOB_FIELDS)
-                    if bad:
-                        raise ValueError(f"unknown job fields {sorted(bad)}")
-                    sets = ", ".join(f"{k} = ?" for k in values)
-                    conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(values.values()))
+            with transaction(self.db.conn):
+                self._record(rows, ends, acked, eof, written or {}, _job_values(job or {}))
         except sqlite3.Error as e:
             raise SpoolError(describe_sqlite_error(e, self.path)) from e
-        if segments is not None:
-            for sid, offset in (acked or {}).items():
-                if natural:
-                    segments.release_below(sid, offset)
-                    continue
-                (oldest,) = conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
-                segments.release(sid, oldest)
+        self._release(acked)
+
+    def _check_unspooled(self, chunks: list[Chunk | Extent]) -> None:
+        """Natural layout: a byte's place is fixed by its offset, so a chunk
+        over bytes already spooled would write over them before the
+        transaction could fail."""
+        floor = {sid: st.appended for sid, st in self.streams().items()}
+        for c in chunks:
+            if c.size and c.start < floor.get(c.stream, 0):
+                raise SpoolError(
+                    f"spool {self.path}: bytes {c.start}..{c.end} of stream {c.stream} are already spooled"
+                )
+            floor[c.stream] = max(floor.get(c.stream, 0), c.end)
+
+    def _place(self, chunks: list[Chunk | Extent]) -> tuple[list[tuple[Any, ...]], dict[int, int]]:
+        """The chunks' bytes put in place (natural layout: in their segments),
+        and the rows that record them; each stream's new end."""
+        segments, natural, now = self.segments, self.natural, time.time()
+        rows: list[tuple[Any, ...]] = []
+        ends: dict[int, int] = {}
+        for c in chunks:
+            if not c.size:
+                # Nothing to keep, and a row would take (stream, start)
+                # from the chunk that really holds the bytes there.
+                continue
+            if isinstance(c, Extent):
+                # Spliced: the bytes are in place already, at most to a segment's end.
+                if not natural:
+                    raise ValueError("spliced bytes need a spool of natural layout")
+                assert segments is not None
+                seg, pos, room = segments.where(c.start)
+                if c.size > room:
+                    raise ValueError(f"extent {c.start}..{c.end} crosses the end of segment {seg}")
+                rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
+            elif natural:
+                # The bytes first; they count once their row is committed.
+                assert segments is not None
+                for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
+                    rows.append((c.stream, start, end, b"", now, seg, pos))
+            elif segments is not None:
+                # Made by an earlier version: gcwrap only ever delivers it
+                # (`gcwrap resume`), which appends nothing.
+                raise ValueError("a spool of the appending layout takes no new bytes")
+            else:
+                rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
+            ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+        return rows, ends
+
+    def _record(self, rows: list[tuple[Any, ...]], ends: dict[int, int], acked: dict[int, int], eof: Iterable[int],
+                written: dict[int, int], job: dict[str, Any]) -> None:
+        """The statements of one commit (inside its transaction)."""
+        conn = self.db.conn
+        if rows:
+            conn.executemany(
+                'INSERT INTO chunks (stream, start, "end", data, t, seg, pos) VALUES (?, ?, ?, ?, ?, ?, ?)', rows
+            )
+        for sid, end in ends.items():
+            conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
+        for sid, offset in acked.items():
+            conn.execute(
+                "UPDATE streams SET acked = max(acked, ?), appended = max(appended, ?) WHERE id = ?",
+                (offset, offset, sid),
+            )
+            conn.execute('DELETE FROM chunks WHERE stream = ? AND start < ? AND "end" <= ?', (sid, offset, offset))
+        for sid in eof:
+            conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
+        for sid, end in written.items():
+            conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
+        if job:
+            sets = ", ".join(f"{k} = ?" for k in job)
+            conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(job.values()))
+
+    def _release(self, acked: dict[int, int]) -> None:
+        """Segments whose every byte is acknowledged are given back."""
+        segments = self.segments
+        if segments is None:
+            return
+        for sid, offset in acked.items():
+            if self.natural:
+                segments.release_below(sid, offset)
+                continue
+            (oldest,) = self.db.conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
+            segments.release(sid, oldest)
 
     def _bytes(self, stream: int, start: int, end: int, data: bytes, seg: int | None, pos: int | None) -> bytes:
         if seg is None or self.segments is None:
