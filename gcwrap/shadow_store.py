@@ -41,9 +41,9 @@ from .events import ErrorCode, StreamSpec
 
 if TYPE_CHECKING:
     import sqlite_utils
+from .db import migrate as db_migrate
 from .db import transaction, uri
 from .names import STATE_DIR, NameError_, split_name
-from .spool import migrate as spool_migrate
 
 LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
 LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
@@ -92,7 +92,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
 
 
 def migrate(db: sqlite_utils.Database) -> None:
-    spool_migrate(db, MIGRATIONS)
+    db_migrate(db, MIGRATIONS)
 
 
 def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:

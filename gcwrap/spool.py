@@ -30,31 +30,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, Union
+from typing import Any, TypeVar
 
-from .db import transaction, uri
+from . import db as sqlitedb
+from .db import AnyDatabase, Database, Migration, configure, connect, migrate, transaction
 from .records import Chunk, Extent, JobRecord, SourceError, StreamState
 from .segments import DEFAULT_SEGMENT, Segments
-
-if TYPE_CHECKING:
-    import sqlite_utils
-
-
-class Database:
-    """What the spool needs of a database: `execute` and `conn` (the subset
-    of `sqlite_utils.Database` it uses, so migrations take either). Plain
-    sqlite3: importing sqlite-utils costs a quarter of a second of CPU, which
-    every job would pay; the shadow's state database uses sqlite-utils."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def execute(self, sql: str, parameters: Any = None) -> sqlite3.Cursor:
-        return self.conn.execute(sql, parameters) if parameters is not None else self.conn.execute(sql)
-
-
-AnyDatabase = Union[Database, "sqlite_utils.Database"]
-
 
 SPOOL_SUFFIX = ".spool"
 # The bytes live in segment files: the database holds only small rows, and a
@@ -122,7 +103,7 @@ def _m005_written(db: AnyDatabase) -> None:
     db.execute("ALTER TABLE streams ADD COLUMN written INTEGER")
 
 
-MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
+MIGRATIONS: list[Migration] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
@@ -130,33 +111,12 @@ MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (5, "written", _m005_written),
 ]
 
-
-Migrations = list[tuple[int, str, Callable[[Any], None]]]
-
-
-def migrate(db: AnyDatabase, migrations: Migrations | None = None) -> None:
-    """Apply every migration not yet recorded, each in its own transaction
-    (the spool's by default; the shadow's state passes its own)."""
-    db.execute(
-        "CREATE TABLE IF NOT EXISTS _migrations (id INTEGER PRIMARY KEY, name TEXT, applied REAL)"
-    )
-    done = {row[0] for row in db.execute("SELECT id FROM _migrations").fetchall()}
-    for number, name, fn in MIGRATIONS if migrations is None else migrations:
-        if number in done:
-            continue
-        with transaction(db.conn):
-            fn(db)
-            db.execute("INSERT INTO _migrations VALUES (?, ?, ?)", [number, name, time.time()])
+JOURNAL_SIZE_LIMIT = 8 << 20  # bound the WAL file: checkpoints reset it, and this truncates what stays
 
 
-def configure(conn: sqlite3.Connection, *, new: bool) -> None:
-    if new:
-        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = NORMAL")
-    conn.execute("PRAGMA busy_timeout = 10000")
-    # Bound the WAL file: checkpoints reset it, and this truncates what stays.
-    conn.execute("PRAGMA journal_size_limit = 8388608")
+def _configure(conn: sqlite3.Connection) -> None:
+    """The spool's pragmas: WAL, synchronous=NORMAL (see the module's docstring)."""
+    configure(conn, synchronous="NORMAL", journal_size_limit=JOURNAL_SIZE_LIMIT)
 
 
 # -- naming ------------------------------------------------------------------
@@ -298,8 +258,7 @@ class Spool:
         except (OSError, SpoolError) as e:
             # In place but unusable (no descriptor left, the disk...): not a
             # spool anyone could resume, so none at all.
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
+            sqlitedb.remove(path)
             if isinstance(e, OSError):
                 raise SpoolError(describe_os_error(e, path)) from None
             raise
@@ -320,7 +279,7 @@ class Spool:
         try:
             conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
             db = Database(conn)
-            migrate(db)
+            migrate(db, MIGRATIONS)
             spool = cls(db, path)
             with transaction(db.conn):
                 row = spool._job_row(job)
@@ -332,7 +291,7 @@ class Spool:
                     db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
                 db.execute("UPDATE job SET segment_size = ? WHERE id = 1", [segment_size])
             if path is None:
-                configure(conn, new=False)
+                _configure(conn)
         except sqlite3.Error as e:
             conn.close()
             raise SpoolError(describe_sqlite_error(e, path or where)) from None
@@ -352,15 +311,12 @@ class Spool:
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
         try:
-            conn = sqlite3.connect(uri(path, **({"mode": "ro"} if readonly else {})), uri=True,
-                                   isolation_level=None, check_same_thread=False)
+            conn = connect(path, readonly=readonly)
             if not readonly:
-                configure(conn, new=False)
-            else:
-                conn.execute("PRAGMA busy_timeout = 10000")
+                _configure(conn)
             db = Database(conn)
             if not readonly:
-                migrate(db)
+                migrate(db, MIGRATIONS)
             conn.execute("SELECT 1 FROM job").fetchall()
         except sqlite3.DatabaseError as e:
             if "conn" in locals():
@@ -603,23 +559,13 @@ class Spool:
     def file_size(self) -> int:
         if self.path is None:
             return 0
-        total = 0
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                total += os.stat(f"{self.path}{suffix}").st_size
-            except FileNotFoundError:
-                pass
-        return total + (self.segments.size() if self.segments is not None else 0)
+        return sqlitedb.size(self.path) + (self.segments.size() if self.segments is not None else 0)
 
     def remove(self) -> None:
         """Close and delete the spool files (everything was delivered)."""
         self.close()
         if self.path is not None:
-            for suffix in ("", "-wal", "-shm"):
-                try:
-                    os.unlink(f"{self.path}{suffix}")
-                except FileNotFoundError:
-                    pass
+            sqlitedb.remove(self.path)
         if self.segments is not None and self.owns_segments:
             self.segments.remove()
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from . import db
 from .records import Chunk, Extent, JobRecord
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
 from .spool import PAGE_SIZE, Spool, SpoolError, os_reason, sqlite_reason
@@ -114,8 +115,7 @@ class Spooler:
     def _create(self) -> None:
         if self.path.exists():
             # A previous try died half-way (disk full while creating): start over.
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            db.remove(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._make_live()
         self._make_ballast()  # first: the final state matters more than any one byte of output
