@@ -133,7 +133,8 @@ class RetryPolicy:
     undelivered), and a session that moved bytes resets the count. A shadow
     refusing for good is tried every `retry_timeout`; one that asks for a
     pause (`retry_after`) gets it, up to `retry_timeout`; one shutting down
-    is tried again after COME_BACK, and that costs no attempt."""
+    is tried again after the pause it asks for (at least COME_BACK), and
+    that costs no attempt."""
 
     limit: int = 20
     retry_timeout: float = 60.0
@@ -150,8 +151,8 @@ class RetryPolicy:
 
     def failed(self, *, blocked: bool, refused: bool, retry_after: float = 0.0,
                shutting_down: bool = False) -> NextAttempt:
-        if shutting_down:
-            return NextAttempt(min(COME_BACK, self.retry_timeout), counted=False)
+        if shutting_down:  # (after the pause it asks for, a restart's length)
+            return NextAttempt(min(max(COME_BACK, retry_after), self.retry_timeout), counted=False)
         if blocked:
             self.failures_blocked += 1
         if self.limit and self.failures_blocked >= self.limit:

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import resource
+import signal
 import ssl
 import threading
 import time
@@ -87,6 +88,11 @@ LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a 
 FD_MARGIN = 48
 ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
+# Stopping (SIGTERM, SIGINT): every session makes what it wrote durable and
+# tells its agent SHUTTING_DOWN, within STOP_GRACE seconds; the agents come
+# back after STOP_RETRY_AFTER, without counting a failure (a restart).
+STOP_GRACE = 10.0
+STOP_RETRY_AFTER = 3.0
 
 
 @dataclass
@@ -113,6 +119,10 @@ class ListenError(Exception):
 
 class Fenced(Exception):
     """This connection must stop: replaced by a newer one, or its files failed."""
+
+
+class ShuttingDown(Exception):
+    """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
 
 
 @dataclass(eq=False)
@@ -335,6 +345,11 @@ def _open_fds() -> int:
 
 
 class Shadow:
+    """The shadow's server: accepts agents, admits each session of a job
+    (fencing the older ones), writes their DATA into the job's files, acks
+    what `Durability` made durable, serves stdin, and stops in order
+    (`stop`, on SIGTERM or SIGINT)."""
+
     def __init__(self, opts: ShadowOptions, store: Store) -> None:
         self.opts = opts
         self.store = store
@@ -347,6 +362,9 @@ class Shadow:
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
+        self.stopping = ""  # why the shadow stops, once it does (see `stop`)
+        self.accepting: trio.CancelScope | None = None
+        self.serving: trio.CancelScope | None = None
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -365,9 +383,9 @@ class Shadow:
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
         async with trio.open_nursery() as nursery:
+            self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
-            for listener in listeners:
-                nursery.start_soon(self._accept, listener, nursery)
+            accepting = await nursery.start(self._accept_all, listeners, nursery)
             port = listeners[0].socket.getsockname()[1]
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
             if self.opts.port_file is not None:
@@ -377,7 +395,33 @@ class Shadow:
                     tmp.replace(self.opts.port_file)
                 except OSError as e:
                     raise ListenError(f"cannot write the port file {self.opts.port_file}: {e.strerror}") from None
+            self.accepting = accepting
             task_status.started(port)
+
+    async def _accept_all(self, listeners: list[trio.SocketListener], nursery: trio.Nursery, *,
+                          task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """Accept on every listener until `stop` cancels the scope it reports."""
+        async with trio.open_nursery() as accepting:
+            for listener in listeners:
+                accepting.start_soon(self._accept, listener, nursery)
+            task_status.started(accepting.cancel_scope)
+
+    async def stop(self, why: str) -> None:
+        """Stop serving: accept no more connections; every session makes what
+        it wrote durable and tells its agent SHUTTING_DOWN (it comes back,
+        to this shadow restarted); then end, within STOP_GRACE."""
+        self.stopping = why
+        log.info("%s: stopping; %d connection(s) told to come back", why, self.connections)
+        if self.accepting is not None:
+            self.accepting.cancel()
+        for job in list(self.live.values()):
+            if job.scope is not None:
+                job.scope.cancel()
+        with trio.move_on_after(STOP_GRACE):
+            while self.connections:
+                await self.fds_freed.wait()
+        if self.serving is not None:
+            self.serving.cancel()
 
     # -- descriptors -------------------------------------------------------
 
@@ -506,6 +550,9 @@ class Shadow:
         except Fenced as e:
             log.info("%s: connection stopped: %s", peer, e)
             await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
+        except ShuttingDown as e:
+            log.info("%s: %s", peer, e)
+            await self._refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), peer, retry_after=STOP_RETRY_AFTER)
         except OSError as e:
             if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
                 log.warning("%s: out of descriptors: %s", peer, e.strerror)
@@ -621,6 +668,8 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
+        if self.stopping:
+            raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
         job = self._claim(hello.job_id, identity)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:
@@ -637,6 +686,9 @@ class Shadow:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
                     await self._receive(stream, conn, job, send_lock, peer, pending)
                     nursery.cancel_scope.cancel()
+            if scope.cancelled_caught and self.stopping and not job.fenced:
+                await self.durability.flush(job)  # what it wrote is durable before the agent is told
+                raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
             if scope.cancelled_caught:
                 raise Fenced(job.fenced or "stopped")
         finally:
@@ -937,8 +989,25 @@ async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS
         store = await trio.to_thread.run_sync(Store, opts.root)
     except OSError as e:
         raise StoreError(None, f"cannot use the root {opts.root}: {e.strerror or e}") from None
+    shadow = Shadow(opts, store)
     try:
-        with first_error():
-            await Shadow(opts, store).serve(task_status=task_status)
+        with first_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_signals, shadow, signals)
+                await shadow.serve(task_status=task_status)  # (until `stop` ends it)
+                nursery.cancel_scope.cancel()
     finally:
         store.close()
+
+
+async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
+    """The first SIGTERM or SIGINT stops the shadow in order (`Shadow.stop`),
+    a second one at once."""
+    async with trio.open_nursery() as nursery:
+        async for signum in signals:
+            if shadow.stopping:
+                log.warning("%s received again: stopping now", signal.Signals(signum).name)
+                if shadow.serving is not None:
+                    shadow.serving.cancel()
+                return
+            nursery.start_soon(shadow.stop, f"{signal.Signals(signum).name} received")
