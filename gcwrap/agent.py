@@ -63,6 +63,8 @@ FLUSH_MIN = 4 << 10
 
 @dataclass
 class AgentOptions:
+    """How the agent runs a job and delivers it (the command line's options)."""
+
     shadow: tuple[str, int] | None
     stdout: str | None = None
     stderr: str | None = None

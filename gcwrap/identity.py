@@ -123,11 +123,5 @@ def detect(env: Mapping[str, str] | None = None) -> BatchIdentity:
     return BatchIdentity("", generated, None, 0, generated)
 
 
-def batch_job_id(env: Mapping[str, str]) -> str | None:
-    """The job id the batch system gave this job, if any."""
-    found = detect(env)
-    return found.job_id if found.system else None
-
-
 def default_job_id(env: Mapping[str, str] | None = None) -> str:
     return detect(env).job_id

@@ -87,14 +87,6 @@ def ago(t: float | None, now: float | None = None) -> str:
     return f"{s / 3600:.1f}h ago"
 
 
-def exit_text(code: int | None, signal: int | None) -> str:
-    if signal:
-        return f"signal {signal}"
-    if code is not None:
-        return f"status {code}"
-    return "unknown"
-
-
 # -- tables that fit ----------------------------------------------------------
 #
 # A table is drawn only at a width where every cell is whole: a name, a size

@@ -5,10 +5,12 @@ each stream's appended and acknowledged offsets, and the chunks not yet
 acknowledged by the shadow. Acknowledged chunks are deleted, so its size
 tracks the undelivered backlog.
 
-Storage code here is synchronous and takes a `Database` (plain sqlite3; an
-`sqlite_utils.Database` does as well): the
-agent calls it from one worker thread, tests call it directly (in memory too).
-Schema changes are numbered migrations recorded in `_migrations`.
+Storage code here is synchronous and takes a `Database` (gcwrap.db; an
+`sqlite_utils.Database` does as well). The agent's spooler is the only
+writer: it runs each commit inline in the event loop's thread when it is
+small (zero-copy rows), else in a worker thread, one at a time; a second,
+read-only connection reads evicted bytes back. Tests call it directly (in
+memory too). Schema changes are numbered migrations (gcwrap.db.migrate).
 
 Durability: WAL with synchronous=NORMAL. A commit survives the wrapper being
 killed (kill -9), which is what the spool is for; after a power loss the last

@@ -1,11 +1,14 @@
 """The agent's spool writer: the only owner of the spool's write connection.
 
 It creates the spool lazily (a full disk at start must not stop the job),
-decides how many bytes may be spooled now (carrier sense: the spool's size
-limit, and free disk space minus a reserve left for the job itself), and runs
-every transaction in one worker thread. A failure of any kind is described
-in plain words and reported as `SpoolError`; the caller keeps the bytes in
-memory and tries again later.
+says how many bytes may be spooled now (`room`, a query: carrier sense from
+the spool's size limit and the free disk space minus a reserve left for the
+job itself), and runs the transactions one at a time: inline when small,
+else in a worker thread (see INLINE_COMMIT, SLOW_IO). For the sender it is
+the `ByteSource`: bytes read back, and the descriptor and position of bytes
+in place (the sender sends them, and maps the socket's errors). A failure
+of the disk of any kind is described in plain words and reported as
+`SpoolError`; the caller keeps the bytes in memory and tries again later.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ def lock_spool(path: Path) -> int:
 
 
 class Spooler:
+    """The only writer of one job's spool (and its reader for the sender):
+    creation, carrier sense, commits, reading back, the live status file,
+    the ballast that keeps room for the last commit, and the lock."""
+
     def __init__(
         self,
         path: Path,
