@@ -262,7 +262,7 @@ class Durability:
                     await self.arrived.wait()
                 item = self.inbox.popleft()
                 if isinstance(item, BaseException):
-                    raise RuntimeError("the durability thread failed") from item
+                    raise RuntimeError("the durability thread failed") from item  # noqa: TRY004
                 self.apply(*item)
         finally:
             with self.cond:
@@ -561,7 +561,7 @@ class Shadow:
             else:
                 log.error("%s: I/O error: %s", peer, e)
                 await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
             log.exception("%s: internal error", peer)
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
 
@@ -591,7 +591,7 @@ class Shadow:
                     if not data:
                         break
                     drained += len(data)
-            except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+            except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
                 pass
 
     async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, wait_until
 
+from gcwrap.events import Challenge, Hello
+from gcwrap.protocol import NEED_DATA, Connection, Role
 from gcwrap.shadow import STOP_GRACE, STOP_RETRY_AFTER
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,4 +94,36 @@ def test_an_idle_shadow_stops_at_once(home: Path,
         sh.proc.send_signal(signal.SIGTERM)
         assert stopped_in_order(sh, start) < 5, "no session: nothing to wait for"
     finally:
+        sh.stop()
+
+
+def test_a_second_signal_stops_at_once_what_the_first_waits_for(home: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    token = tmp_path / "token"
+    token.write_text(os.urandom(16).hex() + "\n")
+    token.chmod(0o600)
+    sh = ShadowProc(home, logs, ["--token-file", str(token)])
+    sh.start()
+    assert sh.proc is not None
+    # A connection in its handshake that never answers the CHALLENGE: the
+    # first signal waits for it (up to the handshake timeout, within STOP_GRACE).
+    lingering = socket.create_connection(("127.0.0.1", sh.port), timeout=10)
+    try:
+        conn = Connection(Role.AGENT)
+        lingering.sendall(conn.send(Hello("linger", "1", (), nonce="00")))
+        while (ev := conn.next_event()) is NEED_DATA:
+            chunk = lingering.recv(65536)
+            assert chunk, "the shadow closed before its CHALLENGE"
+            conn.receive_data(chunk)
+        assert isinstance(ev, Challenge)
+        sh.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "1 connection(s) told to come back" in sh.log(), 10, "the stop to begin")
+        assert sh.proc.poll() is None, "waiting for the lingering connection"
+        start = time.monotonic()
+        sh.proc.send_signal(signal.SIGTERM)
+        assert stopped_in_order(sh, start) < 5
+        assert "SIGTERM received again: stopping now" in sh.log()
+    finally:
+        lingering.close()
         sh.stop()
