@@ -124,8 +124,8 @@ def summary_of(log: Path) -> dict[str, str]:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("event") == "summary":
-            out = {str(k): str(v) for k, v in rec.items()}
+        if isinstance(rec, dict) and isinstance(rec.get("summary"), dict):
+            out = {str(k): str(v) for k, v in rec["summary"].items()}
     return out
 
 

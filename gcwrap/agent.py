@@ -103,6 +103,7 @@ class AgentOptions:
     token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
     write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
+    compress: str = "auto"  # --compress: auto, zstd or none (gcwrap.compress.Mode)
 
 
 @dataclass
@@ -196,6 +197,7 @@ class Agent:
         self.must_end = trio.Event()  # set: end the job now (see `end_job`)
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
+            "wire": 0, "compressed": 0,  # bytes on the wire, and job bytes that went compressed (compressing runs)
         }
         self.started = time.monotonic()
         self.connected_since: float | None = None
@@ -679,6 +681,8 @@ class Agent:
             # Attempts that never got a session; a session lost later is a reconnect.
             failed_attempts=int(self.stats["attempts"] - self.stats["connects"]),
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
+            wire_bytes=int(self.stats["wire"]),  # what this run sent, compressed or not, resends included
+            compressed_pct=round(100 * self.stats["compressed"] / total, 1) if total else 0.0,
             job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
         if self.lost:

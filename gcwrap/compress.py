@@ -100,7 +100,7 @@ def timed_compress(data: bytes | memoryview) -> tuple[bytes, float]:
 
 # -- the policy ---------------------------------------------------------------
 
-WINDOW = 1.0  # seconds of sends a verdict on the link is made from
+WINDOW = 0.5  # seconds of sends a verdict on the link is made from
 FULL_QUEUE = 0.5  # a send that leaves the socket's queue this full waited on the link
 BOUND_SHARE = 0.5  # the link is the bottleneck when this share of a window's sends found it full
 GOOD_RATIO = 0.8  # compress only what shrinks to this or less
@@ -154,7 +154,11 @@ class Policy:
             return False
         if self.mode is Mode.ZSTD or self.active:
             return True
-        if self._bound and now - self._last_probe >= PROBE_EVERY:
+        # Probe the first frame (so the ratio and the speed are known when the
+        # first window tells whether the link is the bottleneck), then only
+        # while it is.
+        first = self._last_probe == float("-inf")
+        if (first or self._bound) and now - self._last_probe >= PROBE_EVERY:
             self._last_probe = now
             return True
         return False
@@ -179,6 +183,10 @@ class Policy:
         self._raw += raw
         if now - self._window_start >= WINDOW:
             self._close_window(now)
+
+    def window_ends(self, now: float) -> bool:
+        """Whether the next report closes the current window."""
+        return now - self._window_start >= WINDOW
 
     def tick(self, now: float, backlog: int = 0) -> None:
         """Time passes with nothing sent: the link is not the bottleneck."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from . import compress as zc
 from .auth import agent_mac, new_nonce, same, shadow_proof
 from .events import (
     Ack,
@@ -44,6 +45,7 @@ from .events import (
     StdinData,
     StdinRead,
     Welcome,
+    ZData,
 )
 from .liveness import Liveness, watch
 from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
@@ -126,6 +128,9 @@ class Session:
         self.nonces = itertools.count(1)
         self.heartbeat = agent.opts.heartbeat
         self.liveness = Liveness(self.heartbeat, trio.current_time())
+        self.mode = zc.Mode(agent.opts.compress)
+        self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
+        self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
@@ -221,6 +226,7 @@ class Session:
             user=job.user,
             command=tuple(job.command),
             nonce=new_nonce() if token else "",
+            features=(zc.FEATURE,) if self.mode is not zc.Mode.NONE and zc.available() else (),
         )
         try:
             await self._send(stream, hello)
@@ -251,6 +257,9 @@ class Session:
             out.ack(durable)
         self.sent = {sid: out.acked for sid, out in agent.out.items()}
         self.handed = dict(self.sent)
+        if zc.FEATURE in welcome.features and self.mode is not zc.Mode.NONE:
+            self.policy = zc.Policy(self.mode, trio.current_time())
+            self._measure_sndbuf()
         if agent.stdin is not None:
             agent.stdin.in_flight = False
         self.welcomed = True
@@ -380,6 +389,58 @@ class Session:
                 else:
                     self._check_failure(ev)
 
+    def _measure_sndbuf(self) -> None:
+        try:
+            self.sndbuf = max(1, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        except OSError:
+            self.sndbuf = 1 << 20
+
+    def _sent_frame(self, raw: int, wire: int) -> None:
+        """Tell the compression policy what went out and how full the socket's
+        send queue is now (a full queue: the link, not we, sets the pace)."""
+        self.agent.stats["wire"] += wire
+        policy = self.policy
+        if policy is None:
+            return
+        now = trio.current_time()
+        if policy.window_ends(now):
+            self._measure_sndbuf()  # (the kernel grows it as the connection goes)
+        backlog = sum(out.read_end - self.sent[sid] for sid, out in self.agent.out.items())
+        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
+
+    async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
+        """One frame of [offset, end) compressed (ZDATA) when that makes it
+        smaller, as it is (DATA) when not; `sent` moves past it."""
+        agent, policy = self.agent, self.policy
+        assert policy is not None
+        out = agent.out[sid]
+        size = min(end - offset, MAX_PAYLOAD)
+        data = out.from_memory(offset, size)
+        if data is not None:
+            payload: bytes | memoryview = memoryview(data.data)[offset - data.start : offset - data.start + size]
+        elif agent.spooler.zero_copy and out.placed_end(offset) > offset:
+            size = min(agent.spooler.placed_size(offset, out.placed_end(offset)), size)
+            payload = await agent.spooler.read_placed(sid, offset, size)
+        else:
+            chunks = await agent.spooler.read(sid, offset, size)
+            if not chunks or chunks[0].start > offset:
+                raise RuntimeError(f"spool lost bytes from {offset} of {out.kind}")
+            c = chunks[0]
+            payload = memoryview(c.data)[offset - c.start : offset - c.start + size]
+        size = len(payload)
+        blob, cpu = zc.timed_compress(payload)
+        policy.compressed(trio.current_time(), size, len(blob), cpu)
+        self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
+        if len(blob) < size:
+            await self._send(stream, ZData(sid, offset, size, blob))
+            agent.stats["compressed"] += size
+            wire = len(blob)
+        else:
+            await self._send_data(stream, sid, offset, payload)
+            wire = size
+        self.handed[sid] = offset + size
+        self._sent_frame(size, wire)
+
     async def _send_loop(self, stream: trio.abc.Stream) -> None:
         agent = self.agent
         while True:
@@ -388,12 +449,18 @@ class Session:
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
+                policy = self.policy
+                if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
+                    await self._send_compressed(stream, sid, offset, out.read_end)
+                    progressed = True
+                    continue
                 chunk = out.from_memory(offset, MAX_PAYLOAD)
                 if chunk is None and agent.spooler.zero_copy:
                     placed = out.placed_end(offset)
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
                         await self._send_placed(stream, sid, offset, placed)
+                        self._sent_frame(self.sent[sid] - offset, self.sent[sid] - offset)
                         progressed = True
                         continue
                 chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, READ_BACK)
@@ -407,6 +474,7 @@ class Session:
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
                         self.handed[sid] = start + len(payload)
+                        self._sent_frame(len(payload), len(payload))
                 progressed = True
             feeder = agent.stdin
             if feeder is not None and feeder.wants():

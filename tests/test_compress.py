@@ -204,7 +204,7 @@ async def test_a_slow_link_and_log_output_turn_compression_on(autojump_clock: tr
 async def test_a_fast_link_never_pays_for_compression(autojump_clock: trio.testing.MockClock) -> None:
     # Loopback: the link drains 1 GB/s; the job writes 600 MB/s of log text.
     run, policy = await simulate(Mode.AUTO, 1e9, 600e6, 10)
-    assert not policy.history and run.compressed_frames == 0
+    assert not policy.history and run.compressed_frames <= 1  # the first frame is a probe
     # ... and a shadow that drains slower than the job writes, but fast: still
     # not worth a core. Only the probes compress, and they cost next to nothing.
     run, policy = await simulate(Mode.AUTO, 400e6, 600e6, 10)
@@ -237,7 +237,7 @@ async def test_a_job_that_quiets_down_turns_it_off(autojump_clock: trio.testing.
 
 async def test_output_that_fits_the_link_is_not_compressed(autojump_clock: trio.testing.MockClock) -> None:
     run, policy = await simulate(Mode.AUTO, 10e6, 2e6, 20)
-    assert not policy.history and run.compressed_frames == 0
+    assert not policy.history and run.compressed_frames <= 1  # the probe
 
 
 async def test_zstd_compresses_every_frame_that_shrinks_and_none_none(

@@ -1,0 +1,221 @@
+"""Compression end to end: real gcwrap and gcshadow, byte-exact, on loopback
+and through a rate-limited link into a network namespace, with older peers
+(the code of the revision before compression, run from git) on either side."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from faults import NS_IP, VETH_HOST, NetNS, need_netns, sh, shadow_in_ns
+from helpers import ShadowProc, Wrapper, sha256_file, tool, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_log_text(path: Path, size: int, seed: int = 1) -> None:
+    rnd = random.Random(seed)
+    with open(path, "wb") as f:
+        written, i = 0, 0
+        while written < size:
+            line = (f"2026-11-23T18:{i // 60 % 60:02d}:{i % 60:02d}.{rnd.randrange(10**6):06d} INFO worker[{i % 16}] "
+                    f"step {i} loss={rnd.random():.6f} lr=0.0003 grad_norm={rnd.random() * 10:.4f}\n").encode()
+            line = line[: size - written]
+            f.write(line)
+            written += len(line)
+            i += 1
+
+
+def summary(err: bytes) -> dict[str, Any]:
+    """gcwrap's I/O summary, from its JSON lines on stderr."""
+    for line in reversed(err.decode(errors="replace").splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("summary"), dict) and "wire_bytes" in rec["summary"]:
+            return dict(rec["summary"])
+    raise AssertionError(f"no I/O summary in gcwrap's stderr:\n{err.decode(errors='replace')[-3000:]}")
+
+
+def run(address: str, out: str, data: Path, spool: Path, *extra: str, timeout: float = 120) -> dict[str, Any]:
+    w = Wrapper(["--shadow", address, "--stdout", out, "--spool", str(spool), "--log-format", "json",
+                 "--retry-timeout", "1", *extra, "--", "cat", str(data)])
+    status = w.wait(timeout)
+    assert status == 0, w.err.decode(errors="replace")[-3000:]
+    return summary(w.err)
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    path = tmp_path / "log.txt"
+    write_log_text(path, 6 << 20)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["zstd", "auto", "none"])
+def test_every_mode_lands_byte_exact(shadow: ShadowProc, home: Path, tmp_path: Path, text: Path, mode: str) -> None:
+    noise = tmp_path / "noise"
+    noise.write_bytes(os.urandom(2 << 20) + text.read_bytes()[: 1 << 20])  # incompressible, then compressible
+    for data in (text, noise):
+        s = run(shadow.address, f"{mode}-{data.name}", data, tmp_path / f"spool-{mode}-{data.name}", "--compress", mode)
+        assert sha256_file(home / f"{mode}-{data.name}") == sha256_file(data)
+        assert s["stdout_bytes"] == data.stat().st_size
+        if mode == "zstd":
+            assert s["compressed_pct"] > 0 and s["wire_bytes"] < s["stdout_bytes"]
+        if mode == "none":
+            assert s["compressed_pct"] == 0 and s["wire_bytes"] >= s["stdout_bytes"]
+    if mode == "zstd":
+        # The random megabytes go as they are, the log text shrinks about 5x.
+        assert 2 << 20 <= s["wire_bytes"] < (2 << 20) + 0.5 * (1 << 20)
+
+
+def test_the_environment_chooses_the_mode(shadow: ShadowProc, home: Path, tmp_path: Path, text: Path) -> None:
+    w = Wrapper(["--shadow", shadow.address, "--stdout", "env.out", "--spool", str(tmp_path / "spool"),
+                 "--log-format", "json", "--", "cat", str(text)], env={**os.environ, "GCWRAP_COMPRESS": "zstd"})
+    assert w.wait(60) == 0
+    assert summary(w.err)["compressed_pct"] > 0
+    bad = subprocess.run([*tool("gcwrap"), "--compress", "gzip", "--", "true"],
+                         capture_output=True, timeout=30)
+    assert bad.returncode == 2 and b"gzip" in bad.stderr
+
+
+def test_compressed_output_survives_the_shadow_killed_mid_stream(tmp_path: Path, home: Path, text: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sp = ShadowProc(home, logs)
+    sp.start()
+    try:
+        big = tmp_path / "big.txt"
+        write_log_text(big, 64 << 20, seed=2)
+        w = Wrapper(["--shadow", sp.address, "--stdout", "killed.out", "--spool", str(tmp_path / "spool"),
+                     "--compress", "zstd", "--retry-timeout", "0.5", "--log-format", "json", "--", "cat", str(big)])
+        wait_until(lambda: (home / "killed.out").exists() and (home / "killed.out").stat().st_size > 1 << 20, 60,
+                   "the first compressed megabyte at home")
+        sp.kill9()
+        sp.start(port=sp.port)
+        assert w.wait(120) == 0, w.err.decode(errors="replace")[-3000:]
+        assert sha256_file(home / "killed.out") == sha256_file(big)
+        s = summary(w.err)
+        assert s["connections"] >= 2 and s["compressed_pct"] > 0
+    finally:
+        sp.stop()
+
+
+# -- a slow link -----------------------------------------------------------------
+
+
+@pytest.fixture
+def slow_link(tmp_path: Path) -> Iterator[tuple[NetNS, str, Path]]:
+    """A shadow in a namespace behind a 2 MB/s token bucket (agent -> shadow)."""
+    need_netns()
+    if not shutil.which("tc"):
+        pytest.skip("needs tc (iproute2)")
+    root = tmp_path / "ns-home"
+    root.mkdir()
+    with NetNS() as ns:
+        sh("tc", "qdisc", "add", "dev", VETH_HOST, "root", "tbf", "rate", "16mbit", "burst", "32kb", "latency", "400ms")
+        proc, port = shadow_in_ns(ns, root, tmp_path)
+        try:
+            yield ns, f"{NS_IP}:{port}", root
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def test_auto_compresses_log_output_on_a_slow_link(slow_link: tuple[NetNS, str, Path], tmp_path: Path) -> None:
+    _, address, root = slow_link
+    data = tmp_path / "slow.txt"
+    write_log_text(data, 16 << 20, seed=3)  # 8 s at 2 MB/s as it is
+    started = time.monotonic()
+    s = run(address, "slow.out", data, tmp_path / "spool", "--compress", "auto")
+    took = time.monotonic() - started
+    assert sha256_file(root / "slow.out") == sha256_file(data)
+    # The link is the bottleneck and the text compresses: most of it went compressed.
+    assert s["compressed_pct"] > 50, s
+    assert s["wire_bytes"] < 0.6 * data.stat().st_size, s
+    print(f"16 MiB of log text through 2 MB/s: {took:.1f} s, wire {s['wire_bytes']:,} bytes")
+
+
+def test_auto_leaves_incompressible_output_alone_on_a_slow_link(slow_link: tuple[NetNS, str, Path],
+                                                                 tmp_path: Path) -> None:
+    _, address, root = slow_link
+    data = tmp_path / "noise"
+    data.write_bytes(os.urandom(6 << 20))  # 3 s at 2 MB/s
+    s = run(address, "noise.out", data, tmp_path / "spool", "--compress", "auto")
+    assert sha256_file(root / "noise.out") == sha256_file(data)
+    assert s["compressed_pct"] == 0 and s["wire_bytes"] == data.stat().st_size
+
+
+# -- older peers: the revision before compression, run from git --------------------
+
+
+def _older_revision(tmp_path: Path) -> Path:
+    """The package as it was before compression, unpacked from git (skip when
+    this is not a git checkout with that history)."""
+    try:
+        first = subprocess.run(
+            ["git", "-C", str(REPO), "log", "--diff-filter=A", "--format=%H", "--", "gcwrap/compress.py"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("needs git and the project's history")
+    if not first:
+        pytest.skip("gcwrap/compress.py is not committed yet")
+    dest = tmp_path / "older"
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", f"{first[-1]}^", "gcwrap"],
+                             capture_output=True, timeout=60)
+    if archive.returncode != 0:
+        pytest.skip(f"the revision before compression is not in this clone: {archive.stderr.decode()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True, timeout=60)
+    assert not (dest / "gcwrap" / "compress.py").exists()
+    return dest
+
+
+def _older(dest: Path, program: str) -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(dest)!r}); "
+            f"from gcwrap.{program} import main; sys.argv[0] = {program!r}; main()"]
+
+
+def test_a_new_agent_and_an_older_shadow(tmp_path: Path, home: Path, text: Path) -> None:
+    dest = _older_revision(tmp_path)
+    port_file = tmp_path / "older-port"
+    log = open(tmp_path / "older-shadow.log", "wb")
+    proc = subprocess.Popen([*_older(dest, "shadow_cli"), "serve", "--port", "0", "--root", str(home),
+                             "--port-file", str(port_file)], stdout=log, stderr=log, start_new_session=True)
+    log.close()
+    try:
+        wait_until(lambda: port_file.exists() or proc.poll() is not None, 30, "the older shadow to listen")
+        assert proc.poll() is None, (tmp_path / "older-shadow.log").read_text()
+        s = run(f"127.0.0.1:{int(port_file.read_text())}", "to-older.out", text, tmp_path / "spool",
+                "--compress", "zstd")
+        assert sha256_file(home / "to-older.out") == sha256_file(text)
+        assert s["compressed_pct"] == 0  # it did not offer it: everything went as DATA
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
+def test_an_older_agent_and_a_new_shadow(shadow: ShadowProc, tmp_path: Path, home: Path, text: Path) -> None:
+    dest = _older_revision(tmp_path)
+    older = subprocess.run([*_older(dest, "cli"), "--shadow", shadow.address, "--stdout", "from-older.out",
+                            "--spool", str(tmp_path / "spool"), "--", "cat", str(text)],
+                           capture_output=True, timeout=120)
+    assert older.returncode == 0, older.stderr.decode(errors="replace")[-3000:]
+    assert sha256_file(home / "from-older.out") == sha256_file(text)
