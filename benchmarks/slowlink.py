@@ -164,7 +164,8 @@ def start_shadow(home: Path, work: Path, in_ns: bool) -> tuple[subprocess.Popen[
     cmd = [*gcshadow, "serve", "--host", host, "--port", "0", "--root", str(home), "--port-file", str(portfile),
            "--min-free", "0"]
     if in_ns:
-        cmd = ["ip", "netns", "exec", NS, *cmd]
+        # --insecure: a host inside a namespace this script made, reachable from nowhere else.
+        cmd = ["ip", "netns", "exec", NS, *cmd, "--insecure"]
     with open(log, "ab") as lf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf, start_new_session=True)
     port = wait_for_port_file(proc, portfile, log)
