@@ -197,17 +197,19 @@ def main() -> int:
         net_up()
         shadow, addr = start_shadow(home, work, in_ns=True)
         procs.append(shadow)
-        cases: list[tuple[str, str, int, str]] = []  # (label, kind, size, address)
+        cases: list[tuple[str, str, int, str, Path]] = []  # (label, kind, size, address, the shadow's root)
         for rate in rates:
             for kind in kinds:
-                cases.append((f"{rate / 1e6:g} MB/s", kind, int(rate * args.seconds), addr))
+                cases.append((f"{rate / 1e6:g} MB/s", kind, int(rate * args.seconds), addr, home))
         lo_size = parse_size(args.loopback) if args.loopback not in ("", "0") else 0
         if lo_size:
-            lo_shadow, lo_addr = start_shadow(home, work, in_ns=False)
+            lo_home = work / "home-loopback"
+            lo_home.mkdir()
+            lo_shadow, lo_addr = start_shadow(lo_home, work, in_ns=False)
             procs.append(lo_shadow)
             for kind in kinds:
-                cases.append(("loopback", kind, lo_size, lo_addr))
-        for label, kind, size, address in cases:
+                cases.append(("loopback", kind, lo_size, lo_addr, lo_home))
+        for label, kind, size, address, root in cases:
             if label != "loopback":
                 limit(int(float(label.split()[0]) * 1e6))
             data = work / f"data-{kind}"
@@ -216,7 +218,7 @@ def main() -> int:
             for i in range(args.runs):
                 for mode in MODES:
                     tag = f"{label.replace(' ', '').replace('/', '')}-{kind}-{mode}-{i}"
-                    r = one_run(address, home, work, data, mode, tag, timeout=args.seconds * 6 + 60)
+                    r = one_run(address, root, work, data, mode, tag, timeout=args.seconds * 6 + 60)
                     results[mode].append(r)
                     print(f"{label:>10} {kind:>6} {mode:>4} run {i}: {r['seconds']:.2f} s, "
                           f"gcwrap CPU {r['cpu']:.2f} s, job/wire {r['ratio']:.2f}", flush=True)
