@@ -5,8 +5,9 @@ The shadow runs in a network namespace of its own, behind a veth pair whose
 host end has a token-bucket qdisc (`tc qdisc ... tbf rate R`) on it: what
 the agent sends to the shadow is limited to R bytes a second, the shadow's
 ACKs come back unlimited. For each rate and each kind of output, the three
-modes run in rotation (none, auto, zstd, none, ...), so that all of them see
-the same machine:
+modes run in rotation, each round starting with the next mode (none auto
+zstd, auto zstd none, zstd none auto, ...), so that all of them see the same
+machine and none always follows another:
 
   gcshadow serve --host 10.201.N.2 --port 0 --root HOME --min-free 0      (in the namespace)
   gcwrap --shadow 10.201.N.2:PORT --compress MODE --stdout OUT --spool SPOOL -- cat DATA
@@ -178,6 +179,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=8.0, help="about how long `none` takes at each rate")
     ap.add_argument("--kinds", default="log,random")
+    ap.add_argument("--modes", default=",".join(MODES), help="which of none,auto,zstd to run")
     ap.add_argument("--loopback", default="1GB", help="size for the loopback case (0: skip it)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
@@ -188,6 +190,9 @@ def main() -> int:
     print(header("slowlink"))
     rates = [parse_size(r) for r in args.rates.split(",") if r]
     kinds = [k for k in args.kinds.split(",") if k]
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if "none" not in modes or not set(modes) <= set(MODES):
+        ap.error("--modes: a subset of none,auto,zstd that includes none (the baseline)")
     work = Path(tempfile.mkdtemp(prefix="gcwrap-slowlink-"))
     home = work / "home"
     home.mkdir()
@@ -214,9 +219,10 @@ def main() -> int:
                 limit(int(float(label.split()[0]) * 1e6))
             data = work / f"data-{kind}"
             (log_text if kind == "log" else random_bytes)(data, size)
-            results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+            results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for i in range(args.runs):
-                for mode in MODES:
+                # Each round starts with another mode: no mode always follows the heaviest.
+                for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
                     tag = f"{label.replace(' ', '').replace('/', '')}-{kind}-{mode}-{i}"
                     r = one_run(address, root, work, data, mode, tag, timeout=args.seconds * 6 + 60)
                     results[mode].append(r)
@@ -224,7 +230,7 @@ def main() -> int:
                           f"gcwrap CPU {r['cpu']:.2f} s, job/wire {r['ratio']:.2f}", flush=True)
             base_t = statistics.median(r["seconds"] for r in results["none"])
             base_c = statistics.median(r["cpu"] for r in results["none"])
-            for mode in MODES:
+            for mode in modes:
                 t = [r["seconds"] for r in results[mode]]
                 c = [r["cpu"] for r in results[mode]]
                 q = [r["ratio"] for r in results[mode]]

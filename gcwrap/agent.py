@@ -197,7 +197,8 @@ class Agent:
         self.must_end = trio.Event()  # set: end the job now (see `end_job`)
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
-            "wire": 0, "compressed": 0,  # bytes on the wire, and job bytes that went compressed (compressing runs)
+            # Output sent by this run: job bytes, bytes on the wire, job bytes that went compressed.
+            "raw_sent": 0, "wire": 0, "compressed": 0,
         }
         self.started = time.monotonic()
         self.connected_since: float | None = None
@@ -233,6 +234,8 @@ class Agent:
                            "lost": self.lost[sid][1] - self.lost[sid][0] if sid in self.lost else 0}
                 for sid, o in self.out.items()
             },
+            "wire": {"job_bytes": int(self.stats["raw_sent"]), "wire_bytes": int(self.stats["wire"]),
+                     "compressed_bytes": int(self.stats["compressed"])},
         }
 
     async def live_loop(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 FEATURE = "zstd"  # the name both sides use for it in HELLO and WELCOME
 LEVEL = 1  # zstd's fastest levels compress log text 5-6x at ~700 MB/s per core here
 MIN_SIZE = 1024  # frames smaller than this are not worth a compressor's call
+FIRST_PROBE = 64 << 10  # the first frame at least this large is compressed to learn the ratio early
 
 
 class Mode(enum.Enum):
@@ -157,7 +158,7 @@ class Policy:
         # Probe the first frame (so the ratio and the speed are known when the
         # first window tells whether the link is the bottleneck), then only
         # while it is.
-        first = self._last_probe == float("-inf")
+        first = self._last_probe == float("-inf") and size >= FIRST_PROBE
         if (first or self._bound) and now - self._last_probe >= PROBE_EVERY:
             self._last_probe = now
             return True

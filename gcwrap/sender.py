@@ -398,7 +398,9 @@ class Session:
     def _sent_frame(self, raw: int, wire: int) -> None:
         """Tell the compression policy what went out and how full the socket's
         send queue is now (a full queue: the link, not we, sets the pace)."""
-        self.agent.stats["wire"] += wire
+        stats = self.agent.stats
+        stats["raw_sent"] += raw
+        stats["wire"] += wire
         policy = self.policy
         if policy is None:
             return

@@ -818,8 +818,10 @@ class Shadow:
             self._check(job)
             if isinstance(ev, (Data, ZData)):
                 sf = files.outputs.get(ev.stream)
-                if sf is not None and sf.fd < 0:
-                    await self._open(sf)
+                if sf is not None:
+                    if sf.fd < 0:
+                        await self._open(sf)
+                    sf.wire += len(ev.payload)
                 self.stats["wire"] += len(ev.payload)
                 self._write(job, ev if isinstance(ev, Data) else _inflate(ev))
             elif isinstance(ev, StdinRead):

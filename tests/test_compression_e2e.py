@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -138,18 +139,70 @@ def slow_link(tmp_path: Path) -> Iterator[tuple[NetNS, str, Path]]:
                 proc.wait(10)
 
 
+def tcp_payload_to(ns: NetNS, port: int) -> int:
+    """TCP payload bytes the namespace received for `port`, from an
+    accounting rule's counters (IP and TCP headers taken off: 52 bytes a
+    packet with timestamps)."""
+    out = sh(*ns.prefix(), "iptables", "-L", "INPUT", "-v", "-x", "-n").stdout.decode()
+    for line in out.splitlines():
+        if f"dpt:{port}" in line:
+            packets, size = (int(x) for x in line.split()[:2])
+            return size - 52 * packets
+    raise AssertionError(f"no accounting rule for port {port}:\n{out}")
+
+
 def test_auto_compresses_log_output_on_a_slow_link(slow_link: tuple[NetNS, str, Path], tmp_path: Path) -> None:
-    _, address, root = slow_link
+    ns, address, root = slow_link
+    port = int(address.rsplit(":", 1)[1])
+    ns.iptables("-I", "INPUT", "-p", "tcp", "--dport", str(port))  # counts, lets everything through
     data = tmp_path / "slow.txt"
     write_log_text(data, 16 << 20, seed=3)  # 8 s at 2 MB/s as it is
     started = time.monotonic()
-    s = run(address, "slow.out", data, tmp_path / "spool", "--compress", "auto")
+    w = Wrapper(["--shadow", address, "--stdout", "slow.out", "--spool", str(tmp_path / "spool"), "--", "cat", str(data)])
+    assert w.wait(120) == 0, w.err.decode(errors="replace")[-3000:]
     took = time.monotonic() - started
     assert sha256_file(root / "slow.out") == sha256_file(data)
+    # The text summary says what went on the wire, and it is true: what the
+    # namespace received is that, plus frame headers and the handshake.
+    text = w.err.decode()
+    m = re.search(r"on the wire \S+ \S+ \(([\d,]+) bytes\); ([\d.]+)% of the output sent compressed", text)
+    assert m, text
+    wire, pct = int(m.group(1).replace(",", "")), float(m.group(2))
+    received = tcp_payload_to(ns, port)
+    assert wire <= received <= wire * 1.01 + 16384, (wire, received)
     # The link is the bottleneck and the text compresses: most of it went compressed.
-    assert s["compressed_pct"] > 50, s
-    assert s["wire_bytes"] < 0.6 * data.stat().st_size, s
-    print(f"16 MiB of log text through 2 MB/s: {took:.1f} s, wire {s['wire_bytes']:,} bytes")
+    assert pct > 50 and wire < 0.6 * data.stat().st_size, text
+    print(f"16 MiB of log text through 2 MB/s: {took:.1f} s, {wire:,} bytes on the wire, {received:,} received")
+    # Home counted the same bytes (one connection: nothing was sent twice), and says so.
+    (job,) = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(root)],
+                                       capture_output=True, timeout=60, check=True).stdout)
+    (stream,) = job["streams"]
+    assert (stream["durable"], stream["wire"]) == (data.stat().st_size, wire)
+    detail = subprocess.run([*tool("gcshadow"), "jobs", "--root", str(root), job["job_id"]], capture_output=True,
+                            text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert f"on the wire, {data.stat().st_size / wire:.1f}x smaller" in detail, detail
+
+
+def test_status_tells_what_a_running_job_sends_compressed(slow_link: tuple[NetNS, str, Path],
+                                                          tmp_path: Path) -> None:
+    _, address, root = slow_link
+    data = tmp_path / "long.txt"
+    write_log_text(data, 48 << 20, seed=4)  # ~10 s at 2 MB/s compressed
+    spool = tmp_path / "spool"
+    w = Wrapper(["--shadow", address, "--stdout", "long.out", "--spool", str(spool), "--", "cat", str(data)])
+
+    def compressing() -> bool:
+        out = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spool)], capture_output=True,
+                             timeout=60, check=True).stdout
+        spools = json.loads(out)
+        return bool(spools) and bool((spools[0].get("wire") or {}).get("compressed_bytes"))
+
+    wait_until(compressing, 60, "gcwrap status to show compressed output")
+    text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool)], capture_output=True, text=True,
+                          timeout=60, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert re.search(r"sent \S+ \S+ of output as \S+ \S+ on the wire \([\d.]+x smaller\)", text), text
+    assert w.wait(120) == 0, w.err.decode(errors="replace")[-3000:]
+    assert sha256_file(root / "long.out") == sha256_file(data)
 
 
 def test_auto_leaves_incompressible_output_alone_on_a_slow_link(slow_link: tuple[NetNS, str, Path],
@@ -210,6 +263,20 @@ def test_a_new_agent_and_an_older_shadow(tmp_path: Path, home: Path, text: Path)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
+    # The newer shadow takes over the older one's state: a stream it did not
+    # count has no wire figure, and the next job is counted.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    newer = ShadowProc(home, logs)
+    newer.start()
+    try:
+        run(newer.address, "to-newer.out", text, tmp_path / "spool-2", "--compress", "zstd")
+    finally:
+        newer.stop()
+    listed = json.loads(subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)],
+                                       capture_output=True, timeout=60, check=True).stdout)
+    wires = {st["name"]: st["wire"] for job in listed for st in job["streams"]}
+    assert wires["to-older.out"] is None and 0 < wires["to-newer.out"] < text.stat().st_size
 
 
 def test_an_older_agent_and_a_new_shadow(shadow: ShadowProc, tmp_path: Path, home: Path, text: Path) -> None:
