@@ -286,3 +286,22 @@ def test_an_older_agent_and_a_new_shadow(shadow: ShadowProc, tmp_path: Path, hom
                            capture_output=True, timeout=120)
     assert older.returncode == 0, older.stderr.decode(errors="replace")[-3000:]
     assert sha256_file(home / "from-older.out") == sha256_file(text)
+
+
+def test_compressed_output_over_tls(tmp_path: Path, home: Path, text: Path) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sp = ShadowProc(home, logs, ["--tls-cert", str(tmp_path / "server.pem")])
+    sp.start()
+    try:
+        s = run(sp.address, "tls.out", text, tmp_path / "spool", "--compress", "zstd",
+                "--tls-ca", str(tmp_path / "ca.pem"))
+    finally:
+        sp.stop()
+    assert sha256_file(home / "tls.out") == sha256_file(text)
+    assert s["compressed_pct"] > 90 and s["wire_bytes"] < 0.4 * text.stat().st_size
