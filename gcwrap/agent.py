@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from . import exitcodes
+from . import compress, exitcodes
 from .events import ErrorCode, Exit, Hello, StreamSpec
 from .outbox import Outbox, OutStream, cached
 from .pipes import grow_pipe, pipe_bytes
@@ -81,6 +81,7 @@ class AgentOptions:
     token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
     write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
+    compress: str = "auto"  # --compress: auto, zstd or none (gcwrap.compress.Mode)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Agent:
         self.stats: dict[str, float] = {
             "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
         }
+        self.wire = compress.WireStats()  # output sent by this run, on the wire
         self.started = time.monotonic()
         self.connected_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
@@ -169,6 +171,7 @@ class Agent:
                            "lost": self.lost[sid][1] - self.lost[sid][0] if sid in self.lost else 0}
                 for sid, o in self.out.items()
             },
+            "wire": self.wire.as_dict(),
         }
 
     async def live_loop(self) -> None:
@@ -488,11 +491,13 @@ class Agent:
     def _session(self, where: str) -> Session:
         """A session that speaks for this job, through the outbox and the spool."""
         job, opts = self.job, self.opts
+        mode = compress.Mode(opts.compress)
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(self.specs), host=job.host,
-                      user=job.user, command=tuple(job.command))
-        config = SessionConfig(heartbeat=opts.heartbeat, token=opts.token, tls=opts.tls is not None)
+                      user=job.user, command=tuple(job.command),
+                      features=compress.offered(mode))
+        config = SessionConfig(heartbeat=opts.heartbeat, token=opts.token, tls=opts.tls is not None, compress=mode)
         return Session(self.outbox, self.spooler, hello, config, where, on_welcome=self.on_welcome,
-                       exit_frame=self.exit_frame)
+                       exit_frame=self.exit_frame, wire=self.wire)
 
     async def _attempt(self, session: Session, host: str, port: int) -> None:
         """Connect and run one session until it ends (SessionEnd: all is home) or fails."""
@@ -625,6 +630,7 @@ class Agent:
             # Attempts that never got a session; a session lost later is a reconnect.
             failed_attempts=int(self.stats["attempts"] - self.stats["connects"]),
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
+            **self.wire.summary(total),
             job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
         if self.lost:

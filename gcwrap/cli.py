@@ -116,6 +116,15 @@ class SpoolDir(click.Path):
         return value if isinstance(value, Path) else Path(os.fsdecode(value))
 
 
+def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """`--compress zstd` needs the codec here; `auto` does without it (and never compresses)."""
+    from .compress import available
+
+    if value == "zstd" and not available():
+        raise click.BadParameter("zstd needs the zstandard package (pip install zstandard)")
+    return value
+
+
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by `run` and `resume`."""
     options = [
@@ -133,6 +142,10 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr: no warnings, no I/O summary."),
         click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
                      envvar="GCWRAP_LOG_FORMAT", show_envvar=True, help="Messages on stderr as text or JSON lines."),
+        click.option("--compress", type=click.Choice(["auto", "zstd", "none"]), default="auto", show_default=True,
+                     envvar="GCWRAP_COMPRESS", show_envvar=True, callback=check_compress,
+                     help="Compress output on the wire (zstd): auto only while the link, not the CPU, is the "
+                          "bottleneck and the output compresses; zstd every frame that shrinks; none never."),
         click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TOKEN_FILE",
                      show_envvar=True, help="Shared secret: prove it to the shadow, and make it prove it back."),
         click.option("--tls", "tls_on", is_flag=True, envvar="GCWRAP_TLS", show_envvar=True,
@@ -204,7 +217,7 @@ def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
     write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
-    log_format: str,
+    log_format: str, compress: str,
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -245,7 +258,7 @@ def run(
         shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
-        write_behind=write_behind, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
+        write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
 
@@ -340,7 +353,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
     spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
-    heartbeat: float, verbose: int, quiet: bool, log_format: str, token_file: Path | None, tls_on: bool,
+    heartbeat: float, verbose: int, quiet: bool, log_format: str, compress: str, token_file: Path | None, tls_on: bool,
     tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
@@ -395,7 +408,7 @@ def resume(
                 worst = exitcodes.worst(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
-                            **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
+                            compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
         console = stderr_console()
         # A bar only for a person watching: not in a log file or a pipe.
         with resume_progress(console, job.job_id, quiet or log_format == "json" or not console.is_terminal) as progress:

@@ -56,6 +56,7 @@ from .events import (
     StdinRead,
     StreamSpec,
     Welcome,
+    ZData,
 )
 
 MAGIC = b"GCWRAP\r\n"
@@ -77,6 +78,9 @@ _ACK = struct.Struct("!BQ")
 _STDIN_READ = struct.Struct("!BQI")
 _STDIN_DATA = struct.Struct("!BQB")
 _NONCE = struct.Struct("!Q")
+_ZDATA = struct.Struct("!BQI")  # stream, offset, size in the job's bytes; the zstd frame follows
+_FEATURE_RE = re.compile(r"[a-z0-9-]{1,32}\Z")
+_MAX_FEATURES = 16
 _DATA_TYPE = 3  # FrameType.DATA, as the int the header holds
 _SMALL = 4096  # received pieces shorter than this are copied together, not kept one by one
 
@@ -100,6 +104,7 @@ class FrameType(enum.IntEnum):
     ERROR = 11
     CHALLENGE = 12
     AUTH = 13
+    ZDATA = 14  # DATA as one zstd frame, once the handshake agreed on the "zstd" feature
 
 
 class Role(enum.Enum):
@@ -159,7 +164,7 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
         Role.SHADOW: {},
     },
     State.STREAMING: {
-        Role.AGENT: {Data: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
+        Role.AGENT: {Data: State.STREAMING, ZData: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
         Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING},
     },
     State.EXITING: {
@@ -198,19 +203,22 @@ class Connection:
         self._eof = False
         self._magic_seen = role is Role.AGENT  # only the shadow expects the magic
         self._magic_sent = role is Role.SHADOW
+        self.features: frozenset[str] = frozenset()  # what the WELCOME accepted, for this connection
 
     # -- sending ---------------------------------------------------------
 
     def send(self, event: Event) -> bytes:
         """Bytes that put `event` on the wire; LocalProtocolError if illegal now."""
         new_state = _next_state(self.state, self.role, event)
-        if new_state is None:
+        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
             raise LocalProtocolError(
                 f"{self.role.value} may not send {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
             )
         frame = encode(event)
         self.state = new_state
+        if isinstance(event, Welcome):
+            self.features = frozenset(event.features)
         if not self._magic_sent:
             self._magic_sent = True
             return MAGIC + frame
@@ -336,12 +344,14 @@ class Connection:
             return _decode_data(body)  # the hot path: legal here, and the state stays
         event = decode(ftype, body)
         new_state = _next_state(self.state, self.peer_role, event)
-        if new_state is None:
+        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
             raise RemoteProtocolError(
                 f"{self.peer_role.value} sent {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
             )
         self.state = new_state
+        if isinstance(event, Welcome):
+            self.features = frozenset(event.features)
         return event
 
     def _check_length(self, length: int) -> None:
@@ -440,6 +450,12 @@ def _encode(event: Event) -> bytes:
             raise LocalProtocolError("DATA payload too large")
         # One copy of the payload, not two (header + body, then frame + body).
         return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
+    if isinstance(event, ZData):
+        _check_offset(event.offset, "offset")
+        _check_offset(event.offset + event.size, "end offset")
+        if not 0 < event.size <= MAX_PAYLOAD or not 0 < len(event.payload) <= MAX_PAYLOAD:
+            raise LocalProtocolError("ZDATA size or payload out of range")
+        return _frame(FrameType.ZDATA, _ZDATA.pack(event.stream, event.offset, event.size) + event.payload)
     if isinstance(event, Ack):
         _check_offset(event.offset, "offset")
         return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))
@@ -475,6 +491,7 @@ def _encode(event: Event) -> bytes:
                     "command": list(event.command),
                     "streams": [[s.id, s.kind, s.name] for s in event.streams],
                     "nonce": event.nonce,
+                    **_features_field(event.features),
                 }
             ),
         )
@@ -490,6 +507,7 @@ def _encode(event: Event) -> bytes:
                     "durable": [list(p) for p in event.durable],
                     "heartbeat": event.heartbeat,
                     "proof": event.proof,
+                    **_features_field(event.features),
                 }
             ),
         )
@@ -521,6 +539,30 @@ def _encode(event: Event) -> bytes:
             ),
         )
     raise LocalProtocolError(f"cannot encode {event!r}")
+
+
+def _features_field(features: tuple[str, ...]) -> dict[str, Any]:
+    """`features` as a JSON member, left out when there are none, so a
+    handshake without them is byte for byte what older peers sent."""
+    for f in features:
+        if not _FEATURE_RE.match(f):
+            raise LocalProtocolError(f"bad feature name {f!r}")
+    if len(features) > _MAX_FEATURES:
+        raise LocalProtocolError("too many features")
+    return {"features": list(features)} if features else {}
+
+
+def _features(obj: dict[str, Any], ftype: FrameType) -> tuple[str, ...]:
+    """The `features` member: names a newer peer may add and this one does
+    not know are kept (and then ignored by whoever acts on them)."""
+    value = obj.get("features", [])
+    if (
+        not isinstance(value, list)
+        or len(value) > _MAX_FEATURES
+        or not all(isinstance(f, str) and _FEATURE_RE.match(f) for f in value)
+    ):
+        raise _bad(f"{ftype.name}: 'features' must list at most {_MAX_FEATURES} names of [a-z0-9-]")
+    return tuple(value)
 
 
 def _bad(message: str) -> RemoteProtocolError:
@@ -626,6 +668,7 @@ def _decode_hello(obj: dict[str, Any]) -> Hello:
         command=tuple(command),
         versions=tuple(versions),
         nonce=_hex(obj, "nonce", f),
+        features=_features(obj, f),
     )
 
 
@@ -667,7 +710,7 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
             raise _bad("WELCOME: 'session' out of range")
         return Welcome(
             version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat),
-            _hex(obj, "proof", ftype),
+            _hex(obj, "proof", ftype), _features(obj, ftype),
         )
     if ftype is FrameType.CHALLENGE:
         nonce = _hex(obj, "nonce", ftype)
@@ -713,6 +756,16 @@ def _decode_data(body: bytes | memoryview) -> Data:
 def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
     if ftype is FrameType.DATA:
         return _decode_data(body)
+    if ftype is FrameType.ZDATA:
+        stream, offset, size = _fixed(_ZDATA, body, ftype, exact=False)
+        payload = bytes(body[_ZDATA.size :])
+        if not 0 < size <= MAX_PAYLOAD or not payload:
+            raise _bad(f"ZDATA: size must be 1..{MAX_PAYLOAD} and the payload not empty")
+        if len(payload) > MAX_PAYLOAD:
+            raise RemoteProtocolError("ZDATA payload too large", ErrorCode.FRAME_TOO_LARGE)
+        if offset + size > MAX_OFFSET:
+            raise _bad("ZDATA runs past the largest offset")
+        return ZData(stream, offset, size, payload)
     if ftype is FrameType.ACK:
         stream, offset = _fixed(_ACK, body, ftype, exact=True)
         if offset > MAX_OFFSET:

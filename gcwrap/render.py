@@ -260,6 +260,12 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
         if lost:
             fields[-1] += ";"
             fields += ["LOST", *lost.split()]
+        wire = sp.get("wire") or {}
+        if wire.get("compressed_bytes") and wire.get("wire_bytes"):
+            fields[-1] += ";"
+            fields += ["sent", human_bytes(wire["job_bytes"]), "of", "output", "as",
+                       human_bytes(wire["wire_bytes"]), "on", "the", "wire",
+                       f"({ratio_text(wire['job_bytes'], wire['wire_bytes'])})"]
         lines += wrap_fields(fields, width)
     return lines
 
@@ -408,6 +414,8 @@ SUMMARY_LABELS: dict[str, tuple[str, Callable[[float], str]]] = {
     "reconnects": ("reconnects", lambda v: f"{v:.0f}"),
     "failed_attempts": ("failed connection attempts", lambda v: f"{v:.0f}"),
     "zero_copy_pct": ("spliced (zero-copy)", lambda v: f"{v:.0f}% of the output"),
+    "wire_bytes": ("on the wire", lambda v: f"{human_bytes(v)} ({v:,.0f} bytes)"),
+    "compressed_pct": ("sent compressed", lambda v: f"{v:.0f}% of the output"),
 }
 
 
@@ -416,7 +424,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, value in summary.items():
         n = number(value)
-        if key.endswith("_bytes") and n is not None:
+        if key.endswith("_bytes") and key not in SUMMARY_LABELS and n is not None:
             rows.append((f"{key[:-6]} written", f"{human_bytes(n)} ({n:,.0f} bytes)"))
         elif key in SUMMARY_LABELS and n is not None:
             label, show = SUMMARY_LABELS[key]
@@ -454,6 +462,9 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
     for st in job["streams"]:
         held = ["served from"] if st["kind"] == "stdin" else [human_bytes(st["durable"]), f"({st['durable']:,} bytes)",
                                                               "in"]
+        wire = st.get("wire")
+        if wire and st["kind"] != "stdin" and wire < st["durable"]:  # some of it came compressed
+            held[-1:] = [f"({human_bytes(wire)} on the wire, {ratio_text(st['durable'], wire)})", "in"]
         rows.append((st["kind"], [*held, st["name"]]))
     rows += [("I/O summary" if i == 0 else "", [f"{label}:", value])
              for i, (label, value) in enumerate(summary_rows(job.get("summary") or {}))]
@@ -472,11 +483,25 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
     return table
 
 
+def ratio_text(job: float, wire: float) -> str:
+    """How much smaller the wire's bytes are than the job's: "4.2x smaller"."""
+    return f"{job / wire:.1f}x smaller" if wire else "-"
+
+
+def _on_the_wire(summary: dict[str, Any]) -> list[str]:
+    """A line on compression, when some output went compressed."""
+    wire, pct = number(summary.get("wire_bytes")), number(summary.get("compressed_pct"))
+    if not wire or not pct:
+        return []
+    return [f"  on the wire {human_bytes(wire)} ({wire:,.0f} bytes); {pct:g}% of the output sent compressed"]
+
+
 def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:
     """The I/O summary gcwrap prints on its own stderr when it exits."""
     status = "unknown status" if job_status is None else f"status {job_status}"
     streams = [
-        f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items() if key.endswith("_bytes")
+        f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items()
+        if key.endswith("_bytes") and key != "wire_bytes"
     ]
     lost = int(summary.get("lost", 0))
     return [
@@ -486,7 +511,8 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
          f"job paused {summary.get('paused_s', 0):.1f} s"),
         (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
          f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
-    ] + ([f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
+    ] + _on_the_wire(summary) + (
+        [f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
 
 
 class Reporter:

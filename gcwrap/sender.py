@@ -37,6 +37,7 @@ from typing import Protocol
 
 import trio
 
+from . import compress as zc
 from .auth import agent_mac, new_nonce, same, shadow_proof
 from .events import (
     Ack,
@@ -55,6 +56,7 @@ from .events import (
     StdinData,
     StdinRead,
     Welcome,
+    ZData,
 )
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
@@ -122,6 +124,7 @@ class SessionConfig:
     heartbeat: float = 5.0
     token: bytes | None = None
     tls: bool = False
+    compress: zc.Mode = zc.Mode.NONE  # --compress: used where the shadow's WELCOME accepts it
 
 
 class Session:
@@ -133,6 +136,7 @@ class Session:
     def __init__(
         self, outbox: Outbox, source: ByteSource, hello: Hello, config: SessionConfig, where: str, *,
         on_welcome: Callable[[], None] = lambda: None, exit_frame: Callable[[], Exit] | None = None,
+        wire: zc.WireStats | None = None,
     ) -> None:
         self.outbox = outbox
         self.source = source
@@ -153,6 +157,9 @@ class Session:
         self.nonces = itertools.count(1)
         self.heartbeat = config.heartbeat
         self.liveness = Liveness(self.heartbeat, trio.current_time())
+        self.wire = wire if wire is not None else zc.WireStats()
+        self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
+        self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
@@ -256,6 +263,9 @@ class Session:
             raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), permanent=True) from None
         self.sent = {sid: out.acked for sid, out in outbox.streams.items()}
         self.handed = dict(self.sent)
+        if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
+            self.policy = zc.Policy(self.config.compress, trio.current_time())
+            self._measure_sndbuf()
         self.welcomed = True
         self.on_welcome()
         try:
@@ -369,6 +379,60 @@ class Session:
                 else:
                     self._check_failure(ev)
 
+    def _measure_sndbuf(self) -> None:
+        try:
+            self.sndbuf = max(1, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        except OSError:
+            self.sndbuf = 1 << 20
+
+    def _sent_frame(self, raw: int, wire: int) -> None:
+        """Count a frame that went out, and tell the compression policy how
+        full the socket's send queue is now (full: the link sets the pace)."""
+        self.wire.job_bytes += raw
+        self.wire.wire_bytes += wire
+        policy = self.policy
+        if policy is None:
+            return
+        now = trio.current_time()
+        if policy.window_ends(now):
+            self._measure_sndbuf()  # (the kernel grows it as the connection goes)
+        backlog = sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
+        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
+
+    async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
+        """One frame of [offset, end) compressed (ZDATA) when that makes it
+        smaller, as it is (DATA) when not; `sent` moves past it."""
+        policy, source = self.policy, self.source
+        assert policy is not None
+        out = self.outbox.streams[sid]
+        size = min(end - offset, MAX_PAYLOAD)
+        data = out.from_memory(offset, size)
+        payload: bytes | memoryview
+        if data is not None:
+            payload = memoryview(data.data)[offset - data.start : offset - data.start + size]
+        elif source.zero_copy and out.placed_end(offset) > offset:
+            size = min(source.placed_size(offset, out.placed_end(offset)), size)
+            payload = await source.read_placed(sid, offset, size)
+        else:
+            chunks = await source.read(sid, offset, size)
+            if not chunks or chunks[0].start > offset:
+                raise RuntimeError(f"spool lost bytes from {offset} of {out.kind}")
+            c = chunks[0]
+            payload = memoryview(c.data)[offset - c.start : offset - c.start + size]
+        size = len(payload)
+        blob, cpu = zc.timed_compress(payload)
+        policy.compressed(trio.current_time(), size, len(blob), cpu)
+        self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
+        if len(blob) < size:
+            await self._send(stream, ZData(sid, offset, size, blob))
+            self.wire.compressed_bytes += size
+            wire = len(blob)
+        else:
+            await self._send_data(stream, sid, offset, payload)
+            wire = size
+        self.handed[sid] = offset + size
+        self._sent_frame(size, wire)
+
     async def _send_loop(self, stream: trio.abc.Stream) -> None:
         outbox = self.outbox
         while True:
@@ -377,12 +441,18 @@ class Session:
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
+                policy = self.policy
+                if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
+                    await self._send_compressed(stream, sid, offset, out.read_end)
+                    progressed = True
+                    continue
                 chunk = out.from_memory(offset, MAX_PAYLOAD)
                 if chunk is None and self.source.zero_copy:
                     placed = out.placed_end(offset)
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
                         await self._send_placed(stream, sid, offset, placed)
+                        self._sent_frame(self.sent[sid] - offset, self.sent[sid] - offset)
                         progressed = True
                         continue
                 chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, READ_BACK)
@@ -396,6 +466,7 @@ class Session:
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
                         self.handed[sid] = start + len(payload)
+                        self._sent_frame(len(payload), len(payload))
                 progressed = True
             feeder = outbox.stdin
             if feeder is not None and feeder.wants():

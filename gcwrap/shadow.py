@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from . import compress
 from .auth import AllowList, SubjectMap, agent_mac, new_nonce, same, shadow_proof, subject_cn
 from .events import (
     PROTOCOL_VERSION,
@@ -68,6 +69,7 @@ from .events import (
     StdinData,
     StdinRead,
     Welcome,
+    ZData,
 )
 from .protocol import NEED_DATA, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile, Superseded
@@ -361,10 +363,12 @@ class Shadow:
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
-        self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
+        self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
         self.stopping = ""  # why the shadow stops, once it does (see `stop`)
         self.accepting: trio.CancelScope | None = None
         self.serving: trio.CancelScope | None = None
+        # Compressed DATA is accepted from agents that offer it, when this Python can decode it.
+        self.features = (compress.FEATURE,) if compress.available() else ()
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -677,7 +681,8 @@ class Shadow:
                 await self._open_job(job, hello, peer)
                 files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
-                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof)
+                features = tuple(f for f in self.features if f in hello.features)
+                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features)
                 self._check(job)
                 await stream.send_all(conn.send(welcome))
                 log.info("%s: job %s session %d (%s)", peer, files.job_id, files.session, hello.host or "?")
@@ -865,11 +870,14 @@ class Shadow:
         files = job.files
         for ev in events:
             self._check(job)
-            if isinstance(ev, Data):
+            if isinstance(ev, (Data, ZData)):
                 sf = files.outputs.get(ev.stream)
-                if sf is not None and sf.fd < 0:
-                    await self._open(sf)
-                self._write(job, ev)
+                if sf is not None:
+                    if sf.fd < 0:
+                        await self._open(sf)
+                    sf.wire += len(ev.payload)
+                self.stats["wire"] += len(ev.payload)
+                self._write(job, ev if isinstance(ev, Data) else _inflate(ev))
             elif isinstance(ev, StdinRead):
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
@@ -1011,3 +1019,12 @@ async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
                     shadow.serving.cancel()
                 return
             nursery.start_soon(shadow.stop, f"{signal.Signals(signum).name} received")
+
+
+def _inflate(ev: ZData) -> Data:
+    """The DATA a ZDATA frame carries; a frame that does not decode to
+    exactly the bytes it announced is malformed (nothing of it is written)."""
+    try:
+        return Data(ev.stream, ev.offset, compress.codec().decompress(ev.payload, ev.size))
+    except compress.CodecError as e:
+        raise ProtocolError(f"ZDATA for stream {ev.stream} at offset {ev.offset}: {e}", ErrorCode.BAD_FRAME) from None

@@ -86,8 +86,15 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m002_wire(db: sqlite_utils.Database) -> None:
+    # Bytes that crossed the wire for a stream (compressed or not); NULL for
+    # streams recorded before it was counted.
+    db.execute("ALTER TABLE streams ADD COLUMN wire INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
+    (2, "wire", _m002_wire),
 ]
 
 
@@ -288,6 +295,7 @@ class StreamFile:
     pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
     sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
+    wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -685,18 +693,18 @@ class Store:
             if fresh:
                 os.ftruncate(fd, 0)
                 os.fsync(fd)
-                durable = 0
+                durable = wire = 0
                 db.execute(
-                    "INSERT INTO streams (job_id, stream, kind, name, durable) VALUES (?, ?, ?, ?, 0)",
+                    "INSERT INTO streams (job_id, stream, kind, name, durable, wire) VALUES (?, ?, ?, ?, 0, 0)",
                     [files.job_id, spec.id, spec.kind, norm],
                 )
             else:
                 row = db.execute(
-                    "SELECT durable, name FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
+                    "SELECT durable, name, wire FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
                 ).fetchone()
                 if row is None or row[1] != norm:
                     raise StoreError(codes.UNEXPECTED, f"job {files.job_id} resumed with different streams")
-                durable = row[0]
+                durable, wire = row[0], row[2] or 0
                 size = os.fstat(fd).st_size
                 if size < durable:
                     raise StoreError(
@@ -709,7 +717,7 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session)
+        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session, wire=wire)
         sf.identify()
         files.outputs[spec.id] = sf
 
@@ -722,7 +730,7 @@ class Store:
         failure, may be acknowledged. A file whose session no longer holds
         its job gets `Superseded`: its length is not recorded."""
         results = self.syncer.sync(files)
-        good = [(sf.job_id, sf.stream, n, sf.session) for sf, n, err in results if err is None]
+        good = [(sf.job_id, sf.stream, n, sf.session, sf.wire) for sf, n, err in results if err is None]
         if good:
             try:
                 stale = self.record_durable(good)
@@ -735,17 +743,17 @@ class Store:
         return results, ""
 
     _RECORD_DURABLE = (
-        "UPDATE streams SET durable = max(durable, ?) WHERE job_id = ? AND stream = ? "
+        "UPDATE streams SET durable = max(durable, ?), wire = max(coalesce(wire, 0), ?) WHERE job_id = ? AND stream = ? "
         "AND (SELECT session FROM jobs WHERE jobs.job_id = streams.job_id) = ?"
     )
 
-    def record_durable(self, lengths: Iterable[tuple[str, int, int, int]]) -> set[tuple[str, int]]:
-        """Record (job, stream, length, session) tuples, each only while that
+    def record_durable(self, lengths: Iterable[tuple[str, int, int, int, int]]) -> set[tuple[str, int]]:
+        """Record (job, stream, length, session, wire bytes) tuples, each only while that
         session holds the job in the state database (in the same transaction
         as the check). Returns the (job, stream) pairs not recorded. A job's
         "last seen" follows its data: stamped in the same transaction, at most
         once per LAST_SEEN_EVERY."""
-        rows = [(n, j, s, session) for j, s, n, session in lengths]
+        rows = [(n, wire, j, s, session) for j, s, n, session, wire in lengths]
         now = time.time()
         stamped = self.last_seen
         refused: set[tuple[str, int]] = set()
@@ -754,9 +762,9 @@ class Store:
             if conn.executemany(self._RECORD_DURABLE, rows).rowcount != len(rows):
                 # Some session was superseded (rare): find which rows did not apply.
                 # Recording a length again is harmless (max).
-                refused = {(j, s) for n, j, s, session in rows
-                           if conn.execute(self._RECORD_DURABLE, (n, j, s, session)).rowcount == 0}
-            stale = {j for _, j, s, _ in rows
+                refused = {(j, s) for n, wire, j, s, session in rows
+                           if conn.execute(self._RECORD_DURABLE, (n, wire, j, s, session)).rowcount == 0}
+            stale = {j for _, _, j, s, _ in rows
                      if (j, s) not in refused and now - stamped.get(j, 0.0) >= LAST_SEEN_EVERY}
             if stale:
                 conn.executemany("UPDATE jobs SET last_seen = ? WHERE job_id = ?", [(now, j) for j in stale])
@@ -798,9 +806,10 @@ def list_jobs(root: Path) -> list[dict[str, Any]]:
         jobs = [dict(zip([d[0] for d in cur.description], r)) for cur in [db.execute("SELECT * FROM jobs ORDER BY first_seen")] for r in cur.fetchall()]
         for job in jobs:
             job["streams"] = [
-                {"stream": s, "kind": k, "name": n, "durable": d}
-                for s, k, n, d in db.execute(
-                    "SELECT stream, kind, name, durable FROM streams WHERE job_id = ? ORDER BY stream", [job["job_id"]]
+                {"stream": s, "kind": k, "name": n, "durable": d, "wire": w}
+                for s, k, n, d, w in db.execute(
+                    "SELECT stream, kind, name, durable, wire FROM streams WHERE job_id = ? ORDER BY stream",
+                    [job["job_id"]]
                 ).fetchall()
             ]
             job["command"] = json.loads(job["command"] or "[]")
