@@ -333,11 +333,12 @@ class Agent:
         backoff = Backoff(base=0.1, cap=5.0)
         plan, outbox, spooler = self.plan, self.outbox, self.spooler
         while True:
-            oldest = min((t for t in (o.oldest_unsafe() for o in self.out.values()) if t is not None), default=None)
-            due = plan.behind_wait(trio.current_time(), self.streaming, outbox.unsafe_bytes, oldest)
-            if due > 0:  # write-behind: what home acknowledges in time never touches the disk
-                await self._wait_changed(due)
-                continue
+            if plan.write_behind:  # what home acknowledges in time never touches the disk
+                oldest = min((t for t in (o.oldest_unsafe() for o in self.out.values()) if t is not None), default=None)
+                due = plan.behind_wait(trio.current_time(), self.streaming, outbox.unsafe_bytes, oldest)
+                if due > 0:
+                    await self._wait_changed(due)
+                    continue
             room = spooler.room(outbox.spooled_pending) if spooler.spool else None
             if room is not None:
                 spooler.keep_spares(room.spares)

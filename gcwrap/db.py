@@ -2,10 +2,13 @@
 migrations and the database's files, for the spool and the shadow's state.
 
 Plain sqlite3 underneath. The job's spool stays on it (and on the small
-`Database` below): `import sqlite_utils` costs about a quarter of a CPU
-second, which every job would pay at start-up. The shadow's state and the
-read-only views (`gcwrap status`, `gcshadow jobs`) may hand the same
-connection to `sqlite_utils.Database`; migrations take either.
+`Database` below): `import sqlite_utils` costs 37-47 ms of import time on
+top of trio (measured with -X importtime on the 2-core machine of
+benchmarks/startup.py, where `gcwrap -- true` takes about 240 ms and a bare
+`import trio` 150-200 ms), which every job would pay at start-up against a
+target of 1.3x `import trio`. The shadow's state and the read-only views
+may hand the same connection to `sqlite_utils.Database`; migrations take
+either.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -27,14 +30,44 @@ BUSY_TIMEOUT_MS = 10000
 
 
 class Database:
-    """What the storage code needs of a database: `execute` and `conn` (the
-    subset of `sqlite_utils.Database` it uses, so migrations take either)."""
+    """What the storage code needs of a database: `execute`, `conn` and
+    `db[table].rows_where(...)`, the subset of `sqlite_utils.Database` it
+    uses, with the same names and meaning: code written against it runs on
+    either (the job on this one, the read-only views on sqlite-utils)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
     def execute(self, sql: str, parameters: Any = None) -> sqlite3.Cursor:
         return self.conn.execute(sql, parameters) if parameters is not None else self.conn.execute(sql)
+
+    def __getitem__(self, table: str) -> Table:
+        return Table(self, table)
+
+
+class Table:
+    """`sqlite_utils.db.Table.rows_where`, and nothing else of it."""
+
+    def __init__(self, db: Database, name: str) -> None:
+        self.db = db
+        self.name = name
+
+    def rows_where(self, where: str | None = None, where_args: Sequence[Any] | None = None, *,
+                   order_by: str | None = None) -> Iterator[dict[str, Any]]:
+        """The rows (as dicts of the columns the table has) matching `where`."""
+        sql = f"SELECT * FROM [{self.name}]" + (f" WHERE {where}" if where else "")
+        cur = self.db.execute(sql + (f" ORDER BY {order_by}" if order_by else ""), list(where_args or []))
+        columns = [d[0] for d in cur.description]
+        for row in cur:
+            yield dict(zip(columns, row))
+
+
+def reader(conn: sqlite3.Connection) -> sqlite_utils.Database:
+    """A read-only view's database: sqlite-utils over the connection (its
+    import cost is paid by `gcwrap status`, never by a job's start)."""
+    import sqlite_utils
+
+    return sqlite_utils.Database(conn)
 
 
 AnyDatabase = Union[Database, "sqlite_utils.Database"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import db as sqlitedb
-from .db import AnyDatabase, Database, Migration, configure, connect, migrate, transaction
+from .db import AnyDatabase, Database, Migration, configure, connect, migrate, reader, transaction
 from .records import Chunk, Extent, JobRecord, SourceError, StreamState
 from .segments import DEFAULT_SEGMENT, Segments
 
@@ -187,7 +187,7 @@ def _reads(fn: F) -> F:
     def read(self: Spool, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except (sqlite3.DatabaseError, ValueError, TypeError) as e:
+        except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as e:
             raise SpoolError(f"spool {self.path}: cannot be read, it is damaged ({e})") from None
     return read  # type: ignore[return-value]
 
@@ -316,7 +316,9 @@ class Spool:
             conn = connect(path, readonly=readonly)
             if not readonly:
                 _configure(conn)
-            db = Database(conn)
+            # The read side (`gcwrap status`, a resume's first look) reads through
+            # sqlite-utils; the job's own connections through the same subset of it.
+            db: AnyDatabase = reader(conn) if readonly else Database(conn)
             if not readonly:
                 migrate(db, MIGRATIONS)
             conn.execute("SELECT 1 FROM job").fetchall()
@@ -375,11 +377,10 @@ class Spool:
 
     @_reads
     def job(self) -> JobRecord:
-        cur = self.db.execute(f"SELECT {', '.join(_JOB_FIELDS)} FROM job WHERE id = 1")
-        row = cur.fetchone()
+        row = next(iter(self.db["job"].rows_where("id = 1")), None)
         if row is None:
             raise SpoolError(f"{self.path}: spool has no job record")
-        values = dict(zip(_JOB_FIELDS, row))
+        values = {k: row[k] for k in _JOB_FIELDS}
         values["command"] = json.loads(values["command"])
         values["summary"] = json.loads(values["summary"] or "{}")
         values["connected"] = bool(values["connected"])
@@ -391,14 +392,10 @@ class Spool:
 
     @_reads
     def streams(self) -> dict[int, StreamState]:
-        try:
-            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, written FROM streams ORDER BY id")
-        except sqlite3.OperationalError as e:
-            if "no such column" not in str(e):
-                raise
-            # A spool from before migration 5, opened read-only.
-            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, NULL FROM streams ORDER BY id")
-        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6]) for r in rows.fetchall()}
+        # (`written` is missing from a spool before migration 5, opened read-only.)
+        return {r["id"]: StreamState(r["id"], r["kind"], r["name"], r["appended"], r["acked"], bool(r["eof"]),
+                                     r.get("written"))
+                for r in self.db["streams"].rows_where(order_by="id")}
 
     # -- the hot path ----------------------------------------------------
 

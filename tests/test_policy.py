@@ -116,7 +116,8 @@ def test_a_shadow_shutting_down_is_tried_again_soon_and_costs_no_attempt() -> No
         nxt = retry.failed(blocked=True, refused=False, shutting_down=True)
         assert nxt.delay == COME_BACK and not nxt.counted and not nxt.give_up
     assert retry.failed(blocked=True, refused=False, retry_after=3.0, shutting_down=True).delay == 3.0
-    assert policy(retry_timeout=2.0).failed(blocked=True, refused=False, retry_after=3.0, shutting_down=True).delay == 2.0
+    short = policy(retry_timeout=2.0)
+    assert short.failed(blocked=True, refused=False, retry_after=3.0, shutting_down=True).delay == 2.0
     assert retry.failures_blocked == 1
     assert retry.failed(blocked=True, refused=False).give_up
 
