@@ -30,7 +30,8 @@ from typing import Any
 
 import trio
 
-from . import compress, exitcodes
+from . import exitcodes
+from .compress import Mode, WireStats, offered
 from .events import ErrorCode, Exit, Hello, StreamSpec
 from .outbox import Outbox, OutStream, cached
 from .pipes import grow_pipe, pipe_bytes
@@ -81,7 +82,7 @@ class AgentOptions:
     token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
     write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
-    compress: str = "auto"  # --compress: auto, zstd or none (gcwrap.compress.Mode)
+    compress: Mode = Mode.AUTO  # --compress
 
 
 @dataclass
@@ -134,10 +135,8 @@ class Agent:
         self.kill_reason = ""  # why gcwrap ended the job, when it did
         self.lost: dict[int, tuple[int, int]] = {}  # stream -> [start, end) that nothing holds (see final_flush)
         self.must_end = trio.Event()  # set: end the job now (see `end_job`)
-        self.stats: dict[str, float] = {
-            "connects": 0, "attempts": 0, "failures": 0, "paused": 0.0, "connected_s": 0.0, "spliced": 0,
-        }
-        self.wire = compress.WireStats()  # output sent by this run, on the wire
+        self.stats = dict.fromkeys(("connects", "attempts", "failures", "paused", "connected_s", "spliced"), 0.0)
+        self.wire = WireStats()  # output sent by this run, on the wire
         self.started = time.monotonic()
         self.connected_since: float | None = None
         self.delivery_scope: trio.CancelScope | None = None
@@ -492,11 +491,9 @@ class Agent:
     def _session(self, where: str) -> Session:
         """A session that speaks for this job, through the outbox and the spool."""
         job, opts = self.job, self.opts
-        mode = compress.Mode(opts.compress)
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(self.specs), host=job.host,
-                      user=job.user, command=tuple(job.command),
-                      features=compress.offered(mode))
-        config = SessionConfig(heartbeat=opts.heartbeat, token=opts.token, tls=opts.tls is not None, compress=mode)
+                      user=job.user, command=tuple(job.command), features=offered(opts.compress))
+        config = SessionConfig(opts.heartbeat, opts.token, opts.tls is not None, opts.compress)
         return Session(self.outbox, self.spooler, hello, config, where, on_welcome=self.on_welcome,
                        exit_frame=self.exit_frame, wire=self.wire)
 
@@ -604,8 +601,7 @@ class Agent:
                 ),
             )
             return None
-        limit = self.retry.limit
-        if self.blocked and limit and nxt.counted:
+        if self.blocked and (limit := self.retry.limit) and nxt.counted:
             log.info("next attempt in %.1f s (%d of --retry-limit %d used)", nxt.delay, self.retry.failures_blocked,
                      limit)
         else:
@@ -636,8 +632,7 @@ class Agent:
         )
         if self.lost:
             out["lost"] = sum(end - start for start, end in self.lost.values())
-        ended = self.live_fields.get("ended") or self.job.ended
-        if ended:
+        if ended := self.live_fields.get("ended") or self.job.ended:
             out["job_ended"] = round(ended, 3)
         return out
 

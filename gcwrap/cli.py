@@ -116,13 +116,13 @@ class SpoolDir(click.Path):
         return value if isinstance(value, Path) else Path(os.fsdecode(value))
 
 
-def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> Any:
     """`--compress zstd` needs the codec here; `auto` does without it (and never compresses)."""
-    from .compress import available
+    from .compress import Mode, available
 
     if value == "zstd" and not available():
         raise click.BadParameter("zstd needs the zstandard package (pip install zstandard)")
-    return value
+    return Mode(value)
 
 
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -217,7 +217,7 @@ def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
     write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
-    log_format: str, compress: str,
+    log_format: str, compress: Any,
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -353,7 +353,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
     spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
-    heartbeat: float, verbose: int, quiet: bool, log_format: str, compress: str, token_file: Path | None, tls_on: bool,
+    heartbeat: float, verbose: int, quiet: bool, log_format: str, compress: Any, token_file: Path | None, tls_on: bool,
     tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
