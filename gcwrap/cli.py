@@ -249,6 +249,8 @@ def run(
     stderr_name = expand_name(stderr_name, values, "--stderr")
     stdin_name = expand_name(stdin_name, values, "--stdin")
     job_id = job_id or ident.job_id
+    if job_id and not job_id.isprintable():  # from the batch system's environment: the shadow would refuse it
+        raise click.UsageError(f"the job id {job_id!r} from the environment holds control characters: give --job-id")
     from .agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
