@@ -679,6 +679,13 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
+        if tenant:
+            # Whose the job id is, before claiming it: a claim fences the
+            # session holding the job, and no identity may do that to another's.
+            owner = await self._worker(lambda: self.store.owner(hello.job_id))
+            if owner is not None and owner != tenant:
+                why = "belongs to another identity" if owner else "was streamed here before this shadow had identities"
+                raise StoreError(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
         job = self._claim(hello.job_id, identity, tenant)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:

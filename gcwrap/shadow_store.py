@@ -626,6 +626,12 @@ class Store:
         with self.db_lock:
             return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes, tenant)
 
+    def owner(self, job_id: str) -> str | None:
+        """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
+        with self.db_lock:
+            row = self.db.execute("SELECT owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        return None if row is None else str(row[0])
+
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
         peer: str, codes: Any, tenant: str = "",

@@ -44,6 +44,7 @@ from gcwrap.protocol import (
     decode,
     encode,
 )
+from gcwrap.shadow_store import Store, StoreError
 
 trustme = pytest.importorskip("trustme", reason="needs trustme (pip install -e '.[test]')")
 
@@ -313,6 +314,34 @@ def test_certificate_whose_cn_is_not_a_safe_directory_name_is_refused(home: Path
         sh.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_token_of_one_identity_with_the_certificate_of_another_is_refused(home: Path, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca.cert_pem.write_to_path(str(pki / "ca.pem"))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pki / "server.pem"))
+    ca.issue_cert("alice@grid", common_name="alice").private_key_and_cert_chain_pem.write_to_path(
+        str(pki / "alice.pem"))
+    tokens = tmp_path / "tokens"
+    tokens.mkdir(mode=0o700)
+    alice, bob = (_token(tokens / who).read_text().strip().encode() for who in ("alice", "bob"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--tls-cert", str(pki / "server.pem"), "--tls-ca", str(pki / "ca.pem"),
+                                       "--token-dir", str(tokens)])
+    sh.start()
+    try:
+        ctx = client_context(pki / "ca.pem", pki / "alice.pem", None)
+        hello = Hello("j1", "i1", (StreamSpec(1, "stdout", "x.out"),))
+        ev = handshake(sh.port, hello, token=bob, ctx=ctx)
+        assert isinstance(ev, Error) and ev.code is ErrorCode.AUTH_FAILED and "certificate of CN=alice" in ev.message
+        assert isinstance(handshake(sh.port, hello, token=alice, ctx=ctx), Welcome)
+        assert "[alice]: refused: authentication failed: the token of bob" in sh.log()
+    finally:
+        sh.stop()
+
+
 # -- a single-user shadow: today's layout; links refused ---------------------------------------
 
 
@@ -341,6 +370,46 @@ def test_single_user_shadow_keeps_its_layout_and_refuses_links(home: Path, tmp_p
     assert victim.read_bytes() == VICTIM and (home / "mine.txt").read_bytes() == b"MINE\n"
     assert not any((home / n).exists() for n in ("a.out", "b.out", "c.out")), "nothing written for a refused job"
     assert "[anonymous]: refused:" in shadow.log()
+
+
+def test_a_link_made_while_a_file_is_open_is_refused_when_it_is_reopened(tmp_path: Path) -> None:
+    """The descriptor cache closes idle files and opens them again, confined
+    as the first time: a link a local user made meanwhile is refused then."""
+    store = Store(tmp_path / "root")
+    try:
+        files = store.open_job(job_id="j", instance="i", streams=[StreamSpec(1, "stdout", "out")], host="h",
+                               user="u", command=[], peer="p", codes=ErrorCode, tenant="alice")
+        sf = files.outputs[1]
+        assert sf.name == "alice/out" and (tmp_path / "root" / "alice" / "out").is_file()
+        sf.close()  # as FileCache does with a clean, idle file
+        os.link(tmp_path / "root" / "alice" / "out", tmp_path / "elsewhere")
+        with pytest.raises(StoreError, match="links") as e:
+            sf.reopen(store.root_fd)
+        assert e.value.code is ErrorCode.PATH_FORBIDDEN
+        files.close()
+        with pytest.raises(StoreError, match="belongs to another identity"):
+            store.open_job(job_id="j", instance="i2", streams=[StreamSpec(1, "stdout", "out")], host="h",
+                           user="u", command=[], peer="p", codes=ErrorCode, tenant="bob")
+        assert store.owner("j") == "alice" and store.owner("new") is None
+    finally:
+        store.close()
+
+
+def test_a_refused_job_leaves_no_file_it_would_have_made(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    try:
+        root = tmp_path / "root"
+        (root / "plain").write_bytes(b"KEEP\n")
+        os.link(root / "plain", root / "linked")
+        streams = [StreamSpec(1, "stdout", "new/out"), StreamSpec(2, "stderr", "plain"),
+                   StreamSpec(3, "stdin", "linked")]
+        with pytest.raises(StoreError, match="links"):
+            store.open_job(job_id="j", instance="i", streams=streams, host="h", user="u", command=[], peer="p",
+                           codes=ErrorCode)
+        assert not (root / "new" / "out").exists(), "the file it made is removed again"
+        assert (root / "plain").read_bytes() == b"KEEP\n", "and none is cut back before every one is opened"
+    finally:
+        store.close()
 
 
 # -- names with control characters ---------------------------------------------------------------
@@ -470,9 +539,11 @@ def test_memory_of_1000_unauthenticated_connections_is_bounded_and_returned(home
             # (a trio task, a socket, a log line: about 8 MiB, which the next ones reuse).
             assert peak - before < 48 * mib, figures[-1]
             assert after - before < 32 * mib, figures[-1]
+            if what == "partial":  # more than 16 MiB were offered: the rest were told BUSY
+                assert "holds too many unfinished handshakes" in sh.log()
             kind = what.split()[0]
             if kind in ends:  # the memory of the first round was free: the second one reuses it
-                assert after < ends[kind] + 4 * mib, figures
+                assert after < ends[kind] + 8 * mib, figures
             ends[kind] = after
         print("1,000 unauthenticated connections, " + "; ".join(figures))
         ok = Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / "spool"), "--token-file",
