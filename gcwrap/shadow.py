@@ -78,6 +78,7 @@ RECEIVE_SIZE = 120 << 10
 HANDSHAKE_READ = 4 << 10  # reads before a connection has authenticated: what it holds stays small
 LINGER_READ = 16 << 10  # reads of what a refused peer still sends (dropped): a thousand of them hold little
 TRIM_AFTER = 4 << 20  # once unauthenticated connections held this much, give it back to the system when they go
+TRIM_CONNECTIONS = 512  # ...or once this many connections came and went through their handshake
 LINGER_S = 1.0  # after refusing a connection, read and drop what still comes for this long...
 LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
 
@@ -357,6 +358,8 @@ class Shadow:
         self.handshake_held: dict[int, int] = {}  # bytes each unauthenticated connection holds (by its Connection's id)
         self.handshake_bytes = 0  # their sum, at most opts.handshake_memory
         self.handshake_peak = 0  # their largest sum since the memory was last given back
+        self.unauthenticated: set[int] = set()  # connections (ids of their Connection) not authenticated yet
+        self.handshakes_seen = 0  # connections accepted since the memory was last given back
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -475,6 +478,8 @@ class Shadow:
             ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
         stream: trio.abc.Stream = tcp
+        self.unauthenticated.add(id(conn))
+        self.handshakes_seen += 1
         try:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
@@ -494,6 +499,7 @@ class Shadow:
                 await trio.aclose_forcefully(tcp)
             self.connections -= 1
             self.fds_freed.fire()
+            self._handshake_gone(conn)
 
     async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
                             cn: str) -> None:
@@ -605,11 +611,18 @@ class Shadow:
         self.handshake_peak = max(self.handshake_peak, total)
 
     def _handshake_over(self, conn: Connection) -> None:
+        """The handshake is over: what the connection held is no longer counted."""
         self.handshake_bytes -= self.handshake_held.pop(id(conn), 0)
-        if not self.handshake_bytes and self.handshake_peak >= TRIM_AFTER:
-            # A flood of unauthenticated connections is over: what they held
-            # is free, but in small pieces that malloc keeps. Give it back.
-            self.handshake_peak = 0
+
+    def _handshake_gone(self, conn: Connection) -> None:
+        """One connection fewer without authentication (it authenticated, or closed)."""
+        self.unauthenticated.discard(id(conn))
+        many = self.handshake_peak >= TRIM_AFTER or self.handshakes_seen >= TRIM_CONNECTIONS
+        if many and not self.unauthenticated:
+            # A flood of unauthenticated connections is over (refused ones
+            # included, once done lingering): what they held is free, but in
+            # small pieces that malloc keeps. Give it back.
+            self.handshake_peak = self.handshakes_seen = 0
             _trim_heap()
 
     async def _authenticate(
@@ -666,6 +679,7 @@ class Shadow:
         finally:
             self._handshake_over(conn)
         proof, named = authenticated
+        self._handshake_gone(conn)
         tenant = named if self.tenancy else ""
         who[0] = named or ("token" if self.opts.token is not None else "anonymous")
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
