@@ -453,7 +453,7 @@ class Shadow:
                 why = allow.check(ip)
             if why:
                 self.stats["refused"] += 1
-                log.warning("%s: refused before reading: %s", peer, why)
+                log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
                 if self.opts.tls is None:
                     await self._refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}", peer)
                 return None
@@ -466,7 +466,8 @@ class Shadow:
         except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
             self.stats["refused"] += 1
             cause = e.__cause__ or e
-            log.warning("%s: TLS handshake failed: %s", peer, cause if str(cause) else type(cause).__name__)
+            log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer,
+                        cause if str(cause) else type(cause).__name__)
             return None
         return tls, subject_cn(tls.getpeercert())
 
@@ -483,8 +484,8 @@ class Shadow:
         try:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
-                log.warning("%s: too many connections (%d; this shadow serves %d at once)", peer, self.connections,
-                            self.budget.max_served)
+                log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
+                            self.connections, self.budget.max_served)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
                                    retry_after=_retry_after())
                 return
