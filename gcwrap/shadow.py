@@ -686,7 +686,7 @@ class Shadow:
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
         busy = self._busy()
         if busy:
-            log.warning("%s: job %s told to come back later: %s", peer, hello.job_id, busy)
+            log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
             await self._refuse(stream, conn, ErrorCode.BUSY, busy, peer, retry_after=10)
             return
         if PROTOCOL_VERSION not in hello.versions:
