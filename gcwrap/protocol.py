@@ -64,6 +64,10 @@ SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 MAX_PAYLOAD = 1 << 20  # largest DATA / STDIN_DATA payload either side sends
 MAX_CONTROL = 64 << 10  # largest JSON control frame body
 DEFAULT_MAX_FRAME = MAX_PAYLOAD + 64
+# Until the handshake is over (WELCOME), only control frames are legal: a
+# longer one is refused from its header, so an unauthenticated peer cannot
+# make the shadow buffer a DATA-sized frame.
+MAX_HANDSHAKE_FRAME = MAX_CONTROL + 1
 
 # Offsets and lengths travel as u64 but are file offsets (off_t) at both
 # ends: no file holds more than 2**63 - 1 bytes, and pread/pwrite refuse a
@@ -169,6 +173,9 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
     },
     State.CLOSED: {Role.AGENT: {}, Role.SHADOW: {}},
 }
+
+
+_HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
 def _next_state(state: State, role: Role, event: Event) -> State | None:
@@ -350,6 +357,11 @@ class Connection:
         if length > self.max_frame:
             raise RemoteProtocolError(
                 f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if length > MAX_HANDSHAKE_FRAME and self.state in _HANDSHAKE_STATES:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes during the handshake (the limit is {MAX_HANDSHAKE_FRAME} until WELCOME)",
                 ErrorCode.FRAME_TOO_LARGE,
             )
 
