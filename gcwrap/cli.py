@@ -240,17 +240,7 @@ def run(
     address = shadow_address(shadow)
     if address is None and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
-    if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
-        raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
-    from .identity import detect
-    from .templates import values_for
-
-    ident = detect()
-    values = values_for(ident, job_id)
-    stdout_name = expand_name(stdout_name, values, "--stdout")
-    stderr_name = expand_name(stderr_name, values, "--stderr")
-    stdin_name = expand_name(stdin_name, values, "--stdin")
-    job_id = job_id or ident.job_id
+    job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
     from .agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
@@ -261,6 +251,23 @@ def run(
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
+
+
+def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, list[str | None]]:
+    """The job id (--job-id, else the batch system's) and the stream NAMEs
+    with their templates expanded; usage errors for what cannot be."""
+    if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
+        raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
+    from .identity import detect
+    from .templates import values_for
+
+    ident = detect()
+    values = values_for(ident, job_id)
+    expanded = [expand_name(name, values, option) for name, option in zip(names, ("--stdout", "--stderr", "--stdin"))]
+    job_id = job_id or ident.job_id
+    if job_id and not job_id.isprintable():  # from the batch system's environment: the shadow would refuse it
+        raise click.UsageError(f"the job id {job_id!r} from the environment holds control characters: give --job-id")
+    return job_id, expanded
 
 
 def _run(

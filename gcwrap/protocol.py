@@ -77,6 +77,10 @@ __all__ = [  # the codec's names, for who speaks the protocol through this modul
 
 MAGIC = b"GCWRAP\r\n"
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+# Until the handshake is over (WELCOME), only control frames are legal: a
+# longer one is refused from its header, so an unauthenticated peer cannot
+# make the shadow buffer a DATA-sized frame.
+MAX_HANDSHAKE_FRAME = MAX_CONTROL + 1
 _SMALL = 4096  # received pieces shorter than this are copied together, not kept one by one
 
 
@@ -130,6 +134,9 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
     },
     State.CLOSED: {Role.AGENT: {}, Role.SHADOW: {}},
 }
+
+
+_HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
 def _next_state(state: State, role: Role, event: Event) -> State | None:
@@ -316,6 +323,11 @@ class Connection:
         if length > self.max_frame:
             raise RemoteProtocolError(
                 f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if length > MAX_HANDSHAKE_FRAME and self.state in _HANDSHAKE_STATES:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes during the handshake (the limit is {MAX_HANDSHAKE_FRAME} until WELCOME)",
                 ErrorCode.FRAME_TOO_LARGE,
             )
 

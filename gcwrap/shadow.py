@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import trio
 
 from . import compress
-from .auth import AllowList, SubjectMap, agent_mac, new_nonce, same, shadow_proof, subject_cn
+from .auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
 from .events import (
     PROTOCOL_VERSION,
     Ack,
@@ -80,6 +80,10 @@ T = TypeVar("T")
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
+HANDSHAKE_READ = 4 << 10  # reads before a connection has authenticated: what it holds stays small
+LINGER_READ = 16 << 10  # reads of what a refused peer still sends (dropped): a thousand of them hold little
+TRIM_AFTER = 4 << 20  # once unauthenticated connections held this much, give it back to the system when they go
+TRIM_CONNECTIONS = 512  # ...or once this many connections came and went through their handshake
 LINGER_S = 1.0  # after refusing a connection, read and drop what still comes for this long...
 LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
 
@@ -108,11 +112,13 @@ class ShadowOptions:
     min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
     port_file: Path | None = None
     token: bytes | None = None  # require the token challenge-response (gcwrap.auth)
+    tokens: dict[str, bytes] = field(default_factory=dict)  # identity -> its own token (gcwrap.auth.load_token_dir)
     tls: ssl.SSLContext | None = None  # TLS (mutual when it requires client certificates)
     allow: AllowList = field(default_factory=AllowList)  # who may connect at all
     subjects: SubjectMap = field(default_factory=SubjectMap)  # certificate CN -> job ids it may write
     quota: int = 0  # bytes one job may write in all (0: no limit)
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
+    handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
 
 
 class ListenError(Exception):
@@ -137,6 +143,7 @@ class LiveJob:
 
     job_id: str
     identity: str = ""
+    tenant: str = ""  # the identity whose part of the root the job's files are in ("": the root itself)
     files: JobFiles = field(init=False)
     prev: list[LiveJob] = field(default_factory=list)
     scope: trio.CancelScope | None = None
@@ -369,6 +376,14 @@ class Shadow:
         self.serving: trio.CancelScope | None = None
         # Compressed DATA is accepted from agents that offer it, when this Python can decode it.
         self.features = (compress.FEATURE,) if compress.available() else ()
+        # With identities (per-identity tokens, or client certificates), each
+        # identity's files are under ROOT/<identity>/; without, under ROOT.
+        self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
+        self.handshake_held: dict[int, int] = {}  # bytes each unauthenticated connection holds (by its Connection's id)
+        self.handshake_bytes = 0  # their sum, at most opts.handshake_memory
+        self.handshake_peak = 0  # their largest sum since the memory was last given back
+        self.unauthenticated: set[int] = set()  # connections (ids of their Connection) not authenticated yet
+        self.handshakes_seen = 0  # connections accepted since the memory was last given back
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -488,7 +503,7 @@ class Shadow:
                 why = allow.check(ip)
             if why:
                 self.stats["refused"] += 1
-                log.warning("%s: refused before reading: %s", peer, why)
+                log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
                 if self.opts.tls is None:
                     await self._refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}", peer)
                 return None
@@ -501,7 +516,8 @@ class Shadow:
         except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
             self.stats["refused"] += 1
             cause = e.__cause__ or e
-            log.warning("%s: TLS handshake failed: %s", peer, cause if str(cause) else type(cause).__name__)
+            log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer,
+                        cause if str(cause) else type(cause).__name__)
             return None
         return tls, subject_cn(tls.getpeercert())
 
@@ -513,11 +529,13 @@ class Shadow:
             ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
         stream: trio.abc.Stream = tcp
+        self.unauthenticated.add(id(conn))
+        self.handshakes_seen += 1
         try:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
-                log.warning("%s: too many connections (%d; this shadow serves %d at once)", peer, self.connections,
-                            self.budget.max_served)
+                log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
+                            self.connections, self.budget.max_served)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
                                    retry_after=_retry_after())
                 return
@@ -532,41 +550,44 @@ class Shadow:
                 await trio.aclose_forcefully(tcp)
             self.connections -= 1
             self.fds_freed.fire()
+            self._handshake_gone(conn)
 
     async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
                             cn: str) -> None:
-        """Serve one admitted connection; every failure ends in an ERROR to the peer."""
+        """Serve one admitted connection; every failure ends in an ERROR to the
+        peer, and a log line naming the peer and its identity."""
+        who = [cn or "unauthenticated"]  # the identity, once the handshake has established it
         try:
             with first_error():
-                await self._serve_connection(stream, conn, peer, identity, cn)
+                await self._serve_connection(stream, conn, peer, identity, cn, who)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
-            log.info("%s: connection lost (%s)", peer, e)
+            log.info("%s [%s]: connection lost (%s)", peer, who[0], e)
         except ProtocolError as e:
-            log.warning("%s: protocol error: %s", peer, e)
+            log.warning("%s [%s]: protocol error: %s", peer, who[0], e)
             await self._refuse(stream, conn, e.code, str(e), peer)
         except StoreError as e:
             self.stats["refused"] += 1
-            log.warning("%s: refused: %s", peer, e)
+            log.warning("%s [%s]: refused: %s", peer, who[0], e)
             await self._refuse(stream, conn, e.code, str(e), peer)
         except trio.TooSlowError:
-            log.warning("%s: timed out", peer)
+            log.warning("%s [%s]: timed out", peer, who[0])
             await self._refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent", peer)
         except Fenced as e:
-            log.info("%s: connection stopped: %s", peer, e)
+            log.info("%s [%s]: connection stopped: %s", peer, who[0], e)
             await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
         except ShuttingDown as e:
-            log.info("%s: %s", peer, e)
+            log.info("%s [%s]: %s", peer, who[0], e)
             await self._refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), peer, retry_after=STOP_RETRY_AFTER)
         except OSError as e:
             if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
-                log.warning("%s: out of descriptors: %s", peer, e.strerror)
+                log.warning("%s [%s]: out of descriptors: %s", peer, who[0], e.strerror)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors", peer,
                                    retry_after=_retry_after())
             else:
-                log.error("%s: I/O error: %s", peer, e)
+                log.error("%s [%s]: I/O error: %s", peer, who[0], e)
                 await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
         except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
-            log.exception("%s: internal error", peer)
+            log.exception("%s [%s]: internal error", peer, who[0])
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
 
     async def _refuse(
@@ -591,15 +612,17 @@ class Shadow:
                     await stream.send_eof()
                 drained = 0
                 while drained < LINGER_BYTES:
-                    data = await stream.receive_some(RECEIVE_SIZE)
-                    if not data:
+                    # (no reference kept to what was read while waiting for more:
+                    # a thousand refused connections must not hold a read each)
+                    n = len(await stream.receive_some(LINGER_READ))
+                    if not n:
                         break
-                    drained += len(data)
+                    drained += n
             except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
                 pass
 
-    async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:
-        data = await stream.receive_some(RECEIVE_SIZE)
+    async def _next_events(self, stream: trio.abc.Stream, conn: Connection, size: int = RECEIVE_SIZE) -> list[Event]:
+        data = await stream.receive_some(size)
         conn.receive_data(data)
         events: list[Event] = []
         while True:
@@ -618,7 +641,8 @@ class Shadow:
         protocol); None if it closed or gave up. Events that arrived in the
         same read stay in `pending`, in order, for whoever reads next."""
         while not pending:
-            pending.extend(await self._next_events(stream, conn))
+            pending.extend(await self._next_events(stream, conn, HANDSHAKE_READ))
+            self._charge_handshake(conn)
         ev = pending.pop(0)
         if isinstance(ev, kind):
             return ev
@@ -626,14 +650,45 @@ class Shadow:
             return None
         raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}", ErrorCode.UNEXPECTED)
 
+    def _charge_handshake(self, conn: Connection) -> None:
+        """Count what an unauthenticated connection holds (bytes received, not
+        yet a whole frame). Each holds at most one control frame (the
+        protocol refuses a longer one from its header); all together at most
+        `handshake_memory`: the one that would pass it is told BUSY."""
+        key = id(conn)
+        held = conn.buffered
+        total = self.handshake_bytes - self.handshake_held.get(key, 0) + held
+        if held and total > self.opts.handshake_memory:
+            raise StoreError(ErrorCode.BUSY, "the shadow holds too many unfinished handshakes: try again later")
+        self.handshake_bytes = total
+        self.handshake_held[key] = held
+        self.handshake_peak = max(self.handshake_peak, total)
+
+    def _handshake_over(self, conn: Connection) -> None:
+        """The handshake is over: what the connection held is no longer counted."""
+        self.handshake_bytes -= self.handshake_held.pop(id(conn), 0)
+
+    def _handshake_gone(self, conn: Connection) -> None:
+        """One connection fewer without authentication (it authenticated, or closed)."""
+        self.unauthenticated.discard(id(conn))
+        many = self.handshake_peak >= TRIM_AFTER or self.handshakes_seen >= TRIM_CONNECTIONS
+        if many and not self.unauthenticated:
+            # A flood of unauthenticated connections is over (refused ones
+            # included, once done lingering): what they held is free, but in
+            # small pieces that malloc keeps. Give it back.
+            self.handshake_peak = self.handshakes_seen = 0
+            _trim_heap()
+
     async def _authenticate(
         self, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str, pending: list[Event]
-    ) -> str | None:
-        """The token challenge-response and the certificate's rights; returns
-        the shadow's proof for WELCOME, or None if the agent went away."""
+    ) -> tuple[str, str] | None:
+        """The token challenge-response and the identity's rights; returns
+        the shadow's proof for WELCOME and the identity (its certificate's
+        CN, or the name of its token; "" if none), or None if the agent went away."""
         proof = ""
-        token = self.opts.token
-        if token is not None:
+        identity = cn
+        tokens = self.opts.tokens or ({"": self.opts.token} if self.opts.token is not None else {})
+        if tokens:
             if not hello.nonce:
                 raise StoreError(ErrorCode.AUTH_FAILED,
                                  "this shadow requires token authentication: start gcwrap with --token-file")
@@ -643,28 +698,48 @@ class Shadow:
             if auth is None:
                 return None
             assert isinstance(auth, Auth)
-            if not same(auth.mac, agent_mac(token, hello.nonce, nonce, hello.job_id, hello.instance)):
+            found = match_token(tokens, auth.mac, hello.nonce, nonce, hello.job_id, hello.instance)
+            if found is None:
                 raise StoreError(ErrorCode.AUTH_FAILED, "authentication failed: wrong token")
+            name, token = found
+            if name:  # a token of its own names the identity; a certificate must name the same one
+                if cn and cn != name:
+                    raise StoreError(ErrorCode.AUTH_FAILED,
+                                     f"authentication failed: the token of {name} came with the certificate of CN={cn}")
+                identity = name
             proof = shadow_proof(token, hello.nonce, nonce)
-        if cn and not self.opts.subjects.allows(cn, hello.job_id):
-            raise StoreError(ErrorCode.AUTH_FAILED, f"certificate CN={cn} may not write job {hello.job_id}")
-        return proof
+        if self.tenancy:
+            why = identity_problem(identity) if identity else "the client certificate names no subject CN"
+            if why:
+                raise StoreError(ErrorCode.AUTH_FAILED, f"authentication failed: {why}")
+        if identity and not self.opts.subjects.allows(identity, hello.job_id):
+            what = f"certificate CN={identity}" if identity == cn else f"identity {identity}"
+            raise StoreError(ErrorCode.AUTH_FAILED, f"{what} may not write job {hello.job_id}")
+        return proof, identity
 
     async def _serve_connection(
-        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str
+        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str, who: list[str]
     ) -> None:
         pending: list[Event] = []
-        with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
-            hello = await self._await(stream, conn, Hello, pending)
-            if hello is None:
-                return
-            assert isinstance(hello, Hello)
-            proof = await self._authenticate(stream, conn, hello, cn, pending)
-            if proof is None:
-                return
+        try:
+            with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
+                hello = await self._await(stream, conn, Hello, pending)
+                if hello is None:
+                    return
+                assert isinstance(hello, Hello)
+                authenticated = await self._authenticate(stream, conn, hello, cn, pending)
+                if authenticated is None:
+                    return
+        finally:
+            self._handshake_over(conn)
+        proof, named = authenticated
+        self._handshake_gone(conn)
+        tenant = named if self.tenancy else ""
+        who[0] = named or ("token" if self.opts.token is not None else "anonymous")
+        identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
         busy = self._busy()
         if busy:
-            log.warning("%s: job %s told to come back later: %s", peer, hello.job_id, busy)
+            log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
             await self._refuse(stream, conn, ErrorCode.BUSY, busy, peer, retry_after=10)
             return
         if PROTOCOL_VERSION not in hello.versions:
@@ -672,24 +747,32 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
+        if tenant:
+            # Whose the job id is, before claiming it: a claim fences the
+            # session holding the job, and no identity may do that to another's.
+            owner = await self._worker(lambda: self.store.owner(hello.job_id))
+            if owner is not None and owner != tenant:
+                why = "belongs to another identity" if owner else "was streamed here before this shadow had identities"
+                raise StoreError(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
         if self.stopping:
             raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
-        job = self._claim(hello.job_id, identity)  # no await since the handshake was read
+        job = self._claim(hello.job_id, identity, tenant)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope  # before the first await: a later claim cancels this one wherever it waits
-                await self._open_job(job, hello, peer)
+                await self._open_job(job, hello, peer, tenant)
                 files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
                 features = tuple(f for f in self.features if f in hello.features)
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features)
                 self._check(job)
                 await stream.send_all(conn.send(welcome))
-                log.info("%s: job %s session %d (%s)", peer, files.job_id, files.session, hello.host or "?")
+                log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
+                         hello.host or "?")
                 send_lock = trio.Lock()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
-                    await self._receive(stream, conn, job, send_lock, peer, pending)
+                    await self._receive(stream, conn, job, send_lock, f"{peer} [{who[0]}]", pending)
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught and self.stopping and not job.fenced:
                 await self.durability.flush(job)  # what it wrote is durable before the agent is told
@@ -713,11 +796,15 @@ class Shadow:
                 return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
         return ""
 
-    def _claim(self, job_id: str, identity: str) -> LiveJob:
+    def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
         """A new session takes the job, at once: no await between looking up
         who holds it and taking it, so one session holds a job at any instant.
         The holder until now is fenced: it writes, records and acknowledges
-        nothing more, and its handler is cancelled."""
+        nothing more, and its handler is cancelled. Only by a session of the
+        same identity: a job id another identity is streaming is refused."""
+        held = self.live.get(job_id)
+        if held is not None and held.tenant != tenant:
+            raise StoreError(ErrorCode.AUTH_FAILED, f"job {job_id} belongs to another identity")
         cap = self.opts.max_jobs_per_identity
         if cap and job_id not in self.live:
             mine = sum(1 for j in self.live.values() if j.identity == identity)
@@ -727,7 +814,7 @@ class Shadow:
         if old is not None:
             old.fence("a newer connection of this job took over")
         sessions = self.sessions.setdefault(job_id, [])
-        job = LiveJob(job_id, identity, prev=list(sessions))
+        job = LiveJob(job_id, identity, tenant, prev=list(sessions))
         sessions.append(job)
         self.live[job_id] = job
         return job
@@ -742,7 +829,7 @@ class Shadow:
             job.fence("a newer connection of this job took over")
             job.check()
 
-    async def _open_job(self, job: LiveJob, hello: Hello, peer: str) -> None:
+    async def _open_job(self, job: LiveJob, hello: Hello, peer: str, tenant: str = "") -> None:
         """Open the files of a claimed job at their durable lengths, once no
         earlier session of the job can write them: every one is fenced and
         is waited for until its files are closed. After every await, the
@@ -766,6 +853,7 @@ class Shadow:
                 command=list(hello.command),
                 peer=peer,
                 codes=ErrorCode,
+                tenant=tenant,
             )
         )
         job.files = files  # before any other await: whatever happens next, _release closes them
@@ -967,6 +1055,23 @@ class Shadow:
         async with lock:
             self._check(job)
             await stream.send_all(conn.send(Done()))
+
+
+def _trim_heap() -> None:
+    """Return free heap memory to the system (glibc's malloc_trim; elsewhere nothing)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _retry_after() -> float:

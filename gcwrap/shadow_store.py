@@ -86,7 +86,12 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
-def _m002_wire(db: sqlite_utils.Database) -> None:
+def _m002_owner(db: sqlite_utils.Database) -> None:
+    # The identity a job belongs to ("" on a shadow without identities).
+    db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+
+
+def _m003_wire(db: sqlite_utils.Database) -> None:
     # Bytes that crossed the wire for a stream (compressed or not); NULL for
     # streams recorded before it was counted.
     db.execute("ALTER TABLE streams ADD COLUMN wire INTEGER")
@@ -94,7 +99,8 @@ def _m002_wire(db: sqlite_utils.Database) -> None:
 
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
-    (2, "wire", _m002_wire),
+    (2, "owner", _m002_owner),
+    (3, "wire", _m003_wire),
 ]
 
 
@@ -239,10 +245,13 @@ def _open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
     return fd
 
 
-def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) -> int:
+def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, made: list[str] | None = None) -> int:
     """Open NAME under the root without following any symlink; only regular
-    files. With `write` and `create`, missing directories and the file are
-    made. Raises NameError_ for a refused name, OSError for I/O failures."""
+    files with one link (a hard link made in the root could lead to any file
+    of the file system, or to another identity's). With `write` and
+    `create`, missing directories and the file are made (the file's name
+    appended to `made`). Raises NameError_ for a refused name, OSError for
+    I/O failures."""
     parts = split_name(name)
     make = write and create
     try:
@@ -259,7 +268,14 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) 
         flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         flags |= (os.O_WRONLY | (os.O_CREAT if create else 0)) if write else os.O_RDONLY
         try:
-            fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            if made is not None and flags & os.O_CREAT:
+                try:  # which files a refused job made, to remove them again
+                    fd = os.open(parts[-1], flags | os.O_EXCL, 0o644, dir_fd=dfd)
+                    made.append(name)
+                except FileExistsError:
+                    fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            else:
+                fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
         except OSError as e:
             if e.errno == 40:
                 raise NameError_(f"{name!r} is a symlink") from None
@@ -274,6 +290,9 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) 
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NameError_(f"{name!r} is not a regular file")
+    if st.st_nlink > 1:
+        os.close(fd)
+        raise NameError_(f"{name!r} has {st.st_nlink} links (hard links lead to other files): refused, as a symlink is")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
@@ -607,19 +626,33 @@ class Store:
         command: list[str],
         peer: str,
         codes: Any,
+        tenant: str = "",
     ) -> JobFiles:
         """Claim or resume a job's files. A new instance (attempt) of a job
-        starts its files afresh; a known one resumes at the durable lengths."""
+        starts its files afresh; a known one resumes at the durable lengths.
+        With a `tenant` (an identity), the job's names are under ROOT/tenant/
+        and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
-            return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes)
+            return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes, tenant)
+
+    def owner(self, job_id: str) -> str | None:
+        """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
+        with self.db_lock:
+            row = self.db.execute("SELECT owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        return None if row is None else str(row[0])
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
-        peer: str, codes: Any,
+        peer: str, codes: Any, tenant: str = "",
     ) -> JobFiles:
         db = self.db
         now = time.time()
-        row = db.execute("SELECT instance, session, state FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        row = db.execute("SELECT instance, session, state, owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        if row is not None and row[3] != tenant:
+            if not row[3]:
+                raise StoreError(codes.AUTH_FAILED, f"job {job_id} was streamed here before this shadow had "
+                                                    "identities: give the job another id")
+            raise StoreError(codes.AUTH_FAILED, f"job {job_id} belongs to another identity")
         seen = db.execute(
             "SELECT 1 FROM instances WHERE job_id = ? AND instance = ?", [job_id, instance]
         ).fetchone()
@@ -628,23 +661,20 @@ class Store:
             raise StoreError(codes.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
         if not fresh and row[2] == "finished":
             pass  # resending EXIT after a lost DONE: welcome it, the lengths will match
-        names: dict[str, int] = {}
-        for spec in streams:
-            try:
-                norm = "/".join(split_name(spec.name))
-            except NameError_ as e:
-                raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
-            if spec.kind != "stdin":
-                if norm in names:
-                    raise StoreError(codes.PATH_FORBIDDEN, f"two streams of the job name {norm!r}")
-                names[norm] = spec.id
-                owner = db.execute(
-                    """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
-                       WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
-                    [norm, job_id],
-                ).fetchone()
-                if owner:
-                    raise StoreError(codes.PATH_OWNED, f"{norm!r} belongs to job {owner[0]}, which is still active")
+        named = self._names(job_id, streams, tenant, codes)
+        # Every file is opened (and refused) before any is cut back or
+        # recorded: nothing is written for a refused job, and files it made
+        # are removed again.
+        made: list[str] = []
+        fds: list[int] = []
+        try:
+            for spec, norm in named:
+                fds.append(self._open_fd(spec, norm, codes, made))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            self._unmake(made)
+            raise
         files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1)
         try:
             with transaction(db.conn):
@@ -652,8 +682,8 @@ class Store:
                     db.execute("DELETE FROM streams WHERE job_id = ?", [job_id])
                     db.execute(
                         """INSERT OR REPLACE INTO jobs (job_id, instance, host, user, command, peer, state,
-                           session, first_seen, last_seen) VALUES (?, ?, ?, ?, ?, ?, 'streaming', ?, ?, ?)""",
-                        [job_id, instance, host, user, json.dumps(command), peer, files.session, now, now],
+                           session, first_seen, last_seen, owner) VALUES (?, ?, ?, ?, ?, ?, 'streaming', ?, ?, ?, ?)""",
+                        [job_id, instance, host, user, json.dumps(command), peer, files.session, now, now, tenant],
                     )
                     db.execute("INSERT OR IGNORE INTO instances VALUES (?, ?, ?)", [job_id, instance, now])
                 else:
@@ -662,24 +692,72 @@ class Store:
                         "THEN 'finished' ELSE 'streaming' END WHERE job_id = ?",
                         [files.session, peer, now, job_id],
                     )
-                for spec in streams:
-                    norm = "/".join(split_name(spec.name))
-                    self._open_stream(files, spec, norm, fresh, codes)
+                while fds:
+                    (spec, norm), fd = named.pop(0), fds.pop(0)
+                    self._open_stream(files, spec, norm, fd, fresh, codes)
         except BaseException:
+            for fd in fds:
+                os.close(fd)
             files.close()
+            self._unmake(made)
             raise
         return files
 
-    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fresh: bool, codes: Any) -> None:
-        db = self.db
+    def _names(self, job_id: str, streams: list[StreamSpec], tenant: str, codes: Any) -> list[tuple[StreamSpec, str]]:
+        """Each stream with its name under the root, refusing names that
+        escape it, two outputs of one name, and outputs another active job holds."""
+        names: dict[str, int] = {}
+        named: list[tuple[StreamSpec, str]] = []
+        for spec in streams:
+            try:
+                norm = "/".join(split_name(spec.name))
+            except NameError_ as e:
+                raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
+            if tenant:  # the identity's part of the root: opened from the root, one directory at a time
+                norm = f"{tenant}/{norm}"
+            named.append((spec, norm))
+            if spec.kind != "stdin":
+                if norm in names:
+                    raise StoreError(codes.PATH_FORBIDDEN, f"two streams of the job name {norm!r}")
+                names[norm] = spec.id
+                owner = self.db.execute(
+                    """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
+                       WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
+                    [norm, job_id],
+                ).fetchone()
+                if owner:
+                    raise StoreError(codes.PATH_OWNED, f"{norm!r} belongs to job {owner[0]}, which is still active")
+        return named
+
+    def _open_fd(self, spec: StreamSpec, norm: str, codes: Any, made: list[str]) -> int:
         try:
-            fd = open_confined(self.root_fd, norm, write=spec.kind != "stdin")
+            return open_confined(self.root_fd, norm, write=spec.kind != "stdin", made=made)
         except NameError_ as e:
             raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
         except FileNotFoundError:
             raise StoreError(codes.NOT_FOUND, f"stdin file {norm!r} does not exist at the shadow") from None
         except OSError as e:
             raise StoreError(codes.IO_ERROR, f"cannot open {norm!r}: {e.strerror}") from None
+
+    def _unmake(self, made: list[str]) -> None:
+        """Remove the (still empty) files a refused job made."""
+        for name in made:
+            parts = split_name(name)
+            try:
+                dfd = _open_dir(self.root_fd, parts[:-1], create=False)
+            except OSError:
+                continue
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                    os.unlink(parts[-1], dir_fd=dfd)
+            except OSError:
+                pass
+            finally:
+                os.close(dfd)
+
+    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, fresh: bool, codes: Any) -> None:
+        db = self.db
         if spec.kind == "stdin":
             files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session)
             files.stdin.identify()
