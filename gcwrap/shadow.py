@@ -31,31 +31,25 @@ file, and no file is cut back beneath a session that could still write it.
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import math
 import os
-import random
-import resource
 import signal
 import ssl
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
 from . import compress
-from .auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
+from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
+from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
+from .durability import Durability, Fenced, LiveJob
 from .events import (
     PROTOCOL_VERSION,
     Ack,
-    Auth,
-    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -71,29 +65,15 @@ from .events import (
     Welcome,
     ZData,
 )
-from .protocol import NEED_DATA, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile, Superseded
-from .sync import Signal, first_error
+from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
+from .protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from .shadow_files import FileCache, JobFiles, StoreError, StreamFile
+from .shadow_store import Store
+from .sync import first_error
 
 log = logging.getLogger("gcshadow")
 T = TypeVar("T")
 
-# Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
-RECEIVE_SIZE = 120 << 10
-HANDSHAKE_READ = 4 << 10  # reads before a connection has authenticated: what it holds stays small
-LINGER_READ = 16 << 10  # reads of what a refused peer still sends (dropped): a thousand of them hold little
-TRIM_AFTER = 4 << 20  # once unauthenticated connections held this much, give it back to the system when they go
-TRIM_CONNECTIONS = 512  # ...or once this many connections came and went through their handshake
-LINGER_S = 1.0  # after refusing a connection, read and drop what still comes for this long...
-LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
-
-# Descriptors kept for the shadow itself on top of those open when it starts
-# serving: listeners, name lookups, SQLite's temporary files, and the files
-# a job handshake opens before the cache can make room (up to 16 streams and
-# two directories).
-FD_MARGIN = 48
-ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
 # Stopping (SIGTERM, SIGINT): every session makes what it wrote durable and
 # tells its agent SHUTTING_DOWN, within STOP_GRACE seconds; the agents come
 # back after STOP_RETRY_AFTER, without counting a failure (a restart).
@@ -101,256 +81,15 @@ STOP_GRACE = 10.0
 STOP_RETRY_AFTER = 3.0
 
 
-@dataclass
-class ShadowOptions:
-    root: Path
-    host: str = "127.0.0.1"
-    port: int = 50000
-    handshake_timeout: float = 10.0
-    idle_timeout: float = 60.0
-    max_connections: int = 20000
-    min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
-    port_file: Path | None = None
-    token: bytes | None = None  # require the token challenge-response (gcwrap.auth)
-    tokens: dict[str, bytes] = field(default_factory=dict)  # identity -> its own token (gcwrap.auth.load_token_dir)
-    tls: ssl.SSLContext | None = None  # TLS (mutual when it requires client certificates)
-    allow: AllowList = field(default_factory=AllowList)  # who may connect at all
-    subjects: SubjectMap = field(default_factory=SubjectMap)  # certificate CN -> job ids it may write
-    quota: int = 0  # bytes one job may write in all (0: no limit)
-    max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
-    handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
-
 
 class ListenError(Exception):
     """The shadow cannot listen where it was asked to (or say where it listens)."""
 
 
-class Fenced(Exception):
-    """This connection must stop: replaced by a newer one, or its files failed."""
-
 
 class ShuttingDown(Exception):
     """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
 
-
-@dataclass(eq=False)
-class LiveJob:
-    """One session of a job, from its claim until its files are closed.
-
-    `files` is empty (session 0) until the session has opened them. `prev`
-    are the sessions of the job claimed before this one whose files may
-    still be open: this one opens the files only once they are all `gone`."""
-
-    job_id: str
-    identity: str = ""
-    tenant: str = ""  # the identity whose part of the root the job's files are in ("": the root itself)
-    files: JobFiles = field(init=False)
-    prev: list[LiveJob] = field(default_factory=list)
-    scope: trio.CancelScope | None = None
-    durable_changed: Signal = field(default_factory=Signal)
-    gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
-    fenced: str = ""  # why this session must stop, once it must
-    finished: bool = False
-
-    def __post_init__(self) -> None:
-        self.files = JobFiles(self.job_id, "", session=0)
-
-    def fence(self, why: str) -> None:
-        """Stop this session: no write, record or ACK after this; its handler is cancelled."""
-        self.fenced = self.fenced or why
-        if self.scope is not None:
-            self.scope.cancel()
-
-    def check(self) -> None:
-        """Raise Fenced unless this session may still act for its job."""
-        if self.fenced:
-            raise Fenced(self.fenced)
-
-
-class Durability:
-    """Group commit for every job: sync dirty files, record, then wake ackers.
-
-    A thread of its own loops over batches: take every file marked dirty
-    since the last batch, sync them (`Store.make_durable`: syncfs or
-    fdatasync), commit their new lengths to the state database, hand the
-    results to the event loop, and start the next batch at once, while the
-    loop applies the results: the lengths become `durable`, which is what
-    the ackers send. Nothing is acknowledged before both sync and commit.
-
-    `mutex` guards `pending` and every file's `pins` (a pinned file is in a
-    batch: its descriptor must not be closed, so its number is not reused
-    under a sync). A file whose sync failed is never synced or recorded
-    again in its session: after a reported writeback error a later sync can
-    succeed although the bytes are gone. A length is recorded only while
-    the file's session still holds its job (`Store.record_durable`): a
-    batch of a fenced session that lands late records and acknowledges
-    nothing, and cuts nothing back."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.mutex = threading.Lock()
-        self.cond = threading.Condition(self.mutex)
-        self.pending: dict[StreamFile, LiveJob] = {}
-        self.thread_idle = False
-        self.stopping = False
-        self.inbox: collections.deque[Any] = collections.deque()
-        self.arrived = Signal()
-        self.done = Signal()  # fired after every batch is applied: files became clean, pins dropped
-        self.batches = 0
-        self.token: trio.lowlevel.TrioToken | None = None
-
-    def mark(self, sf: StreamFile, job: LiveJob) -> None:
-        with self.mutex:
-            self.pending[sf] = job
-            if self.thread_idle:
-                self.thread_idle = False
-                self.cond.notify()
-
-    def drop(self, job: LiveJob) -> None:
-        """Forget the files of one session that wait for a batch (it is leaving)."""
-        with self.mutex:
-            for sf in [sf for sf, owner in self.pending.items() if owner is job]:
-                del self.pending[sf]
-
-    # -- the durability thread ---------------------------------------------------
-
-    def _thread(self) -> None:
-        try:
-            while True:
-                with self.cond:
-                    while not self.pending and not self.stopping:
-                        self.thread_idle = True
-                        self.cond.wait()
-                    self.thread_idle = False
-                    if self.stopping:
-                        return
-                self._post(self.run_batch())
-        except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
-            self._post(e)
-
-    def run_batch(self) -> tuple[dict[StreamFile, LiveJob], list[tuple[StreamFile, int, OSError | None]], str]:
-        """One batch (blocking): take every file marked so far, sync and
-        record them. The result is for `apply`, in the event loop."""
-        with self.mutex:
-            batch, self.pending = self.pending, {}
-            snapshot = []
-            for sf in batch:
-                sf.pins += 1
-                snapshot.append((sf, sf.written))  # bytes pwritten before this are covered
-        try:
-            todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
-            results, db_error = self.store.make_durable(todo) if todo else ([], "")
-            failed = OSError(errno.EIO, "an earlier sync of this file failed")
-            results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
-            for sf, _, err in results:
-                if err is not None and not isinstance(err, Superseded):
-                    sf.sync_failed = True  # before the next batch can pick it up
-        finally:
-            with self.mutex:
-                for sf, _ in snapshot:
-                    sf.pins -= 1
-        return batch, results, db_error
-
-    def _post(self, item: Any) -> None:
-        self.inbox.append(item)
-        assert self.token is not None
-        try:
-            self.token.run_sync_soon(self.arrived.fire)
-        except trio.RunFinishedError:
-            pass
-
-    # -- in the event loop -------------------------------------------------------------
-
-    async def run(self) -> None:
-        self.token = trio.lowlevel.current_trio_token()
-        thread = threading.Thread(target=self._thread, name="gcshadow-durability", daemon=True)
-        thread.start()
-        try:
-            while True:
-                while not self.inbox:
-                    await self.arrived.wait()
-                item = self.inbox.popleft()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the durability thread failed") from item  # noqa: TRY004
-                self.apply(*item)
-        finally:
-            with self.cond:
-                self.stopping = True
-                self.cond.notify()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(thread.join)
-            # The last batch dropped its pins but is never applied: wake who
-            # waits for pins to drop (a session closing its files), or it
-            # waits forever and the shadow never stops.
-            self.done.fire()
-
-    def apply(
-        self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
-    ) -> None:
-        """A batch's results: lengths become durable (what the ackers send);
-        a file whose sync failed is cut back and its session fenced."""
-        if db_error:
-            log.error("cannot record durable lengths in the state database: %s", db_error)
-        self.batches += 1
-        for sf, n, err in results:
-            job = batch.get(sf)
-            if err is None:
-                sf.durable = max(sf.durable, n)
-                continue
-            if isinstance(err, Superseded):
-                # A newer session holds the job: this one's bytes are not its
-                # to record. Nothing is cut back: the file may be the newer
-                # session's by now.
-                if job is not None:
-                    job.fence(str(err))
-                continue
-            if sf.cut_back:
-                continue
-            # After a failed fsync the kernel may have dropped the dirty
-            # pages: nothing past `durable` can be trusted. Cut back and
-            # make the agent resend from there (in a new session).
-            sf.cut_back = True
-            log.error("cannot sync %s: %s", sf.name, err.strerror)
-            sf.written = sf.durable
-            if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
-                try:
-                    os.ftruncate(sf.fd, sf.durable)
-                except OSError:
-                    pass
-            if job is not None:
-                job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
-        for job in set(batch.values()):
-            job.durable_changed.fire()
-        self.done.fire()
-
-    async def flush(self, job: LiveJob) -> None:
-        """Wait until every byte written for `job` so far is durable."""
-        while any(sf.durable < sf.written for sf in job.files.outputs.values()):
-            await job.durable_changed.wait()
-
-
-class FdBudget:
-    """How many connections and open files RLIMIT_NOFILE allows.
-
-    `avail` descriptors (the limit, less those open at start and a margin)
-    are shared by sockets and cached files. Up to `max_served` connections
-    are served; the next `headroom` ones are accepted only to be told BUSY;
-    beyond that the shadow stops accepting until a descriptor is freed. The
-    file cache always keeps at least `min_files`."""
-
-    def __init__(self, limit: int, in_use: int, max_connections: int) -> None:
-        self.limit = limit
-        self.avail = max(limit - in_use - FD_MARGIN, 4)
-        self.min_files = min(max(self.avail // 8, 16), 1024)
-        self.headroom = min(max(self.avail // 16, 4), 512)
-        self.max_served = max(1, min(max_connections, self.avail - self.min_files - self.headroom))
-
-
-def _open_fds() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 64
 
 
 class Shadow:
@@ -366,7 +105,7 @@ class Shadow:
         self.durability = Durability(store)  # a thread of its own
         self.files = FileCache(store.root_fd, self.durability.mutex)
         self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
-        self.budget = FdBudget(_nofile(), _open_fds(), opts.max_connections)
+        self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
@@ -379,11 +118,7 @@ class Shadow:
         # With identities (per-identity tokens, or client certificates), each
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
-        self.handshake_held: dict[int, int] = {}  # bytes each unauthenticated connection holds (by its Connection's id)
-        self.handshake_bytes = 0  # their sum, at most opts.handshake_memory
-        self.handshake_peak = 0  # their largest sum since the memory was last given back
-        self.unauthenticated: set[int] = set()  # connections (ids of their Connection) not authenticated yet
-        self.handshakes_seen = 0  # connections accepted since the memory was last given back
+        self.handshakes = HandshakeMemory(opts.handshake_memory)  # what unauthenticated connections hold
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -397,7 +132,7 @@ class Shadow:
             elif e.errno == errno.EACCES and self.opts.port < 1024:
                 hint = " (ports below 1024 need privileges: choose --port 1024-65535)"
             raise ListenError(f"cannot listen on {self.opts.host}:{self.opts.port}: {e.strerror or e}{hint}") from None
-        self.budget = FdBudget(_nofile(), _open_fds(), self.opts.max_connections)
+        self.budget = FdBudget(nofile(), open_fds(), self.opts.max_connections)
         b = self.budget
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
@@ -491,36 +226,6 @@ class Shadow:
 
     # -- one connection ----------------------------------------------------
 
-    async def _admit(self, tcp: trio.SocketStream, conn: Connection, peer: str, ip: str) -> tuple[
-            trio.abc.Stream, str] | None:
-        """Allow-list (before a single byte is read), then TLS. Returns the
-        stream to speak on and the client certificate's CN, or None."""
-        allow = self.opts.allow
-        if allow:
-            if allow.hosts or allow.suffixes:
-                why = await trio.to_thread.run_sync(allow.check, ip)
-            else:
-                why = allow.check(ip)
-            if why:
-                self.stats["refused"] += 1
-                log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
-                if self.opts.tls is None:
-                    await self._refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}", peer)
-                return None
-        if self.opts.tls is None:
-            return tcp, ""
-        tls = trio.SSLStream(tcp, self.opts.tls, server_side=True)
-        try:
-            with trio.fail_after(self.opts.handshake_timeout):
-                await tls.do_handshake()
-        except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
-            self.stats["refused"] += 1
-            cause = e.__cause__ or e
-            log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer,
-                        cause if str(cause) else type(cause).__name__)
-            return None
-        return tls, subject_cn(tls.getpeercert())
-
     async def _handle(self, tcp: trio.SocketStream) -> None:
         try:
             ip, port = tcp.socket.getpeername()[:2]
@@ -529,18 +234,18 @@ class Shadow:
             ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
         stream: trio.abc.Stream = tcp
-        self.unauthenticated.add(id(conn))
-        self.handshakes_seen += 1
+        self.handshakes.arrived(conn)
         try:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
                 log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
                             self.connections, self.budget.max_served)
-                await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
-                                   retry_after=_retry_after())
+                await refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow",
+                                   retry_after=retry_after())
                 return
-            admitted = await self._admit(tcp, conn, peer, ip)
+            admitted = await admit(self.opts, tcp, conn, peer, ip)
             if admitted is None:
+                self.stats["refused"] += 1
                 return
             stream, cn = admitted
             await self._serve_stream(stream, conn, peer, cn or ip, cn)
@@ -550,7 +255,7 @@ class Shadow:
                 await trio.aclose_forcefully(tcp)
             self.connections -= 1
             self.fds_freed.fire()
-            self._handshake_gone(conn)
+            self.handshakes.gone(conn)
 
     async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
                             cn: str) -> None:
@@ -564,158 +269,39 @@ class Shadow:
             log.info("%s [%s]: connection lost (%s)", peer, who[0], e)
         except ProtocolError as e:
             log.warning("%s [%s]: protocol error: %s", peer, who[0], e)
-            await self._refuse(stream, conn, e.code, str(e), peer)
+            await refuse(stream, conn, e.code, str(e))
+        except Refused as e:
+            self.stats["refused"] += 1
+            log.warning("%s [%s]: refused: %s", peer, who[0], e)
+            await refuse(stream, conn, e.code, str(e), retry_after=e.retry_after)
+        except HandshakeBusy as e:
+            self.stats["refused"] += 1
+            log.warning("%s [%s]: refused: %s", peer, who[0], e)
+            await refuse(stream, conn, ErrorCode.BUSY, str(e))
         except StoreError as e:
             self.stats["refused"] += 1
             log.warning("%s [%s]: refused: %s", peer, who[0], e)
-            await self._refuse(stream, conn, e.code, str(e), peer)
+            await refuse(stream, conn, e.code, str(e))
         except trio.TooSlowError:
             log.warning("%s [%s]: timed out", peer, who[0])
-            await self._refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent", peer)
+            await refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent")
         except Fenced as e:
             log.info("%s [%s]: connection stopped: %s", peer, who[0], e)
-            await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
+            await refuse(stream, conn, ErrorCode.FENCED, str(e))
         except ShuttingDown as e:
             log.info("%s [%s]: %s", peer, who[0], e)
-            await self._refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), peer, retry_after=STOP_RETRY_AFTER)
+            await refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), retry_after=STOP_RETRY_AFTER)
         except OSError as e:
             if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
                 log.warning("%s [%s]: out of descriptors: %s", peer, who[0], e.strerror)
-                await self._refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors", peer,
-                                   retry_after=_retry_after())
+                await refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors",
+                                   retry_after=retry_after())
             else:
                 log.error("%s [%s]: I/O error: %s", peer, who[0], e)
-                await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
-        except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
+                await refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}")
+        except Exception as e:  # one bad connection must not stop the shadow
             log.exception("%s [%s]: internal error", peer, who[0])
-            await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
-
-    async def _refuse(
-        self, stream: trio.abc.Stream, conn: Connection, code: ErrorCode, message: str, peer: str,
-        retry_after: float = 0.0,
-    ) -> None:
-        with trio.move_on_after(2) as scope:
-            scope.shield = True
-            try:
-                await stream.send_all(conn.send(Error(code, message, retry_after)))
-            except Exception:  # noqa: BLE001 - best effort: the peer may be gone
-                return
-        # Linger: an agent streaming bulk output has more bytes in flight.
-        # Closing on them now would answer them with a reset, and a reset
-        # destroys the ERROR still in the agent's receive queue; it would
-        # see only "connection lost". So say we are done, and read (and drop)
-        # what comes until the agent closes, for a second at most.
-        with trio.move_on_after(LINGER_S) as scope:
-            scope.shield = True
-            try:
-                if isinstance(stream, trio.SocketStream):
-                    await stream.send_eof()
-                drained = 0
-                while drained < LINGER_BYTES:
-                    # (no reference kept to what was read while waiting for more:
-                    # a thousand refused connections must not hold a read each)
-                    n = len(await stream.receive_some(LINGER_READ))
-                    if not n:
-                        break
-                    drained += n
-            except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
-                pass
-
-    async def _next_events(self, stream: trio.abc.Stream, conn: Connection, size: int = RECEIVE_SIZE) -> list[Event]:
-        data = await stream.receive_some(size)
-        conn.receive_data(data)
-        events: list[Event] = []
-        while True:
-            ev = conn.next_event()
-            if ev is NEED_DATA:
-                return events
-            assert isinstance(ev, Event)
-            events.append(ev)
-            if isinstance(ev, (ConnectionClosed, Error)):
-                return events
-
-    async def _await(
-        self, stream: trio.abc.Stream, conn: Connection, kind: type[Event], pending: list[Event]
-    ) -> Event | None:
-        """The next event, which must be a `kind` (else the agent breaks the
-        protocol); None if it closed or gave up. Events that arrived in the
-        same read stay in `pending`, in order, for whoever reads next."""
-        while not pending:
-            pending.extend(await self._next_events(stream, conn, HANDSHAKE_READ))
-            self._charge_handshake(conn)
-        ev = pending.pop(0)
-        if isinstance(ev, kind):
-            return ev
-        if isinstance(ev, (ConnectionClosed, Error)):
-            return None
-        raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}", ErrorCode.UNEXPECTED)
-
-    def _charge_handshake(self, conn: Connection) -> None:
-        """Count what an unauthenticated connection holds (bytes received, not
-        yet a whole frame). Each holds at most one control frame (the
-        protocol refuses a longer one from its header); all together at most
-        `handshake_memory`: the one that would pass it is told BUSY."""
-        key = id(conn)
-        held = conn.buffered
-        total = self.handshake_bytes - self.handshake_held.get(key, 0) + held
-        if held and total > self.opts.handshake_memory:
-            raise StoreError(ErrorCode.BUSY, "the shadow holds too many unfinished handshakes: try again later")
-        self.handshake_bytes = total
-        self.handshake_held[key] = held
-        self.handshake_peak = max(self.handshake_peak, total)
-
-    def _handshake_over(self, conn: Connection) -> None:
-        """The handshake is over: what the connection held is no longer counted."""
-        self.handshake_bytes -= self.handshake_held.pop(id(conn), 0)
-
-    def _handshake_gone(self, conn: Connection) -> None:
-        """One connection fewer without authentication (it authenticated, or closed)."""
-        self.unauthenticated.discard(id(conn))
-        many = self.handshake_peak >= TRIM_AFTER or self.handshakes_seen >= TRIM_CONNECTIONS
-        if many and not self.unauthenticated:
-            # A flood of unauthenticated connections is over (refused ones
-            # included, once done lingering): what they held is free, but in
-            # small pieces that malloc keeps. Give it back.
-            self.handshake_peak = self.handshakes_seen = 0
-            _trim_heap()
-
-    async def _authenticate(
-        self, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str, pending: list[Event]
-    ) -> tuple[str, str] | None:
-        """The token challenge-response and the identity's rights; returns
-        the shadow's proof for WELCOME and the identity (its certificate's
-        CN, or the name of its token; "" if none), or None if the agent went away."""
-        proof = ""
-        identity = cn
-        tokens = self.opts.tokens or ({"": self.opts.token} if self.opts.token is not None else {})
-        if tokens:
-            if not hello.nonce:
-                raise StoreError(ErrorCode.AUTH_FAILED,
-                                 "this shadow requires token authentication: start gcwrap with --token-file")
-            nonce = new_nonce()
-            await stream.send_all(conn.send(Challenge(nonce)))
-            auth = await self._await(stream, conn, Auth, pending)
-            if auth is None:
-                return None
-            assert isinstance(auth, Auth)
-            found = match_token(tokens, auth.mac, hello.nonce, nonce, hello.job_id, hello.instance)
-            if found is None:
-                raise StoreError(ErrorCode.AUTH_FAILED, "authentication failed: wrong token")
-            name, token = found
-            if name:  # a token of its own names the identity; a certificate must name the same one
-                if cn and cn != name:
-                    raise StoreError(ErrorCode.AUTH_FAILED,
-                                     f"authentication failed: the token of {name} came with the certificate of CN={cn}")
-                identity = name
-            proof = shadow_proof(token, hello.nonce, nonce)
-        if self.tenancy:
-            why = identity_problem(identity) if identity else "the client certificate names no subject CN"
-            if why:
-                raise StoreError(ErrorCode.AUTH_FAILED, f"authentication failed: {why}")
-        if identity and not self.opts.subjects.allows(identity, hello.job_id):
-            what = f"certificate CN={identity}" if identity == cn else f"identity {identity}"
-            raise StoreError(ErrorCode.AUTH_FAILED, f"{what} may not write job {hello.job_id}")
-        return proof, identity
+            await refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}")
 
     async def _serve_connection(
         self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str, who: list[str]
@@ -723,24 +309,25 @@ class Shadow:
         pending: list[Event] = []
         try:
             with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
-                hello = await self._await(stream, conn, Hello, pending)
+                hello = await await_event(stream, conn, Hello, pending, self.handshakes)
                 if hello is None:
                     return
                 assert isinstance(hello, Hello)
-                authenticated = await self._authenticate(stream, conn, hello, cn, pending)
+                authenticated = await authenticate(self.opts, self.tenancy, stream, conn, hello, cn, pending,
+                                                   self.handshakes)
                 if authenticated is None:
                     return
         finally:
-            self._handshake_over(conn)
+            self.handshakes.over(conn)
         proof, named = authenticated
-        self._handshake_gone(conn)
+        self.handshakes.gone(conn)
         tenant = named if self.tenancy else ""
         who[0] = named or ("token" if self.opts.token is not None else "anonymous")
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
-        busy = self._busy()
+        busy = disk_busy(self.opts)
         if busy:
             log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
-            await self._refuse(stream, conn, ErrorCode.BUSY, busy, peer, retry_after=10)
+            await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=10)
             return
         if PROTOCOL_VERSION not in hello.versions:
             raise ProtocolError(
@@ -753,7 +340,7 @@ class Shadow:
             owner = await self._worker(lambda: self.store.owner(hello.job_id))
             if owner is not None and owner != tenant:
                 why = "belongs to another identity" if owner else "was streamed here before this shadow had identities"
-                raise StoreError(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
+                raise Refused(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
         if self.stopping:
             raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
         job = self._claim(hello.job_id, identity, tenant)  # no await since the handshake was read
@@ -784,18 +371,6 @@ class Shadow:
                 del self.live[job.job_id]
             await self._release(job)
 
-    def _busy(self) -> str:
-        """Why the shadow cannot take a session now (carrier sense), or ""."""
-        if self.opts.min_free:
-            try:
-                st = os.statvfs(self.opts.root)
-            except OSError as e:
-                return f"cannot check free space at home: {e.strerror}"
-            free = st.f_bavail * st.f_frsize
-            if free < self.opts.min_free:
-                return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
-        return ""
-
     def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
         """A new session takes the job, at once: no await between looking up
         who holds it and taking it, so one session holds a job at any instant.
@@ -804,12 +379,12 @@ class Shadow:
         same identity: a job id another identity is streaming is refused."""
         held = self.live.get(job_id)
         if held is not None and held.tenant != tenant:
-            raise StoreError(ErrorCode.AUTH_FAILED, f"job {job_id} belongs to another identity")
+            raise Refused(ErrorCode.AUTH_FAILED, f"job {job_id} belongs to another identity")
         cap = self.opts.max_jobs_per_identity
         if cap and job_id not in self.live:
             mine = sum(1 for j in self.live.values() if j.identity == identity)
             if mine >= cap:
-                raise StoreError(ErrorCode.BUSY, f"{identity} already has {mine} jobs streaming here (the cap is {cap})")
+                raise Refused(ErrorCode.BUSY, f"{identity} already has {mine} jobs streaming here (the cap is {cap})")
         old = self.live.get(job_id)
         if old is not None:
             old.fence("a newer connection of this job took over")
@@ -839,7 +414,7 @@ class Shadow:
                 await self._gone(prev)
                 self._check(job)
         if waited.cancelled_caught:
-            raise StoreError(ErrorCode.BUSY, f"an earlier connection of job {job.job_id} is still closing its files")
+            raise Refused(ErrorCode.BUSY, f"an earlier connection of job {job.job_id} is still closing its files")
         job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
@@ -940,7 +515,7 @@ class Shadow:
                     events, pending[:] = list(pending), []
                 else:
                     idle.deadline = trio.current_time() + self.opts.idle_timeout
-                    events = await self._next_events(stream, conn)
+                    events = await next_events(stream, conn)
                     idle.deadline = math.inf
                 over = await self._process(stream, conn, job, lock, peer, events)
                 # DATA payloads are views of the received bytes: keep none of
@@ -991,7 +566,8 @@ class Shadow:
     def _write(self, job: LiveJob, ev: Data) -> None:
         sf = job.files.outputs.get(ev.stream)
         if sf is None:
-            raise ProtocolError(f"DATA for stream {ev.stream}, which the handshake did not declare", ErrorCode.UNKNOWN_STREAM)
+            raise ProtocolError(f"DATA for stream {ev.stream}, which the handshake did not declare",
+                                ErrorCode.UNKNOWN_STREAM)
         if ev.offset > sf.written:
             raise ProtocolError(
                 f"DATA at offset {ev.offset} of {sf.name!r} would leave a gap after byte {sf.written}",
@@ -1004,7 +580,7 @@ class Shadow:
         if quota:
             total = sum(f.written for f in job.files.outputs.values())
             if total + len(ev.payload) - skip > quota:
-                raise StoreError(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
+                raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         payload = memoryview(ev.payload)[skip:] if skip else ev.payload
         offset = sf.written
         self._check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
@@ -1019,7 +595,8 @@ class Shadow:
 
     def _read_stdin(self, files: JobFiles, ev: StdinRead) -> StdinData:
         if files.stdin is None or ev.stream != files.stdin_stream:
-            raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin", ErrorCode.UNKNOWN_STREAM)
+            raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin",
+                                ErrorCode.UNKNOWN_STREAM)
         fd = self.files.use(files.stdin)
         data = os.pread(fd, ev.max_bytes, ev.offset)
         size = os.fstat(fd).st_size
@@ -1050,51 +627,15 @@ class Shadow:
             job.check()
         job.finished = True  # recorded: the exit stands whoever holds the job next
         self._check(job)
-        status = f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None else "unknown status"
+        status = (f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None
+                  else "unknown status")
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
         async with lock:
             self._check(job)
             await stream.send_all(conn.send(Done()))
 
 
-def _trim_heap() -> None:
-    """Return free heap memory to the system (glibc's malloc_trim; elsewhere nothing)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
 
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
-
-
-def _retry_after() -> float:
-    """When a refused agent should come back: spread, so they do not return together."""
-    return round(random.uniform(1.0, 4.0), 2)
-
-
-def _nofile() -> int:
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ValueError, OSError):
-        return 1024
-    return soft if soft != resource.RLIM_INFINITY else 1 << 20
-
-
-def raise_fd_limit() -> None:
-    """Many jobs hold many files: use the hard descriptor limit, not the soft one."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
 
 
 async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -126,17 +126,17 @@ def serve(
     """
     import trio
 
+    from .admission import ShadowOptions
     from .render import setup_logging
-    from .shadow import ListenError, ShadowOptions, run_shadow
-    from .shadow_store import StoreError, check_root
+    from .shadow import ListenError, run_shadow
+    from .shadow_files import StoreError, check_root
 
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
     opts = ShadowOptions(
-        root=root.resolve(), host=host, port=port, port_file=port_file,
-        handshake_timeout=handshake_timeout, idle_timeout=idle_timeout, max_connections=max_connections,
-        min_free=min_free, quota=quota, max_jobs_per_identity=max_jobs_per_identity, **security,
-    )
+        root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
+        idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
+        max_jobs_per_identity=max_jobs_per_identity, **security)
     try:
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
         trio.run(run_shadow, opts)

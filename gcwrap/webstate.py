@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .names import STATE_DIR, NameError_
-from .shadow_store import open_confined
+from .shadow_files import open_confined
 
 RATE_WINDOW = 5.0  # seconds over which a live rate is measured
 

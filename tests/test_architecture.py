@@ -28,14 +28,7 @@ MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
 
 # Known exceptions (lines today). They shrink; none is added.
-BIG_MODULES: dict[str, int] = {
-    # To be split into server/admission/durability: it grew from 942 lines by
-    # its in-order stop on SIGTERM, by tenancy and the pre-authentication
-    # limits, and by the decoding of compressed frames (built in parallel, in
-    # the module, so that they merged cleanly).
-    "gcwrap.shadow": 1135,
-    "gcwrap.shadow_store": 898,  # likewise (job ownership, links, identities' directories, bytes on the wire)
-}
+BIG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS: dict[str, int] = {
     "gcwrap.cli.resume": 82,  # click options are parameters: one per option
     "gcwrap.shadow_cli.jobs": 81,
@@ -47,7 +40,8 @@ LONG_FUNCTIONS: dict[str, int] = {
 # the shadow's modules, and the reverse.
 AGENT_SIDE = ("gcwrap.agent", "gcwrap.run", "gcwrap.sender", "gcwrap.outbox", "gcwrap.records", "gcwrap.spooler",
               "gcwrap.spool", "gcwrap.segments", "gcwrap.policy", "gcwrap.pipes")
-SHADOW_SIDE = ("gcwrap.shadow", "gcwrap.shadow_store", "gcwrap.tail", "gcwrap.web", "gcwrap.webstate")
+SHADOW_SIDE = ("gcwrap.shadow", "gcwrap.admission", "gcwrap.durability", "gcwrap.descriptors", "gcwrap.handshakes",
+               "gcwrap.shadow_files", "gcwrap.shadow_store", "gcwrap.tail", "gcwrap.web", "gcwrap.webstate")
 WIRE = ("gcwrap.events", "gcwrap.frames", "gcwrap.protocol", "gcwrap.compress", "gcwrap.auth", "gcwrap.names")
 CLIS = ("gcwrap.cli", "gcwrap.shadow_cli")
 LAYERS: dict[str, tuple[str, ...]] = {

@@ -40,7 +40,9 @@ from hypothesis import strategies as st
 
 from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
-from gcwrap.shadow import LiveJob, Shadow, ShadowOptions
+from gcwrap.durability import LiveJob
+from gcwrap.admission import ShadowOptions
+from gcwrap.shadow import Shadow
 from gcwrap.shadow_store import Store
 from gcwrap.sync import leaves
 

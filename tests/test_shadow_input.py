@@ -20,7 +20,8 @@ from test_protocol import HEADER, edge_frames
 
 from gcwrap.events import Data, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import NEED_DATA, Connection, Role, decode, encode
-from gcwrap.shadow import Shadow, ShadowOptions
+from gcwrap.admission import ShadowOptions
+from gcwrap.shadow import Shadow
 from gcwrap.shadow_store import Store
 
 

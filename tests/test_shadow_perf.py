@@ -25,10 +25,11 @@ import pytest
 import trio
 from helpers import Wrapper, tool, wait_until
 
-from gcwrap import shadow_store
+from gcwrap import shadow_files
 from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
-from gcwrap.shadow_store import FileCache, Store, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow_files import FileCache, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow_store import Store
 
 NOFILE = 96  # the shadow's descriptor limit in the fan-in tests: far fewer than 2 per job
 
@@ -353,7 +354,7 @@ def _db_durable(root: Path) -> dict[tuple[str, int], int]:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("nfiles", [1, shadow_store.SYNCFS_MIN - 1, shadow_store.SYNCFS_MIN, 40])
+@pytest.mark.parametrize("nfiles", [1, shadow_files.SYNCFS_MIN - 1, shadow_files.SYNCFS_MIN, 40])
 def test_make_durable_syncs_then_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nfiles: int) -> None:
     store = Store(tmp_path)
     try:
@@ -363,7 +364,7 @@ def test_make_durable_syncs_then_records(tmp_path: Path, monkeypatch: pytest.Mon
             _write(sf, b"x" * 100)
         results, db_error = store.make_durable([(sf, sf.written) for sf in files])
         assert db_error == "" and all(err is None for _, _, err in results)
-        if nfiles >= shadow_store.SYNCFS_MIN:
+        if nfiles >= shadow_files.SYNCFS_MIN:
             assert (spy.syncfs, spy.fdatasync) == (1, 0), "many dirty files: one syncfs"
         else:
             assert (spy.syncfs, spy.fdatasync) == (0, nfiles), "few dirty files: fdatasync each"
@@ -409,7 +410,7 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
     seen the previous one fail. After a reported writeback error a later
     fdatasync can succeed although the bytes are gone: the file must not be
     synced or recorded again, and its job must be fenced."""
-    from gcwrap.shadow import Durability, LiveJob
+    from gcwrap.durability import Durability, LiveJob
 
     store = Store(tmp_path)
     calls: list[int] = []
@@ -514,7 +515,7 @@ def test_every_ack_is_recorded_and_on_disk_when_it_arrives(
     syncfs, fdatasync = map(int, counts[-1])
     if jobs == 1:
         assert fdatasync > 0 and syncfs == 0, counts
-    elif shadow_store._load_syncfs() is not None:
+    elif shadow_files._load_syncfs() is not None:
         assert syncfs > 0, counts
     no_descriptor_trouble(limited.log())
 

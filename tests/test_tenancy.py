@@ -44,7 +44,8 @@ from gcwrap.protocol import (
     decode,
     encode,
 )
-from gcwrap.shadow_store import Store, StoreError
+from gcwrap.shadow_files import StoreError
+from gcwrap.shadow_store import Store
 
 trustme = pytest.importorskip("trustme", reason="needs trustme (pip install -e '.[test]')")
 

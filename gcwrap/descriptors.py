@@ -1,0 +1,65 @@
+"""The shadow's descriptors, budgeted from RLIMIT_NOFILE.
+
+One socket per connection, and a bounded cache of open files (`FileCache`,
+in shadow_files) share what is left. Connections beyond what the budget
+allows are told BUSY (with a retry_after) before a byte is read, and when no
+descriptor is left at all the shadow stops accepting until one is freed: an
+agent is never refused with EMFILE.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+
+# Descriptors kept for the shadow itself on top of those open when it starts
+# serving: listeners, name lookups, SQLite's temporary files, and the files
+# a job handshake opens before the cache can make room (up to 16 streams and
+# two directories).
+FD_MARGIN = 48
+ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
+
+
+class FdBudget:
+    """How many connections and open files RLIMIT_NOFILE allows.
+
+    `avail` descriptors (the limit, less those open at start and a margin)
+    are shared by sockets and cached files. Up to `max_served` connections
+    are served; the next `headroom` ones are accepted only to be told BUSY;
+    beyond that the shadow stops accepting until a descriptor is freed. The
+    file cache always keeps at least `min_files`."""
+
+    def __init__(self, limit: int, in_use: int, max_connections: int) -> None:
+        self.limit = limit
+        self.avail = max(limit - in_use - FD_MARGIN, 4)
+        self.min_files = min(max(self.avail // 8, 16), 1024)
+        self.headroom = min(max(self.avail // 16, 4), 512)
+        self.max_served = max(1, min(max_connections, self.avail - self.min_files - self.headroom))
+
+
+def open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
+def nofile() -> int:
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ValueError, OSError):
+        return 1024
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_fd_limit() -> None:
+    """Many jobs hold many files: use the hard descriptor limit, not the soft one."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+

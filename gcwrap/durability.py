@@ -1,0 +1,228 @@
+"""Durability for every job: group commit of their files, in a thread.
+
+`Durability` makes the bytes of every job durable in groups, in a thread of
+its own: sync the dirty files (one syncfs of the root's file system when
+that is cheaper than their fdatasyncs), record the new lengths in the state
+database, then wake the handlers so they send ACKs. Nothing is acknowledged
+before both. `LiveJob` is one session of a job, as the server and the
+batches see it (a session a newer claim fenced records nothing).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .shadow_files import JobFiles, StreamFile
+from .shadow_store import Store, Superseded
+from .sync import Signal
+
+log = logging.getLogger("gcshadow")
+
+
+class Fenced(Exception):
+    """This connection must stop: replaced by a newer one, or its files failed."""
+
+
+@dataclass(eq=False)
+class LiveJob:
+    """One session of a job, from its claim until its files are closed.
+
+    `files` is empty (session 0) until the session has opened them. `prev`
+    are the sessions of the job claimed before this one whose files may
+    still be open: this one opens the files only once they are all `gone`."""
+
+    job_id: str
+    identity: str = ""
+    tenant: str = ""  # the identity whose part of the root the job's files are in ("": the root itself)
+    files: JobFiles = field(init=False)
+    prev: list[LiveJob] = field(default_factory=list)
+    scope: trio.CancelScope | None = None
+    durable_changed: Signal = field(default_factory=Signal)
+    gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
+    fenced: str = ""  # why this session must stop, once it must
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.files = JobFiles(self.job_id, "", session=0)
+
+    def fence(self, why: str) -> None:
+        """Stop this session: no write, record or ACK after this; its handler is cancelled."""
+        self.fenced = self.fenced or why
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def check(self) -> None:
+        """Raise Fenced unless this session may still act for its job."""
+        if self.fenced:
+            raise Fenced(self.fenced)
+
+
+class Durability:
+    """Group commit for every job: sync dirty files, record, then wake ackers.
+
+    A thread of its own loops over batches: take every file marked dirty
+    since the last batch, sync them (`Store.make_durable`: syncfs or
+    fdatasync), commit their new lengths to the state database, hand the
+    results to the event loop, and start the next batch at once, while the
+    loop applies the results: the lengths become `durable`, which is what
+    the ackers send. Nothing is acknowledged before both sync and commit.
+
+    `mutex` guards `pending` and every file's `pins` (a pinned file is in a
+    batch: its descriptor must not be closed, so its number is not reused
+    under a sync). A file whose sync failed is never synced or recorded
+    again in its session: after a reported writeback error a later sync can
+    succeed although the bytes are gone. A length is recorded only while
+    the file's session still holds its job (`Store.record_durable`): a
+    batch of a fenced session that lands late records and acknowledges
+    nothing, and cuts nothing back."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.mutex = threading.Lock()
+        self.cond = threading.Condition(self.mutex)
+        self.pending: dict[StreamFile, LiveJob] = {}
+        self.thread_idle = False
+        self.stopping = False
+        self.inbox: collections.deque[Any] = collections.deque()
+        self.arrived = Signal()
+        self.done = Signal()  # fired after every batch is applied: files became clean, pins dropped
+        self.batches = 0
+        self.token: trio.lowlevel.TrioToken | None = None
+
+    def mark(self, sf: StreamFile, job: LiveJob) -> None:
+        with self.mutex:
+            self.pending[sf] = job
+            if self.thread_idle:
+                self.thread_idle = False
+                self.cond.notify()
+
+    def drop(self, job: LiveJob) -> None:
+        """Forget the files of one session that wait for a batch (it is leaving)."""
+        with self.mutex:
+            for sf in [sf for sf, owner in self.pending.items() if owner is job]:
+                del self.pending[sf]
+
+    # -- the durability thread ---------------------------------------------------
+
+    def _thread(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.pending and not self.stopping:
+                        self.thread_idle = True
+                        self.cond.wait()
+                    self.thread_idle = False
+                    if self.stopping:
+                        return
+                self._post(self.run_batch())
+        except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
+            self._post(e)
+
+    def run_batch(self) -> tuple[dict[StreamFile, LiveJob], list[tuple[StreamFile, int, OSError | None]], str]:
+        """One batch (blocking): take every file marked so far, sync and
+        record them. The result is for `apply`, in the event loop."""
+        with self.mutex:
+            batch, self.pending = self.pending, {}
+            snapshot = []
+            for sf in batch:
+                sf.pins += 1
+                snapshot.append((sf, sf.written))  # bytes pwritten before this are covered
+        try:
+            todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
+            results, db_error = self.store.make_durable(todo) if todo else ([], "")
+            failed = OSError(errno.EIO, "an earlier sync of this file failed")
+            results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
+            for sf, _, err in results:
+                if err is not None and not isinstance(err, Superseded):
+                    sf.sync_failed = True  # before the next batch can pick it up
+        finally:
+            with self.mutex:
+                for sf, _ in snapshot:
+                    sf.pins -= 1
+        return batch, results, db_error
+
+    def _post(self, item: Any) -> None:
+        self.inbox.append(item)
+        assert self.token is not None
+        try:
+            self.token.run_sync_soon(self.arrived.fire)
+        except trio.RunFinishedError:
+            pass
+
+    # -- in the event loop -------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        thread = threading.Thread(target=self._thread, name="gcshadow-durability", daemon=True)
+        thread.start()
+        try:
+            while True:
+                while not self.inbox:
+                    await self.arrived.wait()
+                item = self.inbox.popleft()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("the durability thread failed") from item
+                self.apply(*item)
+        finally:
+            with self.cond:
+                self.stopping = True
+                self.cond.notify()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+            # The last batch dropped its pins but is never applied: wake who
+            # waits for pins to drop (a session closing its files), or it
+            # waits forever and the shadow never stops.
+            self.done.fire()
+
+    def apply(
+        self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
+    ) -> None:
+        """A batch's results: lengths become durable (what the ackers send);
+        a file whose sync failed is cut back and its session fenced."""
+        if db_error:
+            log.error("cannot record durable lengths in the state database: %s", db_error)
+        self.batches += 1
+        for sf, n, err in results:
+            job = batch.get(sf)
+            if err is None:
+                sf.durable = max(sf.durable, n)
+                continue
+            if isinstance(err, Superseded):
+                # A newer session holds the job: this one's bytes are not its
+                # to record. Nothing is cut back: the file may be the newer
+                # session's by now.
+                if job is not None:
+                    job.fence(str(err))
+                continue
+            if sf.cut_back:
+                continue
+            # After a failed fsync the kernel may have dropped the dirty
+            # pages: nothing past `durable` can be trusted. Cut back and
+            # make the agent resend from there (in a new session).
+            sf.cut_back = True
+            log.error("cannot sync %s: %s", sf.name, err.strerror)
+            sf.written = sf.durable
+            if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
+                try:
+                    os.ftruncate(sf.fd, sf.durable)
+                except OSError:
+                    pass
+            if job is not None:
+                job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
+        for job in set(batch.values()):
+            job.durable_changed.fire()
+        self.done.fire()
+
+    async def flush(self, job: LiveJob) -> None:
+        """Wait until every byte written for `job` so far is durable."""
+        while any(sf.durable < sf.written for sf in job.files.outputs.values()):
+            await job.durable_changed.wait()
+

@@ -1,0 +1,497 @@
+"""The shadow's files: the root, confinement under it, the job's files.
+
+Every name a job writes or reads is opened under the root one directory at a
+time, never following a link (`open_confined`), and checked on each reopen
+to be the same file. Descriptors are bounded (`FileCache`): a connected
+job's files are closed when they are clean and others need the
+descriptors, and opened again when next used. `Syncer` makes a batch of
+dirty files durable: one syncfs() of the root's file system when several
+are dirty and that is cheaper, fdatasync() of each otherwise.
+
+Synchronous code, called from the shadow's worker threads or inline (small
+pwrite/pread calls on files already open).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .events import ErrorCode
+from .names import STATE_DIR, NameError_, split_name
+
+
+class StoreError(Exception):
+    """A refusal or failure, with the protocol error code to send."""
+
+    def __init__(self, code: Any, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_root(root: Path) -> None:
+    """Make sure the shadow can work under `root` (creating it if missing),
+    before anything listens; StoreError naming the path and what is wrong
+    with it otherwise."""
+    try:
+        st: os.stat_result | None = os.stat(root)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise StoreError(None, f"cannot reach the root {root}: {_why_not(e, root)}") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreError(None, f"the root {root} is not a directory")
+    else:
+        try:
+            root.mkdir(parents=True)
+        except OSError as e:
+            raise StoreError(None, f"cannot create the root {root}: {_why_not(e, root)}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        if os.access(root, os.F_OK) and _read_only(root):
+            raise StoreError(None, f"the root {root} is on a read-only file system")
+        if os.geteuid() == 0:
+            raise StoreError(None, f"the root {root} is not writable, not even by root (a special file system?)")
+        raise StoreError(None, f"the root {root} is not writable by this user ({_user()})")
+    # Root may write where permissions say no, and some file systems (/proc,
+    # /sys) refuse all the same: try for real what serving needs.
+    probe = root / f".gcshadow-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise StoreError(None, f"cannot create files in the root {root}: {e.strerror}") from None
+    state = root / STATE_DIR
+    try:
+        state.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StoreError(None, f"cannot create the shadow's state directory {state}: {e.strerror}") from None
+
+
+def _why_not(e: OSError, path: Path) -> str:
+    """Why `path` cannot be reached or created, in terms of the nearest
+    directory above it that this user can see."""
+    parent = path.parent
+    while parent != parent.parent:
+        try:
+            os.stat(parent)
+            break
+        except OSError:
+            parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if e.errno == errno.EACCES:
+        if not os.access(parent, os.X_OK):
+            return f"{parent} is closed to this user ({_user()})"
+        return f"no permission to create it in {parent} (as {_user()})"
+    if e.errno == errno.EROFS:
+        return f"{parent} is on a read-only file system"
+    return f"{parent} does not take new directories ({e.strerror})"
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _user() -> str:
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def lock_root(root: Path) -> int:
+    """One shadow per root: an exclusive flock held for the shadow's life."""
+    path = root / STATE_DIR / "lock"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreError(None, f"another gcshadow is already serving {root}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+# -- confined file access -------------------------------------------------------
+
+
+def open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, made: list[str] | None = None) -> int:
+    """Open NAME under the root without following any symlink; only regular
+    files with one link (a hard link made in the root could lead to any file
+    of the file system, or to another identity's). With `write` and
+    `create`, missing directories and the file are made (the file's name
+    appended to `made`). Raises NameError_ for a refused name, OSError for
+    I/O failures."""
+    parts = split_name(name)
+    make = write and create
+    try:
+        dfd = open_dir(root_fd, parts[:-1], create=make)
+    except (NotADirectoryError, FileNotFoundError) as e:
+        if make or isinstance(e, NotADirectoryError):
+            raise NameError_(f"{name!r}: a parent is not a directory") from None
+        raise
+    except OSError as e:
+        if e.errno in (40,):  # ELOOP: a symlink in the path
+            raise NameError_(f"{name!r}: the path goes through a symlink") from None
+        raise
+    try:
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        flags |= (os.O_WRONLY | (os.O_CREAT if create else 0)) if write else os.O_RDONLY
+        try:
+            if made is not None and flags & os.O_CREAT:
+                try:  # which files a refused job made, to remove them again
+                    fd = os.open(parts[-1], flags | os.O_EXCL, 0o644, dir_fd=dfd)
+                    made.append(name)
+                except FileExistsError:
+                    fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            else:
+                fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == 40:
+                raise NameError_(f"{name!r} is a symlink") from None
+            if e.errno == 6:  # ENXIO: a FIFO with no reader
+                raise NameError_(f"{name!r} is not a regular file") from None
+            if e.errno == 21:  # EISDIR
+                raise NameError_(f"{name!r} is a directory") from None
+            raise
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NameError_(f"{name!r} is not a regular file")
+    if st.st_nlink > 1:
+        os.close(fd)
+        raise NameError_(f"{name!r} has {st.st_nlink} links (hard links lead to other files): refused, as a symlink is")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+@dataclass(eq=False)
+class StreamFile:
+    """One file of a job (an output, or its stdin), open or not (fd -1)."""
+
+    job_id: str
+    stream: int
+    name: str
+    fd: int
+    written: int  # bytes in the file (the end of the last write)
+    durable: int  # bytes fsynced and recorded: safe to acknowledge
+    write: bool = True  # an output; False: the job's stdin, read only
+    session: int = 0  # the session that opened it: only while it holds the job are its lengths recorded
+    dev: int = 0  # the file's identity when first opened: a reopened file must be the same
+    ino: int = 0
+    pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
+    sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
+    cut_back: bool = False  # the shadow has cut it back to `durable` after that error
+    wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
+    slot: int = -1  # where FileCache holds it while open
+    used: int = 0  # FileCache's clock at its last use
+
+    def identify(self) -> None:
+        st = os.fstat(self.fd)
+        self.dev, self.ino = st.st_dev, st.st_ino
+
+    @property
+    def closable(self) -> bool:
+        """Open, clean (everything written is durable) and not being synced."""
+        return self.fd >= 0 and not self.pins and self.written == self.durable
+
+    def reopen(self, root_fd: int) -> None:
+        """Open the file again after the cache closed it: confined as the
+        first time, never created, and it must be the same file, at least as
+        long as what was written. StoreError if not; OSError on I/O errors."""
+        try:
+            fd = open_confined(root_fd, self.name, write=self.write, create=False)
+        except NameError_ as e:
+            raise StoreError(ErrorCode.PATH_FORBIDDEN, str(e)) from None
+        except FileNotFoundError:
+            raise StoreError(ErrorCode.LENGTH_MISMATCH, f"{self.name!r} was removed at home while in use") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (self.dev, self.ino):
+                raise StoreError(ErrorCode.LENGTH_MISMATCH, f"{self.name!r} was replaced at home while in use")
+            if self.write and st.st_size < self.written:
+                raise StoreError(
+                    ErrorCode.LENGTH_MISMATCH,
+                    f"{self.name!r} holds {st.st_size} bytes but {self.written} were written: "
+                    "it was truncated at home while in use",
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+@dataclass
+class JobFiles:
+    job_id: str
+    instance: str
+    session: int
+    outputs: dict[int, StreamFile] = field(default_factory=dict)
+    stdin: StreamFile | None = None
+    stdin_stream: int | None = None
+
+    def all(self) -> list[StreamFile]:
+        return [*self.outputs.values(), *([self.stdin] if self.stdin is not None else [])]
+
+    def close(self) -> None:
+        for sf in self.all():
+            sf.close()
+        self.outputs.clear()
+        self.stdin = None
+
+
+class FileCache:
+    """The open descriptors of the connected jobs' files, bounded.
+
+    Owned by the event loop. When over its target, the cache closes files
+    that are clean and not being synced (`StreamFile.closable`): a dirty
+    file's own sync must see its writeback errors, and a pinned descriptor's
+    number must not be reused under a sync. So the cache runs over its target
+    while more files than that are dirty, until the next durability batch.
+
+    The victim is the least recently used of a few files drawn at random
+    (sampled LRU): idle jobs' files go first, and when every job writes in
+    turn (a cycle longer than the cache, where exact LRU would miss every
+    time) most files still stay open.
+    """
+
+    SAMPLE = 5
+
+    def __init__(self, root_fd: int, lock: threading.Lock | None = None) -> None:
+        self.root_fd = root_fd
+        self.lock = lock or threading.Lock()  # held to check `closable` and close: pins change under it
+        self.slots: list[StreamFile] = []  # the open files, in no order
+        self.clock = 0
+        self.reopened = 0
+        self.evicted = 0
+        self.rng = random.Random()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _insert(self, sf: StreamFile) -> None:
+        if sf.slot < 0:
+            sf.slot = len(self.slots)
+            self.slots.append(sf)
+
+    def _remove(self, sf: StreamFile) -> None:
+        i = sf.slot
+        if i < 0:
+            return
+        last = self.slots.pop()
+        if last is not sf:
+            self.slots[i] = last
+            last.slot = i
+        sf.slot = -1
+
+    def add(self, sf: StreamFile) -> None:
+        """A file opened elsewhere (Store.open_job) joins the cache."""
+        if sf.fd >= 0:
+            self._insert(sf)
+            self.clock += 1
+            sf.used = self.clock
+
+    def use(self, sf: StreamFile) -> int:
+        """The file's descriptor, opened again if the cache had closed it."""
+        if sf.fd < 0:
+            sf.reopen(self.root_fd)
+            self.reopened += 1
+        self._insert(sf)
+        self.clock += 1
+        sf.used = self.clock
+        return sf.fd
+
+    def forget(self, sf: StreamFile) -> None:
+        self._remove(sf)
+
+    def trim(self, target: int) -> None:
+        """Close clean files until at most `target` are open, or until a
+        bounded search finds no more closable ones."""
+        excess = len(self.slots) - max(target, 0)
+        if excess <= 0:
+            return
+        slots, rng = self.slots, self.rng
+        with self.lock:
+            for _ in range(4 * excess + 16):
+                if excess <= 0 or not slots:
+                    break
+                best = None
+                for _ in range(self.SAMPLE):
+                    sf = slots[rng.randrange(len(slots))]
+                    if sf.closable and (best is None or sf.used < best.used):
+                        best = sf
+                if best is None:
+                    continue
+                self._remove(best)
+                best.close()
+                self.evicted += 1
+                excess -= 1
+
+
+# -- durability -------------------------------------------------------------------
+
+SYNCFS_MIN = 4  # dirty files on the root's file system from which one syncfs() replaces their fdatasync()s
+PARALLEL_MIN = 4  # dirty files from which fdatasync()s run in parallel threads
+SYNC_THREADS = 16
+
+
+def _load_syncfs() -> Callable[[int], None] | None:
+    """syncfs(2) (Python has no os.syncfs), or None where it is missing or,
+    before Linux 5.8, does not report writeback errors."""
+    import platform
+    import re
+
+    if platform.system() != "Linux":
+        return None
+    m = re.match(r"(\d+)\.(\d+)", platform.release())
+    if not m or (int(m.group(1)), int(m.group(2))) < (5, 8):
+        return None
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        func = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int]
+    func.restype = ctypes.c_int
+
+    def syncfs(fd: int) -> None:
+        if func(fd) != 0:  # ctypes releases the GIL for the call
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    return syncfs
+
+
+class Syncer:
+    """Makes files durable: syncfs() or fdatasync(), whichever is cheaper.
+
+    syncfs(ROOT) flushes the whole file system that holds the root in one
+    journal commit; since Linux 5.8 it reports any writeback error on that
+    file system since its last call on the same descriptor, so an error is
+    never lost even for a file whose descriptor was closed meanwhile. An
+    error fails every file of the batch. Files on other file systems (a
+    mount below the root), and batches of few files, are fdatasync()ed
+    each, in parallel threads when there are several.
+
+    syncfs also flushes what others wrote to that file system, so it is
+    used only while it costs less than the fdatasync()s it replaces, as
+    measured (moving averages); every PROBE-th batch that could use it does,
+    so that its estimate follows the file system's load.
+    """
+
+    PROBE = 64
+    PARALLEL_GAIN = 2.5  # fdatasync()s in parallel threads: 2.3-4x faster than one after another, measured
+
+    def __init__(self, root_fd: int, use_syncfs: bool = True) -> None:
+        self.root_fd = root_fd
+        self.root_dev = os.fstat(root_fd).st_dev
+        self.syncfs = _load_syncfs() if use_syncfs else None
+        self.pool: ThreadPoolExecutor | None = None
+        self.stats = {"syncfs": 0, "fdatasync": 0}
+        self.per_file = 0.0005  # seconds per fdatasync() (a moving average)
+        self.per_syncfs = 0.0005  # seconds per syncfs()
+        self.skipped = 0
+
+    def _prefer_syncfs(self, n: int) -> bool:
+        if n < SYNCFS_MIN:
+            return False
+        instead = self.per_file * n / (self.PARALLEL_GAIN if n >= PARALLEL_MIN else 1)
+        if self.per_syncfs <= instead:
+            return True
+        self.skipped += 1
+        return self.skipped % self.PROBE == 0
+
+    def sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
+        """(file, length, error) for each (file, length)."""
+        out: list[tuple[StreamFile, int, OSError | None]] = []
+        rest = files
+        if self.syncfs is not None:
+            mine = [f for f in files if f[0].dev == self.root_dev]
+            if self._prefer_syncfs(len(mine)):
+                err: OSError | None = None
+                started = time.monotonic()
+                try:
+                    self.syncfs(self.root_fd)
+                    self.stats["syncfs"] += 1
+                except OSError as e:
+                    if e.errno in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL):
+                        self.syncfs = None  # not allowed here (seccomp, odd file system): fdatasync from now on
+                        return self.sync(files)
+                    err = e
+                self.per_syncfs += (time.monotonic() - started - self.per_syncfs) / 4
+                out = [(sf, n, err) for sf, n in mine]
+                rest = [f for f in files if f[0].dev != self.root_dev]
+        if rest:
+            started = time.monotonic()
+            if len(rest) >= PARALLEL_MIN:
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="gcshadow-sync")
+                out.extend(self.pool.map(_fdatasync, rest))
+                took = (time.monotonic() - started) * self.PARALLEL_GAIN / len(rest)
+            else:
+                out.extend(_fdatasync(f) for f in rest)
+                took = (time.monotonic() - started) / len(rest)
+            self.per_file += (took - self.per_file) / 16
+            self.stats["fdatasync"] += len(rest)
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+def _fdatasync(item: tuple[StreamFile, int]) -> tuple[StreamFile, int, OSError | None]:
+    sf, length = item
+    try:
+        os.fdatasync(sf.fd)
+    except OSError as e:
+        return sf, length, e
+    return sf, length, None
