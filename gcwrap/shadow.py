@@ -67,7 +67,7 @@ from .events import (
 )
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
 from .protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .shadow_files import FileCache, JobFiles, StoreError, StreamFile
+from .shadow_files import FileCache, JobFiles, Problem, StoreError, StreamFile
 from .shadow_store import Store
 from .sync import first_error
 
@@ -79,6 +79,20 @@ T = TypeVar("T")
 # back after STOP_RETRY_AFTER, without counting a failure (a restart).
 STOP_GRACE = 10.0
 STOP_RETRY_AFTER = 3.0
+
+# What the agent is told when storage refuses: the one place storage's
+# problems become wire codes.
+WIRE_CODES: dict[Problem, ErrorCode] = {
+    Problem.ROOT: ErrorCode.IO_ERROR,
+    Problem.FORBIDDEN_NAME: ErrorCode.PATH_FORBIDDEN,
+    Problem.NAME_IN_USE: ErrorCode.PATH_OWNED,
+    Problem.MISSING: ErrorCode.NOT_FOUND,
+    Problem.IO: ErrorCode.IO_ERROR,
+    Problem.CHANGED_AT_HOME: ErrorCode.LENGTH_MISMATCH,
+    Problem.NOT_OWNER: ErrorCode.AUTH_FAILED,
+    Problem.STALE_ATTEMPT: ErrorCode.STALE_ATTEMPT,
+    Problem.OTHER_STREAMS: ErrorCode.UNEXPECTED,
+}
 
 
 
@@ -281,7 +295,7 @@ class Shadow:
         except StoreError as e:
             self.stats["refused"] += 1
             log.warning("%s [%s]: refused: %s", peer, who[0], e)
-            await refuse(stream, conn, e.code, str(e))
+            await refuse(stream, conn, WIRE_CODES[e.problem], str(e))
         except trio.TooSlowError:
             log.warning("%s [%s]: timed out", peer, who[0])
             await refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent")
@@ -427,7 +441,6 @@ class Shadow:
                 user=hello.user,
                 command=list(hello.command),
                 peer=peer,
-                codes=ErrorCode,
                 tenant=tenant,
             )
         )
@@ -642,7 +655,7 @@ async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS
     try:
         store = await trio.to_thread.run_sync(Store, opts.root)
     except OSError as e:
-        raise StoreError(None, f"cannot use the root {opts.root}: {e.strerror or e}") from None
+        raise StoreError(Problem.ROOT, f"cannot use the root {opts.root}: {e.strerror or e}") from None
     shadow = Shadow(opts, store)
     try:
         with first_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -14,6 +14,7 @@ pwrite/pread calls on files already open).
 
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import os
@@ -25,18 +26,31 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from .events import ErrorCode
 from .names import STATE_DIR, NameError_, split_name
 
 
-class StoreError(Exception):
-    """A refusal or failure, with the protocol error code to send."""
+class Problem(enum.Enum):
+    """What storage refuses or cannot do, in its own terms (the server says
+    it to the agent with a wire code of its choosing)."""
 
-    def __init__(self, code: Any, message: str) -> None:
+    ROOT = "the root cannot be used"
+    FORBIDDEN_NAME = "a name escapes the root, or is not a plain file"
+    NAME_IN_USE = "another active job holds the name"
+    MISSING = "a file to read is not there"
+    IO = "an I/O error"
+    CHANGED_AT_HOME = "a file was removed, replaced or shortened at home"
+    NOT_OWNER = "the job belongs to another identity"
+    STALE_ATTEMPT = "a newer attempt of the job replaced this one"
+    OTHER_STREAMS = "the job resumed with different streams"
+
+
+class StoreError(Exception):
+    """A refusal or failure of the shadow's storage, and its `problem`."""
+
+    def __init__(self, problem: Problem, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.problem = problem
 
 
 def check_root(root: Path) -> None:
@@ -48,21 +62,22 @@ def check_root(root: Path) -> None:
     except FileNotFoundError:
         st = None
     except OSError as e:
-        raise StoreError(None, f"cannot reach the root {root}: {_why_not(e, root)}") from None
+        raise StoreError(Problem.ROOT, f"cannot reach the root {root}: {_why_not(e, root)}") from None
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
-            raise StoreError(None, f"the root {root} is not a directory")
+            raise StoreError(Problem.ROOT, f"the root {root} is not a directory")
     else:
         try:
             root.mkdir(parents=True)
         except OSError as e:
-            raise StoreError(None, f"cannot create the root {root}: {_why_not(e, root)}") from None
+            raise StoreError(Problem.ROOT, f"cannot create the root {root}: {_why_not(e, root)}") from None
     if not os.access(root, os.W_OK | os.X_OK):
         if os.access(root, os.F_OK) and _read_only(root):
-            raise StoreError(None, f"the root {root} is on a read-only file system")
+            raise StoreError(Problem.ROOT, f"the root {root} is on a read-only file system")
         if os.geteuid() == 0:
-            raise StoreError(None, f"the root {root} is not writable, not even by root (a special file system?)")
-        raise StoreError(None, f"the root {root} is not writable by this user ({_user()})")
+            raise StoreError(Problem.ROOT,
+                             f"the root {root} is not writable, not even by root (a special file system?)")
+        raise StoreError(Problem.ROOT, f"the root {root} is not writable by this user ({_user()})")
     # Root may write where permissions say no, and some file systems (/proc,
     # /sys) refuse all the same: try for real what serving needs.
     probe = root / f".gcshadow-probe-{os.getpid()}"
@@ -70,12 +85,12 @@ def check_root(root: Path) -> None:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         os.unlink(probe)
     except OSError as e:
-        raise StoreError(None, f"cannot create files in the root {root}: {e.strerror}") from None
+        raise StoreError(Problem.ROOT, f"cannot create files in the root {root}: {e.strerror}") from None
     state = root / STATE_DIR
     try:
         state.mkdir(mode=0o700, exist_ok=True)
     except OSError as e:
-        raise StoreError(None, f"cannot create the shadow's state directory {state}: {e.strerror}") from None
+        raise StoreError(Problem.ROOT, f"cannot create the shadow's state directory {state}: {e.strerror}") from None
 
 
 def _why_not(e: OSError, path: Path) -> str:
@@ -125,7 +140,7 @@ def lock_root(root: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StoreError(None, f"another gcshadow is already serving {root}") from None
+        raise StoreError(Problem.ROOT, f"another gcshadow is already serving {root}") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
@@ -241,16 +256,16 @@ class StreamFile:
         try:
             fd = open_confined(root_fd, self.name, write=self.write, create=False)
         except NameError_ as e:
-            raise StoreError(ErrorCode.PATH_FORBIDDEN, str(e)) from None
+            raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         except FileNotFoundError:
-            raise StoreError(ErrorCode.LENGTH_MISMATCH, f"{self.name!r} was removed at home while in use") from None
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{self.name!r} was removed at home while in use") from None
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (self.dev, self.ino):
-                raise StoreError(ErrorCode.LENGTH_MISMATCH, f"{self.name!r} was replaced at home while in use")
+                raise StoreError(Problem.CHANGED_AT_HOME, f"{self.name!r} was replaced at home while in use")
             if self.write and st.st_size < self.written:
                 raise StoreError(
-                    ErrorCode.LENGTH_MISMATCH,
+                    Problem.CHANGED_AT_HOME,
                     f"{self.name!r} holds {st.st_size} bytes but {self.written} were written: "
                     "it was truncated at home while in use",
                 )

@@ -33,7 +33,7 @@ from .db import migrate as db_migrate
 from .db import transaction, uri
 from .events import StreamSpec
 from .names import STATE_DIR, NameError_, split_name
-from .shadow_files import JobFiles, StoreError, StreamFile, Syncer, lock_root, open_confined, open_dir
+from .shadow_files import JobFiles, Problem, StoreError, StreamFile, Syncer, lock_root, open_confined, open_dir
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -153,7 +153,6 @@ class Store:
         user: str,
         command: list[str],
         peer: str,
-        codes: Any,
         tenant: str = "",
     ) -> JobFiles:
         """Claim or resume a job's files. A new instance (attempt) of a job
@@ -161,7 +160,7 @@ class Store:
         With a `tenant` (an identity), the job's names are under ROOT/tenant/
         and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
-            return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes, tenant)
+            return self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
 
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
@@ -171,25 +170,25 @@ class Store:
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
-        peer: str, codes: Any, tenant: str = "",
+        peer: str, tenant: str = "",
     ) -> JobFiles:
         db = self.db
         now = time.time()
         row = db.execute("SELECT instance, session, state, owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
         if row is not None and row[3] != tenant:
             if not row[3]:
-                raise StoreError(codes.AUTH_FAILED, f"job {job_id} was streamed here before this shadow had "
+                raise StoreError(Problem.NOT_OWNER, f"job {job_id} was streamed here before this shadow had "
                                                     "identities: give the job another id")
-            raise StoreError(codes.AUTH_FAILED, f"job {job_id} belongs to another identity")
+            raise StoreError(Problem.NOT_OWNER, f"job {job_id} belongs to another identity")
         seen = db.execute(
             "SELECT 1 FROM instances WHERE job_id = ? AND instance = ?", [job_id, instance]
         ).fetchone()
         fresh = row is None or row[0] != instance
         if fresh and seen:
-            raise StoreError(codes.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
+            raise StoreError(Problem.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
         if not fresh and row[2] == "finished":
             pass  # resending EXIT after a lost DONE: welcome it, the lengths will match
-        named = self._names(job_id, streams, tenant, codes)
+        named = self._names(job_id, streams, tenant)
         # Every file is opened (and refused) before any is cut back or
         # recorded: nothing is written for a refused job, and files it made
         # are removed again.
@@ -197,7 +196,7 @@ class Store:
         fds: list[int] = []
         try:
             for spec, norm in named:
-                fds.append(self._open_fd(spec, norm, codes, made))
+                fds.append(self._open_fd(spec, norm, made))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -222,7 +221,7 @@ class Store:
                     )
                 while fds:
                     (spec, norm), fd = named.pop(0), fds.pop(0)
-                    self._open_stream(files, spec, norm, fd, fresh, codes)
+                    self._open_stream(files, spec, norm, fd, fresh)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -231,7 +230,7 @@ class Store:
             raise
         return files
 
-    def _names(self, job_id: str, streams: list[StreamSpec], tenant: str, codes: Any) -> list[tuple[StreamSpec, str]]:
+    def _names(self, job_id: str, streams: list[StreamSpec], tenant: str) -> list[tuple[StreamSpec, str]]:
         """Each stream with its name under the root, refusing names that
         escape it, two outputs of one name, and outputs another active job holds."""
         names: dict[str, int] = {}
@@ -240,13 +239,13 @@ class Store:
             try:
                 norm = "/".join(split_name(spec.name))
             except NameError_ as e:
-                raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
+                raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
             if tenant:  # the identity's part of the root: opened from the root, one directory at a time
                 norm = f"{tenant}/{norm}"
             named.append((spec, norm))
             if spec.kind != "stdin":
                 if norm in names:
-                    raise StoreError(codes.PATH_FORBIDDEN, f"two streams of the job name {norm!r}")
+                    raise StoreError(Problem.FORBIDDEN_NAME, f"two streams of the job name {norm!r}")
                 names[norm] = spec.id
                 owner = self.db.execute(
                     """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
@@ -254,18 +253,18 @@ class Store:
                     [norm, job_id],
                 ).fetchone()
                 if owner:
-                    raise StoreError(codes.PATH_OWNED, f"{norm!r} belongs to job {owner[0]}, which is still active")
+                    raise StoreError(Problem.NAME_IN_USE, f"{norm!r} belongs to job {owner[0]}, which is still active")
         return named
 
-    def _open_fd(self, spec: StreamSpec, norm: str, codes: Any, made: list[str]) -> int:
+    def _open_fd(self, spec: StreamSpec, norm: str, made: list[str]) -> int:
         try:
             return open_confined(self.root_fd, norm, write=spec.kind != "stdin", made=made)
         except NameError_ as e:
-            raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
+            raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         except FileNotFoundError:
-            raise StoreError(codes.NOT_FOUND, f"stdin file {norm!r} does not exist at the shadow") from None
+            raise StoreError(Problem.MISSING, f"stdin file {norm!r} does not exist at the shadow") from None
         except OSError as e:
-            raise StoreError(codes.IO_ERROR, f"cannot open {norm!r}: {e.strerror}") from None
+            raise StoreError(Problem.IO, f"cannot open {norm!r}: {e.strerror}") from None
 
     def _unmake(self, made: list[str]) -> None:
         """Remove the (still empty) files a refused job made."""
@@ -284,7 +283,7 @@ class Store:
             finally:
                 os.close(dfd)
 
-    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, fresh: bool, codes: Any) -> None:
+    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, fresh: bool) -> None:
         db = self.db
         if spec.kind == "stdin":
             files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session)
@@ -309,12 +308,12 @@ class Store:
                     "SELECT durable, name, wire FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
                 ).fetchone()
                 if row is None or row[1] != norm:
-                    raise StoreError(codes.UNEXPECTED, f"job {files.job_id} resumed with different streams")
+                    raise StoreError(Problem.OTHER_STREAMS, f"job {files.job_id} resumed with different streams")
                 durable, wire = row[0], row[2] or 0
                 size = os.fstat(fd).st_size
                 if size < durable:
                     raise StoreError(
-                        codes.LENGTH_MISMATCH,
+                        Problem.CHANGED_AT_HOME,
                         f"{norm!r} holds {size} bytes but {durable} were acknowledged: "
                         "it was truncated or replaced at home",
                     )

@@ -28,9 +28,10 @@ import contextvars
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -38,10 +39,10 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gcwrap.admission import ShadowOptions
+from gcwrap.durability import LiveJob
 from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
-from gcwrap.durability import LiveJob
-from gcwrap.admission import ShadowOptions
 from gcwrap.shadow import Shadow
 from gcwrap.shadow_store import Store
 from gcwrap.sync import leaves
@@ -474,7 +475,7 @@ def test_interleavings_with_every_step_scheduled(sessions: int, data: st.DataObj
 
 def _open(store: Store, instance: str) -> Any:
     return store.open_job(job_id=JOB, instance=instance, streams=[StreamSpec(1, "stdout", "out")], host="h",
-                          user="u", command=[], peer="p", codes=ErrorCode)
+                          user="u", command=[], peer="p")
 
 
 @pytest.mark.timeout(30)

@@ -28,7 +28,7 @@ from helpers import Wrapper, tool, wait_until
 from gcwrap import shadow_files
 from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
-from gcwrap.shadow_files import FileCache, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow_files import FileCache, Problem, StoreError, StreamFile, Syncer, open_confined
 from gcwrap.shadow_store import Store
 
 NOFILE = 96  # the shadow's descriptor limit in the fan-in tests: far fewer than 2 per job
@@ -49,7 +49,7 @@ class LimitedShadow:
             self.proc = subprocess.Popen(
                 [*tool("gcshadow"), "serve", "--port", "0", "--root", str(root), "--port-file", str(port_file),
                  "--min-free", "0", "-v", *(extra or [])],
-                stdout=log, stderr=log, start_new_session=True, preexec_fn=limit,  # noqa: PLW1509 - no threads yet
+                stdout=log, stderr=log, start_new_session=True, preexec_fn=limit,
             )
 
         def ready() -> bool:
@@ -307,8 +307,8 @@ def test_cache_refuses_a_file_changed_while_closed(tmp_path: Path, change: str) 
             (tmp_path / "d").symlink_to(tmp_path / "elsewhere")
         with pytest.raises(StoreError) as info:
             cache.use(sf)
-        want = ErrorCode.PATH_FORBIDDEN if change == "symlinked" else ErrorCode.LENGTH_MISMATCH
-        assert info.value.code is want, info.value
+        want = Problem.FORBIDDEN_NAME if change == "symlinked" else Problem.CHANGED_AT_HOME
+        assert info.value.problem is want, info.value
         assert sf.fd < 0
         assert not (change == "removed" and path.exists()), "a removed file is never created again"
     finally:
@@ -340,7 +340,7 @@ class Spy:
 
 
 def _job(store: Store, name: str, n: int) -> list[StreamFile]:
-    files = store.open_job(job_id=name, instance="i", host="h", user="u", command=[], peer="p", codes=ErrorCode,
+    files = store.open_job(job_id=name, instance="i", host="h", user="u", command=[], peer="p",
                            streams=[StreamSpec(i, "stdout", f"{name}/{i}") for i in range(n)])
     return list(files.outputs.values())
 
@@ -427,7 +427,7 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
 
     store.syncer.sync = sync  # type: ignore[method-assign]
     try:
-        files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p", codes=ErrorCode,
+        files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
                                streams=[StreamSpec(1, "stdout", "out")])
         sf = files.outputs[1]
 

@@ -22,9 +22,9 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import ShadowProc, Wrapper, wait_until
@@ -44,7 +44,7 @@ from gcwrap.protocol import (
     decode,
     encode,
 )
-from gcwrap.shadow_files import StoreError
+from gcwrap.shadow_files import Problem, StoreError
 from gcwrap.shadow_store import Store
 
 trustme = pytest.importorskip("trustme", reason="needs trustme (pip install -e '.[test]')")
@@ -379,18 +379,18 @@ def test_a_link_made_while_a_file_is_open_is_refused_when_it_is_reopened(tmp_pat
     store = Store(tmp_path / "root")
     try:
         files = store.open_job(job_id="j", instance="i", streams=[StreamSpec(1, "stdout", "out")], host="h",
-                               user="u", command=[], peer="p", codes=ErrorCode, tenant="alice")
+                               user="u", command=[], peer="p", tenant="alice")
         sf = files.outputs[1]
         assert sf.name == "alice/out" and (tmp_path / "root" / "alice" / "out").is_file()
         sf.close()  # as FileCache does with a clean, idle file
         os.link(tmp_path / "root" / "alice" / "out", tmp_path / "elsewhere")
         with pytest.raises(StoreError, match="links") as e:
             sf.reopen(store.root_fd)
-        assert e.value.code is ErrorCode.PATH_FORBIDDEN
+        assert e.value.problem is Problem.FORBIDDEN_NAME
         files.close()
         with pytest.raises(StoreError, match="belongs to another identity"):
             store.open_job(job_id="j", instance="i2", streams=[StreamSpec(1, "stdout", "out")], host="h",
-                           user="u", command=[], peer="p", codes=ErrorCode, tenant="bob")
+                           user="u", command=[], peer="p", tenant="bob")
         assert store.owner("j") == "alice" and store.owner("new") is None
     finally:
         store.close()
@@ -405,8 +405,7 @@ def test_a_refused_job_leaves_no_file_it_would_have_made(tmp_path: Path) -> None
         streams = [StreamSpec(1, "stdout", "new/out"), StreamSpec(2, "stderr", "plain"),
                    StreamSpec(3, "stdin", "linked")]
         with pytest.raises(StoreError, match="links"):
-            store.open_job(job_id="j", instance="i", streams=streams, host="h", user="u", command=[], peer="p",
-                           codes=ErrorCode)
+            store.open_job(job_id="j", instance="i", streams=streams, host="h", user="u", command=[], peer="p")
         assert not (root / "new" / "out").exists(), "the file it made is removed again"
         assert (root / "plain").read_bytes() == b"KEEP\n", "and none is cut back before every one is opened"
     finally:
