@@ -497,8 +497,7 @@ class Shadow:
         if not job.finished:
             try:
                 # Only while no later session has taken the job over in the state database.
-                await self._worker(lambda: self.store.record_state(
-                    job.job_id, if_session=session, state="disconnected", last_seen=time.time()))
+                await self._worker(lambda: self.store.record_disconnected(job.job_id, session))
             except Exception as e:  # noqa: BLE001
                 log.error("cannot record job state: %s", e)
 
@@ -630,9 +629,8 @@ class Shadow:
         summary = dict(ev.summary)
         self._check(job)
         recorded = await self._worker(
-            lambda: self.store.record_state(
-                files.job_id, if_session=files.session, state="finished", ended=time.time(), last_seen=time.time(),
-                exit_code=ev.code, exit_signal=ev.signal, reason=ev.reason, summary=summary,
+            lambda: self.store.record_finished(
+                files.job_id, files.session, code=ev.code, signal=ev.signal, reason=ev.reason, summary=summary,
             )
         )
         if not recorded:

@@ -165,8 +165,8 @@ class Store:
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
         with self.db_lock:
-            row = self.db.execute("SELECT owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
-        return None if row is None else str(row[0])
+            row = next(self.db["jobs"].rows_where("job_id = ?", [job_id], select="owner"), None)
+        return None if row is None else str(row["owner"])
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
@@ -174,20 +174,18 @@ class Store:
     ) -> JobFiles:
         db = self.db
         now = time.time()
-        row = db.execute("SELECT instance, session, state, owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
-        if row is not None and row[3] != tenant:
-            if not row[3]:
+        row = next(db["jobs"].rows_where("job_id = ?", [job_id], select="instance, session, state, owner"), None)
+        if row is not None and row["owner"] != tenant:
+            if not row["owner"]:
                 raise StoreError(Problem.NOT_OWNER, f"job {job_id} was streamed here before this shadow had "
                                                     "identities: give the job another id")
             raise StoreError(Problem.NOT_OWNER, f"job {job_id} belongs to another identity")
-        seen = db.execute(
-            "SELECT 1 FROM instances WHERE job_id = ? AND instance = ?", [job_id, instance]
-        ).fetchone()
-        fresh = row is None or row[0] != instance
+        seen = db["instances"].count_where("job_id = ? AND instance = ?", [job_id, instance])
+        fresh = row is None or row["instance"] != instance
         if fresh and seen:
             raise StoreError(Problem.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
-        if not fresh and row[2] == "finished":
-            pass  # resending EXIT after a lost DONE: welcome it, the lengths will match
+        # (A finished job that comes back is resending EXIT after a lost DONE:
+        # welcomed, its lengths will match.)
         named = self._names(job_id, streams, tenant)
         # Every file is opened (and refused) before any is cut back or
         # recorded: nothing is written for a refused job, and files it made
@@ -202,7 +200,7 @@ class Store:
                 os.close(fd)
             self._unmake(made)
             raise
-        files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1)
+        files = JobFiles(job_id, instance, session=(row["session"] if row else 0) + 1)
         try:
             with transaction(db.conn):
                 if fresh:
@@ -247,13 +245,14 @@ class Store:
                 if norm in names:
                     raise StoreError(Problem.FORBIDDEN_NAME, f"two streams of the job name {norm!r}")
                 names[norm] = spec.id
-                owner = self.db.execute(
+                owner = next(self.db.query(
                     """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
                        WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
                     [norm, job_id],
-                ).fetchone()
+                ), None)
                 if owner:
-                    raise StoreError(Problem.NAME_IN_USE, f"{norm!r} belongs to job {owner[0]}, which is still active")
+                    raise StoreError(Problem.NAME_IN_USE,
+                                     f"{norm!r} belongs to job {owner['job_id']}, which is still active")
         return named
 
     def _open_fd(self, spec: StreamSpec, norm: str, made: list[str]) -> int:
@@ -304,12 +303,11 @@ class Store:
                     [files.job_id, spec.id, spec.kind, norm],
                 )
             else:
-                row = db.execute(
-                    "SELECT durable, name, wire FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
-                ).fetchone()
-                if row is None or row[1] != norm:
+                row = next(db["streams"].rows_where("job_id = ? AND stream = ?", [files.job_id, spec.id],
+                                                    select="durable, name, wire"), None)
+                if row is None or row["name"] != norm:
                     raise StoreError(Problem.OTHER_STREAMS, f"job {files.job_id} resumed with different streams")
-                durable, wire = row[0], row[2] or 0
+                durable, wire = row["durable"], row["wire"] or 0
                 size = os.fstat(fd).st_size
                 if size < durable:
                     raise StoreError(
@@ -379,18 +377,29 @@ class Store:
         stamped.update(dict.fromkeys(stale, now))
         return refused
 
-    def record_state(self, job_id: str, *, if_session: int | None = None, **fields: Any) -> bool:
-        """Update a job's row; with `if_session`, only while that session
-        holds the job. Whether a row was updated."""
-        if "summary" in fields:
-            fields["summary"] = json.dumps(fields["summary"])
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        args: list[object] = [job_id]
-        where = "job_id = ?"
-        if if_session is not None:
-            where, args = "job_id = ? AND session = ?", [job_id, if_session]
+    def record_disconnected(self, job_id: str, session: int) -> bool:
+        """The job's session `session` is gone, recorded only while that
+        session holds the job. Whether it was recorded."""
         with self.db_lock, transaction(self.db.conn):
-            cur = self.db.execute(f"UPDATE jobs SET {sets} WHERE {where}", [*fields.values(), *args])
+            cur = self.db.execute(
+                "UPDATE jobs SET state = 'disconnected', last_seen = ? WHERE job_id = ? AND session = ?",
+                [time.time(), job_id, session],
+            )
+            return cur.rowcount > 0
+
+    def record_finished(
+        self, job_id: str, session: int, *, code: int | None, signal: int | None, reason: str,
+        summary: dict[str, Any],
+    ) -> bool:
+        """The job ended (its EXIT), recorded only while session `session`
+        holds the job. Whether it was recorded."""
+        now = time.time()
+        with self.db_lock, transaction(self.db.conn):
+            cur = self.db.execute(
+                "UPDATE jobs SET state = 'finished', ended = ?, last_seen = ?, exit_code = ?, exit_signal = ?, "
+                "reason = ?, summary = ? WHERE job_id = ? AND session = ?",
+                [now, now, code, signal, reason, json.dumps(summary), job_id, session],
+            )
             return cur.rowcount > 0
 
     def mark_disconnected(self) -> None:
