@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import sqlite_utils
+
 from .names import STATE_DIR, NameError_
 from .shadow_files import open_confined
 
@@ -122,16 +124,15 @@ class StateReader:
             if version == self.data_version and not self.error:
                 self._sample()
                 return False
-            cur = conn.execute("SELECT * FROM jobs ORDER BY first_seen")
-            cols = [d[0] for d in cur.description]
-            jobs = {row[0]: dict(zip(cols, row)) for row in cur.fetchall()}
+            db = sqlite_utils.Database(conn)
+            jobs = {row["job_id"]: row for row in db["jobs"].rows_where(order_by="first_seen")}
             for job in jobs.values():
                 job["streams"] = []
-            for job_id, sid, kind, name, durable in conn.execute(
-                "SELECT job_id, stream, kind, name, durable FROM streams ORDER BY job_id, stream"
-            ):
+            for stream in db["streams"].rows_where(select="job_id, stream, kind, name, durable",
+                                                   order_by="job_id, stream"):
+                job_id = stream.pop("job_id")
                 if job_id in jobs:
-                    jobs[job_id]["streams"].append({"stream": sid, "kind": kind, "name": name, "durable": durable})
+                    jobs[job_id]["streams"].append(stream)
         except (sqlite3.Error, OSError) as e:
             self.close()
             error = str(e)
