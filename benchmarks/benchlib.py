@@ -38,12 +38,12 @@ from throughput import (
     Outcome,
     PeakRss,
     Reaped,
+    compile_bytecode,
     free_port,
     guarded,
     listening,
     parse_size,
     proc_times,
-    compile_bytecode,
     settings_line,
     sha256_file,
     signal_tree,
@@ -638,7 +638,7 @@ class AckSniffer(threading.Thread):
     slewing clock cannot shift them by more than a few microseconds).
     Each connection's shadow -> agent byte stream is reassembled from the SYN
     on (start this before the agent connects), cut into frames and decoded
-    with gcwrap.protocol; `acks` gets (offset, arrival ns) of every ACK of
+    with gcwrap.wire.protocol; `acks` gets (offset, arrival ns) of every ACK of
     `stream`. `problem` is set if a segment was missed.
     """
 
@@ -679,8 +679,8 @@ class AckSniffer(threading.Thread):
             self.error = e
 
     def _run(self) -> None:
-        from gcwrap.events import Ack
-        from gcwrap.protocol import decode
+        from gcwrap.wire.events import Ack
+        from gcwrap.wire.protocol import decode
 
         anc = socket.CMSG_SPACE(16)
         while not self.stopping.is_set():

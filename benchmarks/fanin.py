@@ -10,7 +10,7 @@ gcshadow for every run, so its peak RSS is that run's):
                gcwrap --shadow 127.0.0.1:PORT --stdout fanin/real-i.out --spool SPOOL --job-id ID-i -- cat INPUT_i
              baseline: ONE gcwrap running `cat INPUT_1 ... INPUT_N` (the same bytes, one connection).
   sim N      N simulated agents (--sim, default 1000,10000) from a load process of their own (this script
-             run with --load-worker: one trio run, N connections, speaking gcwrap.protocol), so that the load
+             run with --load-worker: one trio run, N connections, speaking gcwrap.wire.protocol), so that the load
              does not share this script's process with the measurement. Each agent: connect, HELLO,
              WELCOME; wait until every agent is connected (a barrier, PINGs every 5 s while waiting); then
              send --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced;
@@ -37,7 +37,7 @@ scenario) and peak RSS (VmHWM), and its largest number of open descriptors
 (sampled every 0.5 s). Every landed file's sha256 is compared with the bytes
 sent. RLIMIT_NOFILE is raised to the hard limit in this process before the
 shadow and the load process are started; the shadow raises its own soft
-limit to its hard limit too (gcwrap.shadow.raise_fd_limit).
+limit to its hard limit too (gcwrap.shadow.descriptors.raise_fd_limit).
 
 Failures are reported, not hidden: every agent that did not finish is counted
 by the phase it failed in and the error, the shadow's warnings and errors
@@ -76,11 +76,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
-    guarded,
     MB,
     BenchError,
     ShadowProc,
     fmt,
+    guarded,
     header,
     install_signal_handlers,
     parse_size,
@@ -421,9 +421,9 @@ class Generator:
     async def agent(self, i: int, owners: list[int], port: int, job_id: str, name: str) -> None:
         import trio
 
-        from gcwrap.events import Ack, Done, Error, Exit, Hello, Ping, Pong, StreamSpec, Welcome
-        from gcwrap.events import Data as DataEv
-        from gcwrap.protocol import NEED_DATA, Connection, Role
+        from gcwrap.wire.events import Ack, Done, Error, Exit, Hello, Ping, Pong, StreamSpec, Welcome
+        from gcwrap.wire.events import Data as DataEv
+        from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
         phase = "connect"
         counted = False

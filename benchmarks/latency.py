@@ -14,7 +14,7 @@ the other, at each rate:
              socket. A packet socket on the loopback interface (AF_PACKET, a BPF filter for TCP from the
              shadow's port, kernel receive timestamps) sees each segment the shadow sends to gcwrap as
              the kernel delivers it; the script reassembles that direction of the stream, cuts it into
-             frames and decodes them with gcwrap.protocol. An ACK says every byte below its offset is
+             frames and decodes them with gcwrap.wire.protocol. An ACK says every byte below its offset is
              durable at home, and its arrival is when gcwrap can rely on that: what the user's
              guarantee is about. Nothing is added to gcwrap's path (no proxy, no polling of the
              shadow); a lost capture (kernel drop counter, a gap in the sequence numbers) fails the run.
@@ -23,7 +23,7 @@ the other, at each rate:
   socat    (baseline for "visible") JOB | socat -u - TCP:127.0.0.1:PORT  ->  socat -u TCP-LISTEN:PORT OPEN:FILE
            write -> visible in FILE, by the same watcher. Nothing is synced.
   protocol (the shadow's own ack latency, without gcwrap) a client in this script speaking the wire protocol
-           (gcwrap.protocol, one connection to a fresh gcshadow): HELLO, then at the same rate DATA frames
+           (gcwrap.wire.protocol, one connection to a fresh gcshadow): HELLO, then at the same rate DATA frames
            holding the lines that are due, then EXIT/DONE. send -> durable ACK: from just before send_all of
            the DATA frame to the arrival of the ACK covering the line.
   fsync    (baseline for "durable": the floor on this disk) a thread writes the same lines at the same
@@ -65,10 +65,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
     AckSniffer,
-    guarded,
     BenchError,
     ShadowProc,
     free_port,
+    guarded,
     header,
     install_signal_handlers,
     listening,
@@ -229,8 +229,8 @@ async def protocol_client(port: int, job_id: str, name: str, rate: float, count:
     """The shadow's own ack latency; `receipts` gets (offset, ns) of each ACK as the client reads it."""
     import trio
 
-    from gcwrap.events import Ack, Data, Done, Error, Exit, Hello, StreamSpec, Welcome
-    from gcwrap.protocol import NEED_DATA, Connection, Role
+    from gcwrap.wire.events import Ack, Data, Done, Error, Exit, Hello, StreamSpec, Welcome
+    from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
     result = Lines()
     conn = Connection(Role.AGENT)
@@ -393,7 +393,7 @@ class Bench:
 
     def run_gcwrap(self, run: int, rate: float) -> tuple[Lines, Lines]:
         """(write -> visible at home, write -> ACK arrival at gcwrap) of one gcwrap run."""
-        from gcwrap.events import STDOUT
+        from gcwrap.wire.events import STDOUT
 
         rundir = self.workdir / f"gcwrap-{run}-{rate:g}"
         home, spool = rundir / "home", rundir / "spool"

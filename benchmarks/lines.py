@@ -413,7 +413,7 @@ class Bench:
         wchar), the bytes the shadow has acknowledged (ACK frames captured on loopback, as latency.py does), and
         the CPU gcwrap and gcshadow used in the interval. Where the two curves part, and neither process is
         busy, the time goes to waiting."""
-        from gcwrap.events import STDOUT
+        from gcwrap.wire.events import STDOUT
 
         rundir = self.workdir / f"timeline-{variant}"
         home, spool, times = rundir / "home", rundir / "spool", rundir / "job.times"

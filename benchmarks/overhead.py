@@ -52,12 +52,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
-    guarded,
     MB,
     BenchError,
     GiB,
     ShadowProc,
     fmt,
+    guarded,
     header,
     install_signal_handlers,
     parse_size,

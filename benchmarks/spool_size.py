@@ -53,11 +53,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
-    guarded,
     MB,
     BenchError,
     ShadowProc,
     fmt,
+    guarded,
     header,
     install_signal_handlers,
     parse_size,

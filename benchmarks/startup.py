@@ -46,10 +46,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
-    guarded,
     BenchError,
     ShadowProc,
     fmt,
+    guarded,
     header,
     install_signal_handlers,
     render_table,

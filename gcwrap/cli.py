@@ -18,7 +18,7 @@ import click
 
 from . import __version__, exitcodes
 from .clitypes import Size
-from .names import NameError_, normalize
+from .wire.names import NameError_, normalize
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -49,7 +49,7 @@ def parse_hostport(value: str) -> tuple[str, int]:
 def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None,
              tls_key: Path | None) -> dict[str, Any]:
     """AgentOptions fields for the token and TLS options (usage errors if unusable)."""
-    from .auth import AuthError, client_context, load_token
+    from .wire.auth import AuthError, client_context, load_token
 
     try:
         token = load_token(token_file, private=False) if token_file else None
@@ -82,7 +82,7 @@ def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | No
     def callback(ctx: click.Context, p: click.Parameter, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        from .templates import TemplateError, check
+        from .agent.templates import TemplateError, check
 
         try:
             check(value)
@@ -97,7 +97,7 @@ def expand_name(value: str | None, values: dict[str, str], param: str) -> str | 
     """A NAME template expanded for this job, then checked as a NAME."""
     if value is None:
         return None
-    from .templates import expand
+    from .agent.templates import expand
 
     name = expand(value, values)
     try:
@@ -118,7 +118,7 @@ class SpoolDir(click.Path):
 
 def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> Any:
     """`--compress zstd` needs the codec here; `auto` does without it (and never compresses)."""
-    from .compress import Mode, available
+    from .wire.compress import Mode, available
 
     if value == "zstd" and not available():
         raise click.BadParameter("zstd needs the zstandard package (pip install zstandard)")
@@ -241,7 +241,7 @@ def run(
     if address is None and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
     job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
-    from .agent import AgentOptions
+    from .agent.agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
     opts = AgentOptions(
@@ -258,8 +258,8 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
     with their templates expanded; usage errors for what cannot be."""
     if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
         raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
-    from .identity import detect
-    from .templates import values_for
+    from .agent.identity import detect
+    from .agent.templates import values_for
 
     ident = detect()
     values = values_for(ident, job_id)
@@ -278,11 +278,11 @@ def _run(
 
     import trio
 
-    from .identity import default_job_id, hostname, username
-    from .records import JobRecord
+    from .agent.identity import default_job_id, hostname, username
+    from .agent.records import JobRecord
+    from .agent.run import run_job, stream_specs
+    from .agent.spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
     from .render import Reporter
-    from .run import run_job, stream_specs
-    from .spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
 
     job_id = job_id or default_job_id()
     instance = new_instance()
@@ -336,8 +336,8 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     """
     import json
 
+    from .agent.spool import default_spool_dir
     from .render import output_width, print_view, status_view, stdout_console
-    from .spool import default_spool_dir
     from .status import read_spools
 
     spools = read_spools(spool_dir or default_spool_dir())
@@ -377,10 +377,10 @@ def resume(
     """
     import trio
 
-    from .agent import AgentOptions
+    from .agent.agent import AgentOptions
+    from .agent.run import resume_spool
+    from .agent.spool import SpoolError, default_spool_dir, spool_files
     from .render import Reporter, setup_logging, stderr_console
-    from .run import resume_spool
-    from .spool import SpoolError, default_spool_dir, spool_files
     from .status import in_use
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
@@ -434,7 +434,7 @@ def resume(
 
 def _recorded_job(path: Path) -> Any:
     """The job a spool records (a JobRecord); SpoolError if it cannot be read."""
-    from .spool import Spool
+    from .agent.spool import Spool
 
     recorded = Spool.open(path, readonly=True)
     try:

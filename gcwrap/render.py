@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from .records import loss_text
+from .agent.records import loss_text
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from rich.console import Console

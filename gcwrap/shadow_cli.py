@@ -126,10 +126,10 @@ def serve(
     """
     import trio
 
-    from .admission import ShadowOptions
     from .render import setup_logging
-    from .shadow import ListenError, run_shadow
-    from .shadow_files import StoreError, check_root
+    from .shadow.admission import ShadowOptions
+    from .shadow.files import StoreError, check_root
+    from .shadow.server import ListenError, run_shadow
 
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
@@ -156,7 +156,7 @@ def _security(
     without authentication, loopback only unless --insecure says otherwise."""
     import logging
 
-    from .auth import AllowList, AuthError, SubjectMap, is_loopback, load_token, load_token_dir, server_context
+    from .wire.auth import AllowList, AuthError, SubjectMap, is_loopback, load_token, load_token_dir, server_context
 
     log = logging.getLogger("gcshadow")
     try:
@@ -215,7 +215,7 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
     import time
 
     from .render import job_bytes, job_detail, job_figures, jobs_view, output_width, print_view, stdout_console
-    from .shadow_store import list_jobs
+    from .shadow.state import list_jobs
 
     def load() -> list[dict[str, Any]]:
         try:
@@ -294,7 +294,7 @@ def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str 
     """
     import sqlite3
 
-    from .tail import tail as run_tail
+    from .shadow.tail import tail as run_tail
 
     if job is None and not all_jobs:
         raise click.UsageError("name a JOB, or use --all")
@@ -359,9 +359,9 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
 
     import trio
 
-    from .auth import AuthError, is_loopback, load_token, server_context
     from .render import setup_logging
-    from .web import WebOptions, run_web
+    from .shadow.web import WebOptions, run_web
+    from .wire.auth import AuthError, is_loopback, load_token, server_context
 
     setup_logging("gcshadow", verbose + 1, "text")
     if not root.is_dir():

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .spool import Spool, SpoolError, spool_files
+from .agent.spool import Spool, SpoolError, spool_files
 
 
 def in_use(path: Path) -> bool:

@@ -32,12 +32,12 @@ from helpers import (
     wait_until,
 )
 
-from gcwrap import identity, templates
+from gcwrap.agent import identity, templates
+from gcwrap.agent.identity import BatchIdentity, detect
+from gcwrap.agent.spool import default_spool_dir
+from gcwrap.agent.templates import TemplateError, expand, values_for
 from gcwrap.cli import main as gcwrap_main
-from gcwrap.identity import BatchIdentity, detect
-from gcwrap.names import normalize
-from gcwrap.spool import default_spool_dir
-from gcwrap.templates import TemplateError, expand, values_for
+from gcwrap.wire.names import normalize
 
 UID = os.getuid()
 

@@ -27,8 +27,8 @@ import latency
 import lines
 import overhead
 
-from gcwrap.events import Ack, Pong, Welcome
-from gcwrap.protocol import encode
+from gcwrap.wire.events import Ack, Pong, Welcome
+from gcwrap.wire.protocol import encode
 
 
 def _can_capture() -> bool:

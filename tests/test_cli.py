@@ -8,8 +8,8 @@ from typing import Any, Iterator
 import click
 import pytest
 
-from gcwrap.clitypes import Size
 from gcwrap.cli import main as gcwrap_main
+from gcwrap.clitypes import Size
 from gcwrap.shadow_cli import main as gcshadow_main
 
 REQUIRED = {"run": ["--", "true"], "tail": ["job"]}

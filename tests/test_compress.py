@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcwrap.compress import (
+from gcwrap.wire.compress import (
     MIN_SIZE,
     PROBE_EVERY,
     QUIET_OFF,

@@ -114,8 +114,8 @@ def test_a_job_imports_no_sqlite_utils_and_the_read_side_does(tmp_path: Path) ->
     job = subprocess.run([sys.executable, "-c", code, "--", "true"], capture_output=True, text=True, timeout=60,
                          env=env, check=False)
     assert job.stderr.strip().endswith("False"), job.stderr
-    from gcwrap.records import JobRecord
-    from gcwrap.spool import SPOOL_SUFFIX, Spool
+    from gcwrap.agent.records import JobRecord
+    from gcwrap.agent.spool import SPOOL_SUFFIX, Spool
 
     Spool.create(tmp_path / f"j{SPOOL_SUFFIX}", JobRecord("j", "1", ["true"]), [(1, "stdout", "out")], 1 << 20).close()
     status = subprocess.run([sys.executable, "-c", code, "status"], capture_output=True, text=True, timeout=60,

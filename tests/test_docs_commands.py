@@ -35,10 +35,10 @@ from typing import Any
 import click
 import pytest
 
-from gcwrap.auth import is_loopback
 from gcwrap.cli import main as gcwrap_main
 from gcwrap.cli import parse_hostport
 from gcwrap.shadow_cli import main as gcshadow_main
+from gcwrap.wire.auth import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

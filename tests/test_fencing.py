@@ -17,7 +17,7 @@ open; only the holder pwrites; a fenced session sends no WELCOME, ACK or
 DONE. At the end: every session's files are closed
 (no descriptor left behind), and the file holds the job's bytes exactly once.
 
-The shadow is the real one (`gcwrap.shadow.Shadow` over a real `Store` in a
+The shadow is the real one (`gcwrap.shadow.server.Shadow` over a real `Store` in a
 temporary root); only its thread hops run inline, at the scheduler's word.
 """
 
@@ -39,13 +39,13 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcwrap.admission import ShadowOptions
-from gcwrap.durability import LiveJob
-from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
-from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
-from gcwrap.shadow import Shadow
-from gcwrap.shadow_store import Store
+from gcwrap.shadow.admission import ShadowOptions
+from gcwrap.shadow.durability import LiveJob
+from gcwrap.shadow.server import Shadow
+from gcwrap.shadow.state import Store
 from gcwrap.sync import leaves
+from gcwrap.wire.events import Ack, Data, Done, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
+from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role
 
 T = TypeVar("T")
 JOB = "racer"
@@ -487,7 +487,7 @@ def test_a_late_batch_of_a_superseded_session_records_nothing(tmp_path: Path, in
     acknowledged nor cut back. Unconditionally recorded, a new attempt's
     file (started afresh, 0 bytes) was recorded as holding the old attempt's
     length: acknowledged bytes it never had."""
-    from gcwrap.shadow_store import Superseded
+    from gcwrap.shadow.state import Superseded
 
     store = Store(tmp_path)
     try:

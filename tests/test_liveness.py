@@ -1,4 +1,4 @@
-"""The watchdog's rules (gcwrap.liveness), under trio's autojump clock: no
+"""The watchdog's rules (gcwrap.agent.liveness), under trio's autojump clock: no
 test here sleeps. A small model of a link drives `watch` the way a session
 does: it queues bytes, drains them at the link's rate, and answers (or not).
 """
@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from gcwrap.liveness import Liveness, Verdict, watch
+from gcwrap.agent.liveness import Liveness, Verdict, watch
 
 HB = 0.5  # seconds between heartbeats (the slow-link chaos test's --heartbeat)
 LIMIT = 3 * HB

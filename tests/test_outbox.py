@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from gcwrap.events import Exit, StdinData, StreamSpec
-from gcwrap.outbox import MAX_ROW, Mismatch, Outbox, OutStream, coalesce
-from gcwrap.records import Chunk
+from gcwrap.agent.outbox import MAX_ROW, Mismatch, Outbox, OutStream, coalesce
+from gcwrap.agent.records import Chunk
+from gcwrap.wire.events import Exit, StdinData, StreamSpec
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""The agent's pure policies (gcwrap.policy), driven the way the agent drives
+"""The agent's pure policies (gcwrap.agent.policy), driven the way the agent drives
 them: `now` from trio.current_time(), under trio's autojump clock, so the
 waits they ask for pass in virtual time and nothing sleeps for real."""
 
@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from gcwrap.policy import (
+from gcwrap.agent.policy import (
     ACK_COMMIT_INTERVAL,
     COME_BACK,
     COMMIT_PACE,
@@ -22,7 +22,7 @@ from gcwrap.policy import (
     DiskHealth,
     RetryPolicy,
 )
-from gcwrap.retry import Backoff, ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled, describe
+from gcwrap.agent.retry import Backoff, ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled, describe
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,16 +11,16 @@ loop without consuming bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcwrap.events import (
+from gcwrap.wire.events import (
     PROTOCOL_VERSION,
     STREAM_KINDS,
     Ack,
@@ -42,7 +42,7 @@ from gcwrap.events import (
     Welcome,
     ZData,
 )
-from gcwrap.protocol import (
+from gcwrap.wire.protocol import (
     DEFAULT_MAX_FRAME,
     MAGIC,
     MAX_CONTROL,

@@ -19,8 +19,8 @@ from typing import Iterator
 import pytest
 from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool, wait_until
 
-from gcwrap.events import Auth, Challenge, Data, Error, ErrorCode, Hello, StreamSpec
-from gcwrap.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role, encode
+from gcwrap.wire.events import Auth, Challenge, Data, Error, ErrorCode, Hello, StreamSpec
+from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, FrameType, Role, encode
 
 trustme = pytest.importorskip("trustme", reason="needs trustme (pip install -e '.[test]')")
 

@@ -18,11 +18,11 @@ import trio.testing
 from hypothesis import given, settings
 from test_protocol import HEADER, edge_frames
 
-from gcwrap.events import Data, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
-from gcwrap.protocol import NEED_DATA, Connection, Role, decode, encode
-from gcwrap.admission import ShadowOptions
-from gcwrap.shadow import Shadow
-from gcwrap.shadow_store import Store
+from gcwrap.shadow.admission import ShadowOptions
+from gcwrap.shadow.server import Shadow
+from gcwrap.shadow.state import Store
+from gcwrap.wire.events import Data, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
+from gcwrap.wire.protocol import NEED_DATA, Connection, Role, decode, encode
 
 
 async def one_session(shadow: Shadow, job: str, frame: tuple[int, bytes]) -> list[Event]:
@@ -111,7 +111,7 @@ def test_stdin_read_past_the_largest_offset_is_a_bad_frame(offset: int, max_byte
     transient codes, so the agent would have retried it forever."""
     import struct
 
-    from gcwrap.protocol import FrameType
+    from gcwrap.wire.protocol import FrameType
 
     with tempfile.TemporaryDirectory(prefix="gcw-input-") as tmp:
         root = Path(tmp)
@@ -136,7 +136,7 @@ def test_stdin_read_past_the_largest_offset_is_a_bad_frame(offset: int, max_byte
 
 
 def test_edge_frames_cover_every_frame_type() -> None:
-    from gcwrap.protocol import FrameType
+    from gcwrap.wire.protocol import FrameType
 
     seen: set[int] = set()
 

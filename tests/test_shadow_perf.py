@@ -25,11 +25,11 @@ import pytest
 import trio
 from helpers import Wrapper, tool, wait_until
 
-from gcwrap import shadow_files
-from gcwrap.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
-from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
-from gcwrap.shadow_files import FileCache, Problem, StoreError, StreamFile, Syncer, open_confined
-from gcwrap.shadow_store import Store
+from gcwrap.shadow import files as shadow_files
+from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow.state import Store
+from gcwrap.wire.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
+from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, Role, encode
 
 NOFILE = 96  # the shadow's descriptor limit in the fan-in tests: far fewer than 2 per job
 
@@ -410,7 +410,7 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
     seen the previous one fail. After a reported writeback error a later
     fdatasync can succeed although the bytes are gone: the file must not be
     synced or recorded again, and its job must be fenced."""
-    from gcwrap.durability import Durability, LiveJob
+    from gcwrap.shadow.durability import Durability, LiveJob
 
     store = Store(tmp_path)
     calls: list[int] = []

@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 from helpers import ShadowProc, file_size, wait_until
 
-from gcwrap.events import (
+from gcwrap.wire.events import (
     Ack,
     ConnectionClosed,
     Data,
@@ -35,7 +35,7 @@ from gcwrap.events import (
     Welcome,
     ZData,
 )
-from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
+from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, Role, encode
 
 _OPEN: list[socket.socket] = []
 
@@ -429,7 +429,7 @@ def _acked_to(agent: RawAgent, end: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_zdata_lands_as_the_jobs_bytes_and_overlaps_are_trimmed(shadow: ShadowProc, home: Path) -> None:
-    from gcwrap.compress import Codec
+    from gcwrap.wire.compress import Codec
 
     codec = Codec()
     text = b"".join(b"step %d loss=0.%06d\n" % (i, i * 7919 % 1000000) for i in range(20000))

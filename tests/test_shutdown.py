@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, wait_until
 
-from gcwrap.events import Challenge, Hello
-from gcwrap.protocol import NEED_DATA, Connection, Role
-from gcwrap.shadow import STOP_GRACE, STOP_RETRY_AFTER
+from gcwrap.shadow.server import STOP_GRACE, STOP_RETRY_AFTER
+from gcwrap.wire.events import Challenge, Hello
+from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
 pytestmark = pytest.mark.timeout(180)
 

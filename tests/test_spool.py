@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gcwrap.records import Chunk, JobRecord, StreamState
-from gcwrap.spool import (
+from gcwrap.agent.records import Chunk, JobRecord, StreamState
+from gcwrap.agent.spool import (
     MIGRATIONS,
     SPOOL_SUFFIX,
     Spool,
@@ -534,7 +534,7 @@ def test_disk_full_raises_spool_error_and_recovers(small_tmpfs: Path) -> None:
 
 async def try_spool(path: Path) -> str:
     """Try to make a spool as a run does; "" if made, else the SpoolError's text."""
-    from gcwrap.spooler import Spooler
+    from gcwrap.agent.spooler import Spooler
 
     spooler = Spooler(path, job(), [(OUT, "stdout", "out.log")])
     try:

@@ -20,7 +20,7 @@ import pytest
 from faults import StallRelay
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_bytes, sha256_file, tool, wait_until
 
-from gcwrap.protocol import FrameType
+from gcwrap.wire.protocol import FrameType
 
 HEARTBEAT = 2.0  # a stall of STALL s is shorter than the 3 heartbeats of silence the black-hole rule waits for
 STALL = 3.0

@@ -31,9 +31,11 @@ from helpers import ShadowProc, Wrapper, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcwrap.auth import agent_mac, client_context, new_nonce
-from gcwrap.events import Auth, Challenge, Error, ErrorCode, Event, Hello, StreamSpec, Welcome
-from gcwrap.protocol import (
+from gcwrap.shadow.files import Problem, StoreError
+from gcwrap.shadow.state import Store
+from gcwrap.wire.auth import agent_mac, client_context, new_nonce
+from gcwrap.wire.events import Auth, Challenge, Error, ErrorCode, Event, Hello, StreamSpec, Welcome
+from gcwrap.wire.protocol import (
     DEFAULT_MAX_FRAME,
     MAGIC,
     MAX_CONTROL,
@@ -44,8 +46,6 @@ from gcwrap.protocol import (
     decode,
     encode,
 )
-from gcwrap.shadow_files import Problem, StoreError
-from gcwrap.shadow_store import Store
 
 trustme = pytest.importorskip("trustme", reason="needs trustme (pip install -e '.[test]')")
 

@@ -394,7 +394,7 @@ def test_token_is_required_on_a_non_loopback_address(home: Path, shadow: ShadowP
 
 
 def test_rate_is_measured_over_the_last_seconds_and_falls_to_zero_when_idle() -> None:
-    from gcwrap.webstate import RATE_WINDOW, StreamSeen
+    from gcwrap.shadow.webstate import RATE_WINDOW, StreamSeen
 
     seen = StreamSeen("i1")
     seen.add(100.0, 0, 1000.0)
@@ -412,7 +412,7 @@ def test_rate_is_measured_over_the_last_seconds_and_falls_to_zero_when_idle() ->
 
 
 def test_the_tail_starts_at_a_line(tmp_path: Path) -> None:
-    from gcwrap.webstate import tail_start
+    from gcwrap.shadow.webstate import tail_start
 
     path = tmp_path / "f"
     path.write_bytes(b"".join(b"line %04d\n" % i for i in range(1000)))  # 10 bytes a line
@@ -427,7 +427,7 @@ def test_the_tail_starts_at_a_line(tmp_path: Path) -> None:
 
 
 def test_a_session_cookie_is_made_with_the_token_and_expires(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gcwrap import web
+    from gcwrap.shadow import web
 
     token = b"t" * 32
     cookie = web._new_session(token)

@@ -51,10 +51,8 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 def wait_for(driver: Any, cond: Callable[[Any], Any], what: str, timeout: float = WAIT) -> Any:
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException, WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
-
-    from selenium.common.exceptions import WebDriverException
 
     def settled(d: Any) -> Any:
         # The page re-renders while we look: an element found a moment ago may

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, tool, wait_until
 
-from gcwrap.spool import Spool
+from gcwrap.agent.spool import Spool
 
 MB = 1_000_000
 

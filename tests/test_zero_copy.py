@@ -18,11 +18,11 @@ from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gcwrap.outbox import OutStream, coalesce
-from gcwrap.records import Chunk, Extent, JobRecord
-from gcwrap.segments import Segments
-from gcwrap.sender import sendfile_placed
-from gcwrap.spool import SPOOL_SUFFIX, Spool, SpoolError
+from gcwrap.agent.outbox import OutStream, coalesce
+from gcwrap.agent.records import Chunk, Extent, JobRecord
+from gcwrap.agent.segments import Segments
+from gcwrap.agent.sender import sendfile_placed
+from gcwrap.agent.spool import SPOOL_SUFFIX, Spool, SpoolError
 
 OUT, ERR = 1, 2
 STREAMS = [(OUT, "stdout", "out.log"), (ERR, "stderr", "err.log")]
@@ -300,9 +300,9 @@ async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor
     (before: one descriptor per segment read, to a deleted file holding its
     blocks), and the descriptors open at once stay few however long the
     backlog."""
-    from gcwrap import segments as segments_mod
-    from gcwrap import spooler as spooler_mod
-    from gcwrap.spooler import Spooler
+    from gcwrap.agent import segments as segments_mod
+    from gcwrap.agent import spooler as spooler_mod
+    from gcwrap.agent.spooler import Spooler
 
     size = 64 << 10
     monkeypatch.setattr(spooler_mod, "DEFAULT_SEGMENT", size)  # 200 segments of 64 KiB, not of 16 MiB
@@ -340,7 +340,7 @@ def test_a_descriptor_in_use_is_never_closed_under_its_user(tmp_path: Path, monk
     """Past MAX_OPEN the least recently used descriptors are closed, but
     never one pinned by a reader or writer; a segment released while one is
     pinned has its descriptor closed by the last user."""
-    from gcwrap import segments as segments_mod
+    from gcwrap.agent import segments as segments_mod
 
     monkeypatch.setattr(segments_mod, "MAX_OPEN", 2)
     seg = Segments(tmp_path / "seg", segment_size=100, natural=True)
@@ -372,8 +372,8 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
 
     import trio
 
-    from gcwrap import spooler as spooler_mod
-    from gcwrap.spooler import Spooler
+    from gcwrap.agent import spooler as spooler_mod
+    from gcwrap.agent.spooler import Spooler
 
     r, w = pipe
     spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
@@ -452,8 +452,8 @@ async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
 
     import trio
 
-    from gcwrap import spooler as spooler_mod
-    from gcwrap.spooler import INLINE_COMMIT, Spooler
+    from gcwrap.agent import spooler as spooler_mod
+    from gcwrap.agent.spooler import INLINE_COMMIT, Spooler
 
     r, w = pipe
     spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
@@ -505,8 +505,8 @@ async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
 def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gcwrap import spooler as spooler_mod
-    from gcwrap.spooler import Spooler
+    from gcwrap.agent import spooler as spooler_mod
+    from gcwrap.agent.spooler import Spooler
 
     looked: list[str] = []
     statvfs = os.statvfs
@@ -670,8 +670,8 @@ async def test_without_splice_support_bulk_output_is_read_into_memory(
 ) -> None:
     """A file system whose files take no splice (EINVAL): gcwrap reads into
     memory instead, says so once, and calls none of it a disk failure."""
-    from gcwrap.agent import AgentOptions
-    from gcwrap.run import run_job
+    from gcwrap.agent.agent import AgentOptions
+    from gcwrap.agent.run import run_job
 
     calls = []
 
@@ -698,8 +698,8 @@ def test_an_ack_for_bytes_never_sent_is_refused(home: Path, spool_dir: Path) -> 
     import threading
     import time
 
-    from gcwrap.events import PROTOCOL_VERSION, Ack, Hello, Welcome
-    from gcwrap.protocol import NEED_DATA, Connection, Role
+    from gcwrap.wire.events import PROTOCOL_VERSION, Ack, Hello, Welcome
+    from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(60)

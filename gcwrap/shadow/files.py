@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .names import STATE_DIR, NameError_, split_name
+from ..wire.names import STATE_DIR, NameError_, split_name
 
 
 class Problem(enum.Enum):

@@ -13,7 +13,7 @@ job 4242: the modern form of Condor's `file_remaps "datafile data.$(PROCESS)"`.
     %%  a literal %
 
 Any other key, or a `%` at the end, is an error. The expanded text must
-still be a valid NAME (gcwrap.names): a value cannot smuggle in `..` or an
+still be a valid NAME (gcwrap.wire.names): a value cannot smuggle in `..` or an
 absolute path.
 """
 

@@ -7,7 +7,7 @@ binary structs. Offsets and lengths are u64 on the wire, and at most
 2**63 - 1 (MAX_OFFSET) together with the bytes they cover, as a file offset
 is. `encode` turns one event into one frame, `decode` one frame body into
 one event, each checking every field; which frames are legal when is
-`gcwrap.protocol.Connection`'s business, not theirs.
+`gcwrap.wire.protocol.Connection`'s business, not theirs.
 """
 
 from __future__ import annotations

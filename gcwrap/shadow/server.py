@@ -43,11 +43,9 @@ from typing import Any, TypeVar
 
 import trio
 
-from . import compress
-from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
-from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
-from .durability import Durability, Fenced, LiveJob
-from .events import (
+from ..sync import first_error
+from ..wire import compress
+from ..wire.events import (
     PROTOCOL_VERSION,
     Ack,
     ConnectionClosed,
@@ -65,11 +63,13 @@ from .events import (
     Welcome,
     ZData,
 )
+from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
+from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
+from .durability import Durability, Fenced, LiveJob
+from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
-from .protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .shadow_files import FileCache, JobFiles, Problem, StoreError, StreamFile
-from .shadow_store import Store
-from .sync import first_error
+from .state import Store
 
 log = logging.getLogger("gcshadow")
 T = TypeVar("T")

@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .db import migrate as db_migrate
-from .db import transaction, uri
-from .events import StreamSpec
-from .names import STATE_DIR, NameError_, split_name
-from .shadow_files import JobFiles, Problem, StoreError, StreamFile, Syncer, lock_root, open_confined, open_dir
+from ..db import migrate as db_migrate
+from ..db import transaction, uri
+from ..wire.events import StreamSpec
+from ..wire.names import STATE_DIR, NameError_, split_name
+from .files import JobFiles, Problem, StoreError, StreamFile, Syncer, lock_root, open_confined, open_dir
 
 if TYPE_CHECKING:
     import sqlite_utils

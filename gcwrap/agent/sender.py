@@ -3,7 +3,7 @@
 A session runs four tasks: `_send_loop` streams DATA from memory or spool and
 asks for stdin, `_recv_loop` dispatches ACK / STDIN_DATA / PING / DONE /
 ERROR, `_pinger` sends a PING every heartbeat, and `_watchdog` declares the
-connection dead by the rules of `gcwrap.liveness`: a black hole (for three
+connection dead by the rules of `gcwrap.agent.liveness`: a black hole (for three
 heartbeats nothing came in and the peer's TCP acknowledged none of our
 bytes), or a stall (DATA, a STDIN_READ or the EXIT that left this host and
 was acknowledged by the peer's TCP, yet had no answer for three heartbeats,
@@ -37,9 +37,10 @@ from typing import Protocol
 
 import trio
 
-from . import compress as zc
-from .auth import agent_mac, new_nonce, same, shadow_proof
-from .events import (
+from ..sync import first_error
+from ..wire import compress as zc
+from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
+from ..wire.events import (
     Ack,
     Auth,
     Challenge,
@@ -58,12 +59,11 @@ from .events import (
     Welcome,
     ZData,
 )
+from ..wire.protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
-from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
 from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
-from .sync import first_error
 
 log = logging.getLogger("gcwrap")
 
@@ -317,7 +317,7 @@ class Session:
         raise Stalled(f"the shadow did not answer {asked} within {limit:g} s (3 heartbeats)")
 
     async def _authenticate(self, stream: trio.abc.Stream, hello: Hello, token: bytes | None) -> Welcome:
-        """The token handshake (gcwrap.auth): prove we know the token, and make
+        """The token handshake (gcwrap.wire.auth): prove we know the token, and make
         the shadow prove it too before any output goes to it."""
         first = await self._await_handshake(stream, "HELLO")
         if isinstance(first, Welcome):

@@ -16,7 +16,7 @@ cannot take it (disk full, failing, --write-behind), is read into memory.
 
 The agent's tasks (`read_pipe` per stream, `commit_loop`, the only writer
 of the spool, and `deliver_loop`) share the streams through the `Outbox`;
-gcwrap.run starts them beside the job.
+gcwrap.agent.run starts them beside the job.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 
 import trio
 
-from . import exitcodes
-from .compress import Mode, WireStats, offered
-from .events import ErrorCode, Exit, Hello, StreamSpec
+from .. import exitcodes
+from ..wire.compress import Mode, WireStats, offered
+from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
 from .outbox import Outbox, OutStream, cached
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
@@ -79,7 +79,7 @@ class AgentOptions:
     spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
     min_free: int | None = None  # free disk space left to the job (None: the default reserve)
     cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
-    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.auth)
+    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.wire.auth)
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
     write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
     compress: Mode = Mode.AUTO  # --compress
@@ -105,7 +105,7 @@ class Agent:
     one session at a time (the deliver loop), and keeps the live view and
     the summary. Its state of the streams is the outbox's; its policies
     (CommitPlan, RetryPolicy, DiskHealth, StopClock) are pure objects in
-    gcwrap.policy, driven by trio.current_time()."""
+    gcwrap.agent.policy, driven by trio.current_time()."""
 
     def __init__(
         self, opts: AgentOptions, spooler: Spooler, job: JobRecord, specs: list[StreamSpec], *, resuming: bool = False

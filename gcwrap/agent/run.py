@@ -24,14 +24,14 @@ from pathlib import Path
 
 import trio
 
-from . import exitcodes
+from .. import exitcodes
+from ..sync import first_error
+from ..wire.events import STDERR, STDIN, STDOUT, Exit, StreamSpec
 from .agent import Agent, AgentOptions, Outcome
-from .events import STDERR, STDIN, STDOUT, Exit, StreamSpec
 from .records import JobRecord
 from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler, lock_spool
-from .sync import first_error
 
 log = logging.getLogger("gcwrap")
 

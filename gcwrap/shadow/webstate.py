@@ -28,8 +28,8 @@ from urllib.parse import quote
 
 import sqlite_utils
 
-from .names import STATE_DIR, NameError_
-from .shadow_files import open_confined
+from ..wire.names import STATE_DIR, NameError_
+from .files import open_confined
 
 RATE_WINDOW = 5.0  # seconds over which a live rate is measured
 

@@ -24,7 +24,7 @@ tight.
 
 `mem` holds, in stream order, `Chunk`s (bytes read into memory) and
 `Extent`s (bytes spliced straight into their segment file, never in
-memory: the bulk path, see gcwrap.segments). An extent is unsafe too until
+memory: the bulk path, see gcwrap.agent.segments). An extent is unsafe too until
 its row is committed, but it takes no memory.
 """
 
@@ -35,9 +35,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .events import Exit, StdinData, StreamSpec
+from ..sync import Signal
+from ..wire.events import Exit, StdinData, StreamSpec
 from .records import Chunk, Extent
-from .sync import Signal
 
 MAX_ROW = 256 << 10  # coalesce small pipe reads into spool rows / DATA frames up to this
 JOIN_BELOW = MAX_ROW  # from memory, chunks smaller than this are joined into one frame

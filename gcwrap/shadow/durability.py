@@ -20,9 +20,9 @@ from typing import Any
 
 import trio
 
-from .shadow_files import JobFiles, StreamFile
-from .shadow_store import Store, Superseded
-from .sync import Signal
+from ..sync import Signal
+from .files import JobFiles, StreamFile
+from .state import Store, Superseded
 
 log = logging.getLogger("gcshadow")
 

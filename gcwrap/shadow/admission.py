@@ -15,10 +15,10 @@ from pathlib import Path
 
 import trio
 
-from .auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
-from .events import Auth, Challenge, ErrorCode, Event, Hello
+from ..wire.auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
+from ..wire.events import Auth, Challenge, ErrorCode, Event, Hello
+from ..wire.protocol import Connection
 from .handshakes import HandshakeMemory, await_event, refuse
-from .protocol import Connection
 
 log = logging.getLogger("gcshadow")
 
@@ -33,8 +33,8 @@ class ShadowOptions:
     max_connections: int = 20000
     min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
     port_file: Path | None = None
-    token: bytes | None = None  # require the token challenge-response (gcwrap.auth)
-    tokens: dict[str, bytes] = field(default_factory=dict)  # identity -> its own token (gcwrap.auth.load_token_dir)
+    token: bytes | None = None  # require the token challenge-response (gcwrap.wire.auth)
+    tokens: dict[str, bytes] = field(default_factory=dict)  # identity -> its own token (wire.auth.load_token_dir)
     tls: ssl.SSLContext | None = None  # TLS (mutual when it requires client certificates)
     allow: AllowList = field(default_factory=AllowList)  # who may connect at all
     subjects: SubjectMap = field(default_factory=SubjectMap)  # certificate CN -> job ids it may write

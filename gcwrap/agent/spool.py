@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import db as sqlitedb
-from .db import AnyDatabase, Database, Migration, configure, connect, migrate, reader, transaction
+from .. import db as sqlitedb
+from ..db import AnyDatabase, Database, Migration, configure, connect, migrate, reader, transaction
 from .records import Chunk, Extent, JobRecord, SourceError, StreamState
 from .segments import DEFAULT_SEGMENT, Segments
 
@@ -83,7 +83,7 @@ def _m002_chunk_time(db: AnyDatabase) -> None:
 
 
 def _m003_segments(db: AnyDatabase) -> None:
-    # Bytes move to segment files (gcwrap.segments): a row names its segment
+    # Bytes move to segment files (gcwrap.agent.segments): a row names its segment
     # and position; `data` stays for the chunks of older spools (and in memory).
     db.execute("ALTER TABLE chunks ADD COLUMN seg INTEGER")
     db.execute("ALTER TABLE chunks ADD COLUMN pos INTEGER")
@@ -202,7 +202,7 @@ class Spool:
         self.path = path
         # On disk the bytes live in segment files; in memory (tests) in the rows.
         # A second connection to a spool borrows the first one's segments (one
-        # `Segments` per spool: see gcwrap.segments), and leaves them to it.
+        # `Segments` per spool: see gcwrap.agent.segments), and leaves them to it.
         self.owns_segments = segments is None
         if segments is None and path is not None:
             segments = Segments(Path(f"{path}.seg"), readonly=readonly)

@@ -5,7 +5,7 @@ Theory of operation
 The agent opens a TCP connection, writes the 8-byte MAGIC and a HELLO frame
 naming the job, its attempt (`instance`) and its streams. When the shadow
 requires a token it answers CHALLENGE(nonce) and the agent proves it knows
-the token with AUTH (see gcwrap.auth). The shadow then answers WELCOME with
+the token with AUTH (see gcwrap.wire.auth). The shadow then answers WELCOME with
 the durable length it holds of each output stream, or ERROR. From
 then on the agent sends DATA frames (stream, absolute offset, bytes) in offset
 order per stream; the shadow trims bytes it already holds, refuses gaps, and

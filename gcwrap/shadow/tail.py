@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .shadow_store import list_jobs
+from .state import list_jobs
 
 POLL = 0.02
 STATE_POLL = 0.25

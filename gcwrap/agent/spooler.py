@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from . import db
+from .. import db
 from .records import Chunk, Extent, JobRecord
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
 from .spool import PAGE_SIZE, Spool, SpoolError, os_reason, sqlite_reason

@@ -39,7 +39,7 @@ class Chunk:
 class Extent:
     """Stream bytes [start, end) already in their segment file (spliced from
     the job's pipe, never in memory); they are spooled once their row is
-    committed. Only with a spool of natural layout (gcwrap.segments)."""
+    committed. Only with a spool of natural layout (gcwrap.agent.segments)."""
 
     stream: int
     start: int

@@ -14,8 +14,8 @@ from typing import Any
 
 import trio
 
-from .events import ConnectionClosed, Error, ErrorCode, Event
-from .protocol import NEED_DATA, Connection, ProtocolError
+from ..wire.events import ConnectionClosed, Error, ErrorCode, Event
+from ..wire.protocol import NEED_DATA, Connection, ProtocolError
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10

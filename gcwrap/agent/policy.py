@@ -9,7 +9,7 @@ acts on the answer, and tests drive them under trio's autojump clock.
   when the retry limit is reached.
 - `DiskHealth`: whether the spool takes output, and what has been said of it.
 
-(`gcwrap.liveness` is the session watchdog's policy, of the same kind.)
+(`gcwrap.agent.liveness` is the session watchdog's policy, of the same kind.)
 """
 
 from __future__ import annotations

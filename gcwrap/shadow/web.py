@@ -45,7 +45,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 import h11
 import trio
 
-from .auth import is_loopback
+from ..wire.auth import is_loopback
 from .webstate import Refused, StateReader, open_output, tail_start
 
 log = logging.getLogger("gcshadow")
@@ -166,7 +166,7 @@ def _headers(content_type: str, length: int | None = None, extra: list[tuple[byt
 def _static() -> dict[str, tuple[bytes, str]]:
     """The pages and their scripts and styles, from the package."""
     out = {}
-    for item in resources.files("gcwrap").joinpath("webstatic").iterdir():
+    for item in resources.files("gcwrap.shadow").joinpath("webstatic").iterdir():
         suffix = os.path.splitext(item.name)[1]
         if suffix in TYPES:
             out[item.name] = (item.read_bytes(), TYPES[suffix])
