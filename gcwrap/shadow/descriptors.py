@@ -1,7 +1,7 @@
 """The shadow's descriptors, budgeted from RLIMIT_NOFILE.
 
 One socket per connection, and a bounded cache of open files (`FileCache`,
-in shadow_files) share what is left. Connections beyond what the budget
+in files.py) share what is left. Connections beyond what the budget
 allows are told BUSY (with a retry_after) before a byte is read, and when no
 descriptor is left at all the shadow stops accepting until one is freed: an
 agent is never refused with EMFILE.

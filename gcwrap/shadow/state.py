@@ -12,7 +12,7 @@ back to `durable` and the agent sends those bytes again. A file shorter than
 `durable` lost acknowledged bytes behind the shadow's back, which is refused.
 
 Durability (`Store.make_durable`, one call per batch in the shadow's
-durability thread): sync the dirty files (`shadow_files.Syncer`), then
+durability thread): sync the dirty files (`files.Syncer`), then
 commit their new lengths to the state database.
 """
 
