@@ -117,6 +117,7 @@ class Outcome:
     lost: str = ""  # what output is lost, in words (then status is LOST)
     pending: int = 0  # bytes of output the spool keeps for `gcwrap resume`
     refused: bool = False  # the shadow refused the job for good
+    signalled: str = ""  # the signal that stopped a resume ("SIGTERM"): resume no further spool
 
 
 class StopClock:
@@ -821,6 +822,18 @@ async def _forward_signals(proc: trio.Process, agent: Agent, signals: AsyncItera
             log.warning("%s received: delivering for at most %g s more (again to stop now)", name, agent.stop.grace)
 
 
+async def _obey_signals(agent: Agent, signals: AsyncIterator[int]) -> None:
+    """`gcwrap resume`: each signal moves the end of delivery to the stop clock's deadline."""
+    async for signum in signals:
+        agent.stop.signal(trio.current_time(), signal.Signals(signum).name)
+        if agent.stop.signals == 1:
+            log.warning("%s received: delivering for at most %g s more (again to stop now)", agent.stop.name,
+                        agent.stop.grace)
+        if agent.delivery_scope is not None:
+            agent.delivery_scope.deadline = agent.stop.deadline
+        agent.changed.fire()
+
+
 async def _stop_delivery(agent: Agent, delivery_done: trio.Event) -> None:
     """The stop clock ran out: stop delivering, and say what waits in the spool."""
     stop = agent.stop
@@ -1103,14 +1116,23 @@ async def resume_spool(
     else:
         agent.exit_event = Exit(job.exit_code, job.exit_signal, lengths,
                                 reason="; ".join(filter(None, (job.reason, loss))))
-    with first_error():
+    # SIGTERM, SIGINT and SIGHUP are obeyed as by a run whose job has ended:
+    # delivery goes on for the grace (none after a second one), the rest stays in the spool.
+    with first_error(), trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
+            nursery.start_soon(_obey_signals, agent, signals)
             start = {sid: o.acked for sid, o in agent.out.items()}
             if progress is not None:
                 nursery.start_soon(_report_progress, agent, progress, start)
-            await agent.deliver_loop()
+            with trio.CancelScope() as agent.delivery_scope:
+                await agent.deliver_loop()
+            if agent.delivery_scope.cancelled_caught and not agent.delivered.is_set():
+                how = "a second signal" if agent.stop.signals > 1 else f"the {agent.stop.grace:g} s grace"
+                agent.interrupt(f"{agent.stop.name} received: delivery stopped after {how}")
+                assert agent.give_up is not None
+                agent.give_up.message += f"; not yet home: {agent.not_home()}"
             nursery.cancel_scope.cancel()
     job_status = None
     if job.exit_signal is not None:
@@ -1121,4 +1143,5 @@ async def resume_spool(
     if agent.delivered.is_set() and not agent.lost:
         outcome.status = 0
     outcome.stats = agent.summary()
+    outcome.signalled = agent.stop.name
     return outcome

@@ -421,6 +421,8 @@ def resume(
             if outcome.lost and outcome.lost not in outcome.message:
                 say.say(f"job {job.job_id}: {outcome.lost}")
         worst = exitcodes.worst(worst, outcome.status)
+        if outcome.signalled:
+            break  # (the batch system's walltime, Ctrl-C: the other spools wait too)
     sys.exit(worst)
 
 

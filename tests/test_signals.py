@@ -165,3 +165,60 @@ def test_stop_clock() -> None:
     clock.signal(21.0, "SIGHUP")
     clock.job_ended(40.0)
     assert clock.deadline == 21.0  # after a second signal, no last try
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_resume_obeys_a_signal_within_the_grace(spool_dir: Path, sig: signal.Signals) -> None:
+    """`gcwrap resume` at a walltime, home still down: it ends within the
+    grace, exits 122 naming what is left and the spool, and a later resume
+    delivers it. Before: SIGTERM and SIGHUP killed it without a word (no
+    exit status of its own), SIGINT printed "Aborted!" and exited 1."""
+    args = home_down(spool_dir, f"resume-{sig.name}")
+    w = Wrapper([*args, "--stdout", "s.out", "--stderr", "s.err", "--", "sh", "-c", "echo hello; echo oops >&2"])
+    wait_until(lambda: job_ended(spool_dir), 30, "the job's end in the spool")
+    os.kill(w.proc.pid, signal.SIGKILL)  # (its spool is left behind, as a killed wrapper's would be)
+    w.wait(10)
+    resume = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-limit", "0",
+                               "--retry-timeout", "60", "--shadow", args[1]], stderr=subprocess.PIPE)
+    wait_until(lambda: bool(spool_status(spool_dir)[0]["active"]), 30, "the resume to hold the spool")
+    time.sleep(0.5)  # (its first attempt has failed: it waits to retry)
+    started = time.monotonic()
+    resume.send_signal(sig)
+    try:
+        _, err = resume.communicate(timeout=SIGNAL_GRACE + 4 * MARGIN)
+    finally:
+        resume.kill()
+    took = time.monotonic() - started
+    assert resume.returncode == 122, err.decode()
+    assert took < SIGNAL_GRACE + MARGIN, took
+    (spool,) = spool_dir.glob("*.spool")
+    text = err.decode()
+    assert f"{sig.name} received: delivery stopped after the {SIGNAL_GRACE:g} s grace; not yet home: 6 bytes of " \
+           f"stdout (s.out), 5 bytes of stderr (s.err) (spool {spool})" in text, text
+    (st,) = spool_status(spool_dir)
+    assert {s["kind"]: s["pending"] for s in st["streams"]} == {"stdout": 6, "stderr": 5}  # type: ignore[index]
+
+
+@pytest.mark.timeout(90)
+def test_resume_of_several_spools_stops_at_the_signal(spool_dir: Path) -> None:
+    """The signal ends the whole resume: the next spool is not begun (it would wait out the retry limit)."""
+    for name in ("first", "second"):
+        args = home_down(spool_dir, name)
+        w = Wrapper([*args, "--stdout", f"{name}.out", "--", "echo", name])
+        wait_until(lambda: any(str(s["state"]).startswith("exited") and s["job_id"] == name  # noqa: B023
+                               for s in spool_status(spool_dir)), 30, f"{name}'s end in the spool")
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.wait(10)
+    resume = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-limit", "0",
+                               "--retry-timeout", "60", "--shadow", args[1]], stderr=subprocess.PIPE)
+    wait_until(lambda: any(s["active"] for s in spool_status(spool_dir)), 30, "the resume to hold a spool")
+    started = time.monotonic()
+    resume.send_signal(signal.SIGTERM)
+    try:
+        _, err = resume.communicate(timeout=SIGNAL_GRACE + 4 * MARGIN)
+    finally:
+        resume.kill()
+    assert resume.returncode == 122, err.decode()
+    assert time.monotonic() - started < SIGNAL_GRACE + MARGIN
+    assert err.decode().count("SIGTERM received: delivery stopped") == 1, err.decode()
