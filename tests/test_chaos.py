@@ -871,6 +871,9 @@ def run_schedule(c: Chaos) -> None:
                 c.events.append(f"{time.monotonic() - c.started:.2f} s: {finale.__name__} (during {kind})")
                 finale(c)
                 finale = None
+                if rng.random() < 0.5:  # an outage that outlasts the grace: what is not home waits in the spool
+                    then = SIGNAL_GRACE + rng.uniform(0.5, 2.0)
+                    c.events.append(f"{kind} held {then:.2f} s more")
             time.sleep(then)
         if finale is not None and i == finale_at:
             c.events.append(f"{time.monotonic() - c.started:.2f} s: {finale.__name__}")
@@ -916,6 +919,34 @@ def resume(c: Chaos, *extra: str) -> tuple[int | None, str]:
     return res.returncode, res.stderr.decode(errors="replace")
 
 
+def resume_signalled(c: Chaos, *extra: str) -> list[str]:
+    """A `gcwrap resume` at a walltime, home out of reach (the shadow killed
+    -9): SIGTERM, SIGINT or SIGHUP ends it within the grace, exit 122, the
+    spool named; the spool stays whole for the next resume."""
+    sig = c.rng.choice(SIGNALS)
+    CHAOS_KINDS[f"resume-signal-{sig.name}"] += 1
+    c.events.append(f"resume, home down, {sig.name}")
+    os.kill(c.shadow.pid, signal.SIGKILL)
+    c.shadow.wait(10)
+    proc = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(c.spool_dir), "--retry-timeout", "0.5",
+                             "--retry-limit", "0", *c.auth_args, *extra], stderr=subprocess.PIPE)
+    time.sleep(c.rng.uniform(0.1, 2.0))
+    signalled = time.monotonic()
+    proc.send_signal(sig)
+    problems = []
+    try:
+        _, err = proc.communicate(timeout=SIGNAL_GRACE + MARGIN)
+        text = err.decode(errors="replace")
+        if proc.returncode != 122 or f"{sig.name} received" not in text or "(spool " not in text:
+            problems.append(f"a resume signalled with home down exited {proc.returncode}: {text}")
+    except subprocess.TimeoutExpired:
+        c.hung.append(f"gcwrap resume did not end {time.monotonic() - signalled:.1f} s after {sig.name}")
+        proc.kill()
+        proc.communicate()
+    c.restart_shadow()
+    return problems
+
+
 def check_outcome(c: Chaos, rc: int | None, text: str) -> list[str]:
     """What the schedule's exit status must come with; then `gcwrap resume`
     where output may wait in the spool. Returns the problems found."""
@@ -938,6 +969,8 @@ def check_outcome(c: Chaos, rc: int | None, text: str) -> list[str]:
         if not c.job_killed():
             problems.append("exit 123 and the job was not ended")
     if rc in (122, 123, -signal.SIGKILL):
+        if c.rng.random() < 0.4:
+            problems += resume_signalled(c, *(["--include-refused"] if rc == 123 else []))
         again, said = resume(c, *(["--include-refused"] if rc == 123 else []))
         if again != 0:
             problems.append(f"gcwrap resume exited {again}: {said}")
