@@ -343,6 +343,7 @@ class Shadow:
         self.budget = FdBudget(_nofile(), _open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
+        self.stale: dict[str, set[str]] = {}  # attempts (instances) of each job the state refused as replaced
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
 
@@ -619,6 +620,10 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
+        if hello.instance in self.stale.get(hello.job_id, ()):
+            # Refused before the claim: a replaced attempt must not take the job from the newer one's session.
+            raise StoreError(ErrorCode.STALE_ATTEMPT,
+                             f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
         job = self._claim(hello.job_id, identity)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:
@@ -697,18 +702,23 @@ class Shadow:
         job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
-        files = await self._worker(
-            lambda: self.store.open_job(
-                job_id=hello.job_id,
-                instance=hello.instance,
-                streams=hello.streams,
-                host=hello.host,
-                user=hello.user,
-                command=list(hello.command),
-                peer=peer,
-                codes=ErrorCode,
+        try:
+            files = await self._worker(
+                lambda: self.store.open_job(
+                    job_id=hello.job_id,
+                    instance=hello.instance,
+                    streams=hello.streams,
+                    host=hello.host,
+                    user=hello.user,
+                    command=list(hello.command),
+                    peer=peer,
+                    codes=ErrorCode,
+                )
             )
-        )
+        except StoreError as e:
+            if e.code == ErrorCode.STALE_ATTEMPT:
+                self.stale.setdefault(hello.job_id, set()).add(hello.instance)
+            raise
         job.files = files  # before any other await: whatever happens next, _release closes them
         for sf in files.all():
             self.files.add(sf)
