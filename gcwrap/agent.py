@@ -24,6 +24,7 @@ other with one `Signal`.
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -204,6 +205,8 @@ class Agent:
         self.stop = StopClock()
         self.delivering = False  # the deliver loop runs
         self.child_exited = False
+        self.job_group: int | None = None  # the job's own process group, if it has one
+        self.pipes_scope: trio.CancelScope | None = None  # reading the job's pipes once its process has ended
         self.streaming = False  # a session is welcomed and running
         self.resuming = False  # delivering a spool left behind (gcwrap resume), not running a job
 
@@ -818,7 +821,14 @@ async def _forward_signals(proc: trio.Process, agent: Agent, signals: AsyncItera
         if proc.returncode is None:
             log.info("forwarding %s to the job", name)
             _signal_job(proc, signum)
-        elif agent.stop.signals == 1 and agent.delivering:
+        elif agent.job_group is not None and agent.exit_event is None:
+            # The job's process has ended; what it started in the background holds its pipes: it gets the signal
+            # (as from a batch system), and gcwrap reads them until the stop clock's deadline at most.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.job_group, signum)
+        if agent.pipes_scope is not None:
+            agent.pipes_scope.deadline = min(agent.pipes_scope.deadline, agent.stop.deadline)
+        if proc.returncode is not None and agent.stop.signals == 1 and agent.delivering:
             log.warning("%s received: delivering for at most %g s more (again to stop now)", name, agent.stop.grace)
 
 
@@ -929,6 +939,7 @@ async def _run_job(
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
+    agent.job_group = None if _interactive() else proc.pid
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid, spool_path if specs else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_forward_signals, proc, agent, signals)
@@ -982,6 +993,10 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
             if proc.stderr is not None:
                 readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
             await proc.wait()
+            agent.pipes_scope = readers.cancel_scope
+            stop = agent.stop  # a signal came while it ran: the pipes are read as long as delivery goes on (StopClock)
+            readers.cancel_scope.deadline = (
+                max(stop.deadline, trio.current_time() + stop.last_try) if stop.signals == 1 else stop.deadline)
             agent.child_exited = True
             agent.commit_soon.set()
             agent.changed.fire()

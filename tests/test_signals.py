@@ -222,3 +222,29 @@ def test_resume_of_several_spools_stops_at_the_signal(spool_dir: Path) -> None:
     assert resume.returncode == 122, err.decode()
     assert time.monotonic() - started < SIGNAL_GRACE + MARGIN
     assert err.decode().count("SIGTERM received: delivery stopped") == 1, err.decode()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("obeys", [True, False], ids=["left-child-obeys", "left-child-ignores-it"])
+def test_signal_after_the_job_ended_while_what_it_left_holds_its_output(spool_dir: Path, tmp_path: Path,
+                                                                        obeys: bool) -> None:
+    """The job's process has ended, but something it started in the
+    background still holds its stdout (`cmd &` in a batch script). A signal
+    must still end gcwrap within the grace: it reaches the job's process
+    group (the background process gets it, as it would from a batch
+    system), and gcwrap stops waiting for the pipe at the grace. Before:
+    "delivering for at most 5 s more", then gcwrap waited for the
+    background process to end (20 s here; forever for a daemon)."""
+    ended = tmp_path / "ended"
+    trap = "" if obeys else "trap '' TERM; "
+    w = Wrapper([*home_down(spool_dir, "left-behind"), "--stdout", "lb.out", "--", "sh", "-c",
+                 f"echo hi; ({trap}sleep 20; echo late) 2>/dev/null & touch {ended}; exit 0"])  # (not our stderr)
+    wait_until(ended.exists, 30, "the job's process to end")
+    time.sleep(0.5)
+    started = time.monotonic()
+    os.kill(w.proc.pid, signal.SIGTERM)
+    rc = w.wait(SIGNAL_GRACE + 30)
+    took = time.monotonic() - started
+    assert rc == 122, w.err.decode()
+    assert took < SIGNAL_GRACE + LAST_TRY + MARGIN, took
+    check_message(w.err, spool_dir, "3 bytes of stdout (lb.out)", "SIGTERM")
