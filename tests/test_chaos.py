@@ -733,6 +733,18 @@ def shadow_kill9(c: Chaos) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def shadow_frozen(c: Chaos) -> Iterator[None]:
+    """gcshadow stopped (SIGSTOP): its kernel still takes connections and
+    bytes, nothing answers; on SIGCONT it meets every attempt made meanwhile
+    at once. gcwrap replaces the silent connection; exit 0."""
+    os.kill(c.shadow.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(c.shadow.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
 def black_hole(c: Chaos) -> Iterator[None]:
     """Packets to the shadow vanish: gcwrap replaces the connection, spools meanwhile; exit 0."""
     c.netns.blackhole(c.port)
@@ -804,7 +816,7 @@ def stdin_removed(c: Chaos) -> Iterator[None]:
 
 
 FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = {
-    "shadow-kill9": shadow_kill9, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
+    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
     "spool-disk-full": spool_disk_full, "racing-sessions": racing_sessions, "bytes-vanish": bytes_vanish,
     "stdin-removed": stdin_removed,
 }
@@ -812,7 +824,7 @@ FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = 
 
 def fault_kinds(c: Chaos) -> list[str]:
     """The faults this world can have; those of its front and stdin weigh twice, so they come up."""
-    kinds = ["shadow-kill9", "black-hole", "reset", "loss", "link-down", "spool-disk-full"]
+    kinds = ["shadow-kill9", "shadow-frozen", "black-hole", "reset", "loss", "link-down", "spool-disk-full"]
     kinds += 2 * ["racing-sessions"] if c.relay else []
     kinds += 2 * ["bytes-vanish"] if c.stall else []
     kinds += 2 * ["stdin-removed"] if c.stdin == "file" else []
@@ -845,9 +857,9 @@ def wrapper_kill9(c: Chaos) -> None:
         c.wrapper_killed = {s["kind"]: s["appended"] for s in st["streams"]}  # type: ignore[index, union-attr]
 
 
-def finales(c: Chaos) -> list[Callable[[Chaos], None]]:
+def finales(c: Chaos, kinds: list[str]) -> list[Callable[[Chaos], None]]:
     """A stdin refusal decides the outcome alone; write-behind gives kill -9 its documented loss."""
-    if c.stdin is not None:
+    if c.stdin in ("missing", "symlink") or "stdin-removed" in kinds:
         return []
     return [signal_gcwrap] if c.write_behind else [signal_gcwrap, wrapper_kill9]
 
@@ -858,7 +870,7 @@ def run_schedule(c: Chaos) -> None:
     rightly lose what only memory held) or after it."""
     rng = c.rng
     kinds = [rng.choice(fault_kinds(c)) for _ in range(rng.randint(2, 4))]
-    finale = rng.choice([None, *finales(c)]) if finales(c) else None
+    finale = rng.choice([None, *finales(c, kinds)]) if finales(c, kinds) else None
     finale_at, during = rng.randrange(len(kinds)), rng.random() < 0.5
     for i, kind in enumerate(kinds):
         time.sleep(rng.uniform(0.1, 1.0))
@@ -930,7 +942,9 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
     c.shadow.wait(10)
     proc = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(c.spool_dir), "--retry-timeout", "0.5",
                              "--retry-limit", "0", *c.auth_args, *extra], stderr=subprocess.PIPE)
-    time.sleep(c.rng.uniform(0.1, 2.0))
+    # (Once it holds the spool: a signal while Python starts up ends it before it has done anything.)
+    wait_until(lambda: any(s["active"] for s in spool_status(c.spool_dir)), 30, "the resume to hold the spool")
+    time.sleep(c.rng.uniform(0.0, 2.0))
     signalled = time.monotonic()
     proc.send_signal(sig)
     problems = []
@@ -940,9 +954,10 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
         if proc.returncode != 122 or f"{sig.name} received" not in text or "(spool " not in text:
             problems.append(f"a resume signalled with home down exited {proc.returncode}: {text}")
     except subprocess.TimeoutExpired:
-        c.hung.append(f"gcwrap resume did not end {time.monotonic() - signalled:.1f} s after {sig.name}")
         proc.kill()
-        proc.communicate()
+        _, err = proc.communicate()
+        c.hung.append(f"gcwrap resume did not end {time.monotonic() - signalled:.1f} s after {sig.name}: "
+                      f"{err.decode(errors='replace')}")
     c.restart_shadow()
     return problems
 
