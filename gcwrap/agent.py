@@ -883,6 +883,12 @@ async def _end_job(proc: trio.Process, grace: float) -> None:
             await proc.wait()
 
 
+def stop_signals() -> tuple[int, ...]:
+    """STOP_SIGNALS, less SIGHUP if it was ignored when gcwrap started
+    (`nohup gcwrap ...`): a hangup then ends neither gcwrap nor its job."""
+    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
+
+
 async def run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
 ) -> Outcome:
@@ -890,7 +896,7 @@ async def run_job(
     # gcwrap's last word: one that came before `_forward_signals` runs would
     # otherwise end gcwrap at once (and orphan the job), one that comes
     # during the last commit, before it prints what happened.
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         return await _run_job(opts, command, job, spool_path, signals)
 
 
@@ -1133,7 +1139,7 @@ async def resume_spool(
                                 reason="; ".join(filter(None, (job.reason, loss))))
     # SIGTERM, SIGINT and SIGHUP are obeyed as by a run whose job has ended:
     # delivery goes on for the grace (none after a second one), the rest stays in the spool.
-    with first_error(), trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with first_error(), trio.open_signal_receiver(*stop_signals()) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)

@@ -248,3 +248,29 @@ def test_signal_after_the_job_ended_while_what_it_left_holds_its_output(spool_di
     assert rc == 122, w.err.decode()
     assert took < SIGNAL_GRACE + LAST_TRY + MARGIN, took
     check_message(w.err, spool_dir, "3 bytes of stdout (lb.out)", "SIGTERM")
+
+
+@pytest.mark.timeout(60)
+def test_a_hangup_is_ignored_under_nohup(shadow: object, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    """`nohup gcwrap ... &`, then the terminal hangs up: SIGHUP was ignored
+    when gcwrap started, so it stays ignored, for gcwrap and for its job
+    (which inherits that, as it would without gcwrap). Before: gcwrap
+    caught it, forwarded it to the job (which nohup was meant to protect:
+    it died of it, status 129) and stopped delivering after the grace."""
+    started_file = tmp_path / "started"
+    w = subprocess.Popen(
+        [*tool("gcwrap"), "--shadow", shadow.address, "--spool", str(spool_dir),  # type: ignore[attr-defined]
+         "--job-id", "nohup", "--retry-timeout", "1", "--stdout", "n.out", "--",
+         "sh", "-c", f"echo hi; touch {started_file}; sleep 2; echo bye"],
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # noqa: PLW1509 - as nohup does
+    try:
+        wait_until(started_file.exists, 30, "the job to start")
+        os.killpg(w.pid, signal.SIGHUP)  # (the hangup reaches the whole session: gcwrap and its job)
+        os.kill(w.pid, signal.SIGHUP)
+        _, err = w.communicate(timeout=30)
+    finally:
+        w.kill()
+    assert w.returncode == 0, err.decode()
+    assert b"SIGHUP" not in err, err.decode()
+    assert (home / "n.out").read_bytes() == b"hi\nbye\n"
