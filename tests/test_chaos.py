@@ -948,8 +948,8 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
     time.sleep(c.rng.uniform(0.0, 2.0))
     if proc.poll() is not None:
         c.restart_shadow()
-        return [f"a resume with home down ended before any signal: {proc.returncode}, "
-                f"{proc.communicate()[1].decode(errors='replace')}"]
+        said = proc.communicate()[1].decode(errors="replace")
+        return [f"a resume with home down ended before any signal: {proc.returncode}, {said}"]
     signalled = time.monotonic()
     proc.send_signal(sig)
     problems = []
