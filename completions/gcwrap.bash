@@ -44,10 +44,10 @@ _gcwrap() {
             continue
         fi
         case $cmd:$w in
-            run:--shadow|run:--stdout|run:--stderr|run:--stdin|run:--job-id|run:--spool|run:--spool-limit|run:--min-free|run:--memory-limit|run:--write-behind|run:--retry-limit|run:--retry-timeout|run:--heartbeat|run:--log-format|run:--token-file|run:--tls-ca|run:--tls-cert|run:--tls-key) skip=1; lastopt=$w ;;
+            run:--shadow|run:--stdout|run:--stderr|run:--stdin|run:--job-id|run:--spool|run:--spool-limit|run:--min-free|run:--memory-limit|run:--write-behind|run:--retry-limit|run:--retry-timeout|run:--heartbeat|run:--log-format|run:--compress|run:--token-file|run:--tls-ca|run:--tls-cert|run:--tls-key) skip=1; lastopt=$w ;;
             run:--) wrapped=$((i + 1)); break ;;
             status:--spool) skip=1; lastopt=$w ;;
-            resume:--spool|resume:--shadow|resume:--retry-limit|resume:--retry-timeout|resume:--heartbeat|resume:--log-format|resume:--token-file|resume:--tls-ca|resume:--tls-cert|resume:--tls-key) skip=1; lastopt=$w ;;
+            resume:--spool|resume:--shadow|resume:--retry-limit|resume:--retry-timeout|resume:--heartbeat|resume:--log-format|resume:--compress|resume:--token-file|resume:--tls-ca|resume:--tls-cert|resume:--tls-key) skip=1; lastopt=$w ;;
             demo:--size) skip=1; lastopt=$w ;;
             *:-*) ;;
             run:*) wrapped=$i; break ;;
@@ -70,6 +70,7 @@ _gcwrap() {
         case $cmd:$lastopt in
             run:--spool) _gcwrap_files dir ;;
             run:--log-format) _gcwrap_words "text json" ;;
+            run:--compress) _gcwrap_words "auto zstd none" ;;
             run:--token-file) _gcwrap_files file ;;
             run:--tls-ca) _gcwrap_files file ;;
             run:--tls-cert) _gcwrap_files file ;;
@@ -77,6 +78,7 @@ _gcwrap() {
             status:--spool) _gcwrap_files dir ;;
             resume:--spool) _gcwrap_files dir ;;
             resume:--log-format) _gcwrap_words "text json" ;;
+            resume:--compress) _gcwrap_words "auto zstd none" ;;
             resume:--token-file) _gcwrap_files file ;;
             resume:--tls-ca) _gcwrap_files file ;;
             resume:--tls-cert) _gcwrap_files file ;;
@@ -86,13 +88,13 @@ _gcwrap() {
     fi
     if [[ $cur == -* ]]; then
         if (( COMP_CWORD == 1 )); then
-            _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --token-file --tls --tls-ca --tls-cert --tls-key -h --help --version"
+            _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help --version"
             return 0
         fi
         case $cmd in
-            run) _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
+            run) _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
             status) _gcwrap_words "--spool --json -h --help" ;;
-            resume) _gcwrap_words "--spool --shadow --include-refused --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
+            resume) _gcwrap_words "--spool --shadow --include-refused --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
             demo) _gcwrap_words "--size --keep -h --help" ;;
         esac
         return 0

@@ -24,7 +24,7 @@ function __gcwrap_command_start --description 'Where the wrapped COMMAND starts,
     set -l value_options
     switch $sub
         case run
-            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat --log-format --token-file --tls-ca --tls-cert --tls-key
+            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat --log-format --compress --token-file --tls-ca --tls-cert --tls-key
         case '*'
             return 1
     end
@@ -95,6 +95,7 @@ complete -c gcwrap -n '__gcwrap_using run' -l heartbeat -x -d 'Seconds between h
 complete -c gcwrap -n '__gcwrap_using run' -s v -l verbose -d 'More messages on stderr (-vv for debug)'
 complete -c gcwrap -n '__gcwrap_using run' -s q -l quiet -d 'Only errors on stderr: no warnings, no I/O summary'
 complete -c gcwrap -n '__gcwrap_using run' -l log-format -x -a 'text json' -d 'Messages on stderr as text or JSON lines'
+complete -c gcwrap -n '__gcwrap_using run' -l compress -x -a 'auto zstd none' -d 'Compress output on the wire (zstd): auto only while the link, not...'
 complete -c gcwrap -n '__gcwrap_using run' -l token-file -r -F -d 'Shared secret: prove it to the shadow, and make it prove it back'
 complete -c gcwrap -n '__gcwrap_using run' -l tls -d 'Speak TLS to the shadow, verified against the system\'s CAs (implied...'
 complete -c gcwrap -n '__gcwrap_using run' -l tls-ca -r -F -d 'CA certificate(s) that signed the shadow\'s certificate'
@@ -118,6 +119,7 @@ complete -c gcwrap -n '__gcwrap_using resume' -l heartbeat -x -d 'Seconds betwee
 complete -c gcwrap -n '__gcwrap_using resume' -s v -l verbose -d 'More messages on stderr (-vv for debug)'
 complete -c gcwrap -n '__gcwrap_using resume' -s q -l quiet -d 'Only errors on stderr: no warnings, no I/O summary'
 complete -c gcwrap -n '__gcwrap_using resume' -l log-format -x -a 'text json' -d 'Messages on stderr as text or JSON lines'
+complete -c gcwrap -n '__gcwrap_using resume' -l compress -x -a 'auto zstd none' -d 'Compress output on the wire (zstd): auto only while the link, not...'
 complete -c gcwrap -n '__gcwrap_using resume' -l token-file -r -F -d 'Shared secret: prove it to the shadow, and make it prove it back'
 complete -c gcwrap -n '__gcwrap_using resume' -l tls -d 'Speak TLS to the shadow, verified against the system\'s CAs (implied...'
 complete -c gcwrap -n '__gcwrap_using resume' -l tls-ca -r -F -d 'CA certificate(s) that signed the shadow\'s certificate'

@@ -11,6 +11,13 @@ useless because both sides bring a fresh nonce to every connection):
 
 The shadow's proof lets the agent refuse an impostor before it sends a byte
 of output. The MACs are bound to the job and attempt, and both nonces.
+
+Identities: a shadow may hold one token per identity (`load_token_dir`: a
+directory of files, each named after the identity whose token it holds).
+The agent does not say who it is (the wire format is unchanged): the shadow
+finds the one token whose MAC matches (`match_token`). A client
+certificate's identity is its subject CN. An identity names a directory
+under the shadow's root, so it must be a safe one (`identity_problem`).
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import secrets
 import socket
 import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 MIN_TOKEN = 16  # bytes: shorter secrets are too easy to guess
 _AGENT = b"gcwrap agent v1"
@@ -51,6 +60,64 @@ def load_token(path: Path, *, private: bool) -> bytes:
     if len(data) < MIN_TOKEN:
         raise AuthError(f"token in {path} is too short: use at least {MIN_TOKEN} bytes (e.g. openssl rand -hex 32)")
     return data
+
+
+# An identity is a directory name under the root: one path component, no
+# leading dot (no hidden or state directory, no "." or ".."), no controls.
+_IDENTITY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}\Z")
+
+
+def identity_problem(identity: str) -> str:
+    """Why `identity` cannot name a part of the root ("" if it can)."""
+    if not _IDENTITY_RE.match(identity):
+        return (f"{identity!r} is not usable as an identity: 1-64 characters of A-Z a-z 0-9 . _ @ + -, "
+                "starting with a letter or digit")
+    return ""
+
+
+def load_token_dir(path: Path) -> dict[str, bytes]:
+    """identity -> token, from a directory holding one private token file per
+    identity, named after it (hidden files are ignored). The directory must
+    not be writable by others (whoever adds a file adds an identity), and no
+    two identities may share a token (it would not say who is who)."""
+    try:
+        st = os.stat(path)
+        entries = sorted(os.listdir(path))
+    except OSError as e:
+        raise AuthError(f"cannot read token directory {path}: {e.strerror}") from None
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise AuthError(f"token directory {path} is writable by others "
+                        f"(mode {stat.S_IMODE(st.st_mode):04o}): run chmod go-w {path}")
+    tokens: dict[str, bytes] = {}
+    owners: dict[bytes, str] = {}
+    for name in entries:
+        if name.startswith("."):
+            continue
+        why = identity_problem(name)
+        if why:
+            raise AuthError(f"token file {path / name}: {why}")
+        if not (path / name).is_file():
+            raise AuthError(f"{path / name} is not a token file (every entry of {path} names an identity)")
+        token = load_token(path / name, private=True)
+        if token in owners:
+            raise AuthError(f"token files {owners[token]} and {name} in {path} hold the same token: "
+                            "each identity needs a token of its own")
+        owners[token] = name
+        tokens[name] = token
+    if not tokens:
+        raise AuthError(f"token directory {path} holds no token files (one per identity, named after it)")
+    return tokens
+
+
+def match_token(tokens: dict[str, bytes], mac: str, nonce_a: str, nonce_s: str, job_id: str,
+                instance: str) -> tuple[str, bytes] | None:
+    """The identity and token whose MAC the agent sent, or None. Every token
+    is tried (no early exit): how long this takes says nothing of who matched."""
+    found = None
+    for identity, token in tokens.items():
+        if same(mac, agent_mac(token, nonce_a, nonce_s, job_id, instance)) and found is None:
+            found = identity, token
+    return found
 
 
 def new_nonce() -> str:
@@ -108,7 +175,8 @@ def subject_cn(peercert: dict[str, object] | None) -> str:
     """The common name of a verified peer certificate ("" if none)."""
     if not peercert:
         return ""
-    for rdn in peercert.get("subject", ()):  # type: ignore[union-attr]
+    subject = cast("tuple[tuple[tuple[str, str], ...], ...]", peercert.get("subject", ()))
+    for rdn in subject:
         for key, value in rdn:
             if key == "commonName":
                 return str(value)
@@ -177,8 +245,8 @@ class AllowList:
             ip = ipaddress.ip_address(address.split("%")[0])
         except ValueError:
             return f"{address} is not an IP address"
-        if ip.version == 6 and ip.ipv4_mapped:  # type: ignore[union-attr]
-            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+            ip = ip.ipv4_mapped
         if any(ip in net for net in self.networks):
             return ""
         for host in self.hosts:

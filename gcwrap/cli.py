@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
 from . import __version__, exitcodes
+from .clitypes import Size
 from .names import NameError_, normalize
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -105,20 +107,6 @@ def expand_name(value: str | None, values: dict[str, str], param: str) -> str | 
         raise click.BadParameter(shown, param_hint=param) from None
 
 
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        from .units import parse_size
-
-        try:
-            return parse_size(str(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
 class SpoolDir(click.Path):
     """`run --spool DIR`: a directory that cannot serve (a file, not
     writable...) is no usage error. The job runs, its output goes home from
@@ -126,6 +114,15 @@ class SpoolDir(click.Path):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         return value if isinstance(value, Path) else Path(os.fsdecode(value))
+
+
+def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> Any:
+    """`--compress zstd` needs the codec here; `auto` does without it (and never compresses)."""
+    from .compress import Mode, available
+
+    if value == "zstd" and not available():
+        raise click.BadParameter("zstd needs the zstandard package (pip install zstandard)")
+    return Mode(value)
 
 
 def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,6 +142,10 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr: no warnings, no I/O summary."),
         click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
                      envvar="GCWRAP_LOG_FORMAT", show_envvar=True, help="Messages on stderr as text or JSON lines."),
+        click.option("--compress", type=click.Choice(["auto", "zstd", "none"]), default="auto", show_default=True,
+                     envvar="GCWRAP_COMPRESS", show_envvar=True, callback=check_compress,
+                     help="Compress output on the wire (zstd): auto only while the link, not the CPU, is the "
+                          "bottleneck and the output compresses; zstd every frame that shrinks; none never."),
         click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="GCWRAP_TOKEN_FILE",
                      show_envvar=True, help="Shared secret: prove it to the shadow, and make it prove it back."),
         click.option("--tls", "tls_on", is_flag=True, envvar="GCWRAP_TLS", show_envvar=True,
@@ -215,7 +216,8 @@ def main() -> None:
 def run(
     shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
-    write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool, log_format: str,
+    write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
+    log_format: str, compress: Any,
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -238,17 +240,7 @@ def run(
     address = shadow_address(shadow)
     if address is None and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
-    if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
-        raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
-    from .identity import detect
-    from .templates import values_for
-
-    ident = detect()
-    values = values_for(ident, job_id)
-    stdout_name = expand_name(stdout_name, values, "--stdout")
-    stderr_name = expand_name(stderr_name, values, "--stderr")
-    stdin_name = expand_name(stdin_name, values, "--stdin")
-    job_id = job_id or ident.job_id
+    job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
     from .agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
@@ -256,9 +248,26 @@ def run(
         shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
-        write_behind=write_behind, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
+        write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
+
+
+def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, list[str | None]]:
+    """The job id (--job-id, else the batch system's) and the stream NAMEs
+    with their templates expanded; usage errors for what cannot be."""
+    if job_id is not None and (not job_id or len(job_id) > 256 or not job_id.isprintable()):
+        raise click.BadParameter("must be 1-256 printable characters", param_hint="--job-id")
+    from .identity import detect
+    from .templates import values_for
+
+    ident = detect()
+    values = values_for(ident, job_id)
+    expanded = [expand_name(name, values, option) for name, option in zip(names, ("--stdout", "--stderr", "--stdin"))]
+    job_id = job_id or ident.job_id
+    if job_id and not job_id.isprintable():  # from the batch system's environment: the shadow would refuse it
+        raise click.UsageError(f"the job id {job_id!r} from the environment holds control characters: give --job-id")
+    return job_id, expanded
 
 
 def _run(
@@ -269,10 +278,11 @@ def _run(
 
     import trio
 
-    from .agent import run_job, stream_specs
     from .identity import default_job_id, hostname, username
+    from .records import JobRecord
     from .render import Reporter
-    from .spool import SPOOL_SUFFIX, JobRecord, default_spool_dir, new_instance, safe_filename
+    from .run import run_job, stream_specs
+    from .spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
 
     job_id = job_id or default_job_id()
     instance = new_instance()
@@ -314,7 +324,8 @@ def _run(
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
+              envvar="GCWRAP_SPOOL", show_envvar=True,
+              help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
 def status(spool_dir: Path | None, as_json: bool) -> None:
     """Show the spools on this machine: job, state, bytes written, acked, pending.
@@ -339,7 +350,8 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
-              envvar="GCWRAP_SPOOL", show_envvar=True, help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
+              envvar="GCWRAP_SPOOL", show_envvar=True,
+              help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
 @click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
               help="Deliver to this shadow instead of the one recorded in the spool.")
 @click.option("--include-refused", is_flag=True,
@@ -348,7 +360,7 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
     spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
-    heartbeat: float, verbose: int, quiet: bool, log_format: str, token_file: Path | None, tls_on: bool,
+    heartbeat: float, verbose: int, quiet: bool, log_format: str, compress: Any, token_file: Path | None, tls_on: bool,
     tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, spools: tuple[Path, ...],
 ) -> None:
     """Deliver the output that spools left behind (a killed wrapper, an outage at job end).
@@ -365,9 +377,10 @@ def resume(
     """
     import trio
 
-    from .agent import AgentOptions, resume_spool
+    from .agent import AgentOptions
     from .render import Reporter, setup_logging, stderr_console
-    from .spool import Spool, SpoolError, default_spool_dir, spool_files
+    from .run import resume_spool
+    from .spool import SpoolError, default_spool_dir, spool_files
     from .status import in_use
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
@@ -383,12 +396,7 @@ def resume(
             say.say(f"{path}: in use by a running gcwrap; skipped", "info")
             continue
         try:
-            recorded = Spool.open(path, readonly=True)
-            try:
-                job = recorded.job()
-                recorded.streams()  # (readable before a progress bar is shown for it)
-            finally:
-                recorded.close()
+            job = _recorded_job(path)
         except SpoolError as e:
             say.say(str(e))
             worst = exitcodes.worst(worst, exitcodes.INTERNAL)
@@ -407,23 +415,41 @@ def resume(
                 worst = exitcodes.worst(worst, exitcodes.USAGE)
                 continue
         opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
-                            **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
+                            compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
         console = stderr_console()
         # A bar only for a person watching: not in a log file or a pipe.
         with resume_progress(console, job.job_id, quiet or log_format == "json" or not console.is_terminal) as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
-        if outcome.status == 0:
-            say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
-        elif outcome.status == exitcodes.LOST and outcome.spool is None:
-            say.say(f"job {job.job_id}: {outcome.message}")  # (delivered: the spool is gone)
-        else:
-            say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
-            if outcome.lost and outcome.lost not in outcome.message:
-                say.say(f"job {job.job_id}: {outcome.lost}")
+        _say_resumed(say, job.job_id, address, path, outcome)
         worst = exitcodes.worst(worst, outcome.status)
         if outcome.signalled:
             break  # (the batch system's walltime, Ctrl-C: the other spools wait too)
     sys.exit(worst)
+
+
+def _say_resumed(say: Any, job_id: str, address: tuple[str, int], path: Path, outcome: Any) -> None:
+    """What became of one resumed spool, in a line or two."""
+    if outcome.status == 0:
+        say.say(f"job {job_id}: all output delivered to {address[0]}:{address[1]}", "info")
+    elif outcome.status == exitcodes.LOST and outcome.spool is None:
+        say.say(f"job {job_id}: {outcome.message}")  # (delivered: the spool is gone)
+    else:
+        say.say(f"job {job_id}: {outcome.message} (spool {path})")
+        if outcome.lost and outcome.lost not in outcome.message:
+            say.say(f"job {job_id}: {outcome.lost}")
+
+
+def _recorded_job(path: Path) -> Any:
+    """The job a spool records (a JobRecord); SpoolError if it cannot be read."""
+    from .spool import Spool
+
+    recorded = Spool.open(path, readonly=True)
+    try:
+        job = recorded.job()
+        recorded.streams()  # (readable before a progress bar is shown for it)
+    finally:
+        recorded.close()
+    return job
 
 
 @contextlib.contextmanager
@@ -460,7 +486,8 @@ def resume_progress(console: Any, job_id: str, hidden: bool) -> Iterator[Callabl
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--size", default="8MiB", show_default=True, help="Bytes the sample job writes to stdout (it also writes progress lines to stderr).")
+@click.option("--size", default="8MiB", show_default=True,
+              help="Bytes the sample job writes to stdout (it also writes progress lines to stderr).")
 @click.option("--keep", is_flag=True, help="Keep the demo's directory instead of deleting it.")
 def demo(size: str, keep: bool) -> None:
     """Run a shadow on loopback and a sample job through gcwrap; verify checksums.

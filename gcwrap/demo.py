@@ -85,10 +85,11 @@ def run_demo(nbytes: int, keep: bool, console: Console | None = None) -> int:
     shadow_cmd = [sys.executable, "-c", "from gcwrap.shadow_cli import main; main()"]
     wrap_cmd = [sys.executable, "-m", "gcwrap"]
     console.print(f"[bold]gcwrap demo[/]: {nbytes:,} bytes through a spool and loopback TCP, in {workdir}")
-    shadow = subprocess.Popen(
-        [*shadow_cmd, "serve", "--port", "0", "--root", str(root), "--port-file", str(workdir / "port")],
-        stderr=open(workdir / "gcshadow.log", "wb"), start_new_session=True,
-    )
+    with open(workdir / "gcshadow.log", "wb") as shadow_log:  # (the child keeps its own copy)
+        shadow = subprocess.Popen(
+            [*shadow_cmd, "serve", "--port", "0", "--root", str(root), "--port-file", str(workdir / "port")],
+            stderr=shadow_log, start_new_session=True,
+        )
     try:
         try:
             port = _wait_for(workdir / "port", shadow, 20)

@@ -83,6 +83,7 @@ class Hello(Event):
     command: tuple[str, ...] = ()
     versions: tuple[int, ...] = (PROTOCOL_VERSION,)
     nonce: str = ""  # the agent's challenge to the shadow (hex), for token authentication
+    features: tuple[str, ...] = ()  # optional extensions the agent can use, e.g. "zstd"
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Welcome(Event):
     durable: tuple[tuple[int, int], ...]  # (stream id, durable length)
     heartbeat: float = 10.0  # seconds the shadow waits for a frame before it gives up
     proof: str = ""  # the shadow's answer to the agent's nonce (hex HMAC), when a token is in use
+    features: tuple[str, ...] = ()  # the agent's features the shadow accepts for this connection
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,18 @@ class Data(Event):
 
     stream: int
     offset: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class ZData(Event):
+    """Agent → shadow: `size` bytes of an output stream at `offset`, as one
+    zstd frame. Only once WELCOME accepted the "zstd" feature. Offsets and
+    sizes count the job's bytes, never the compressed ones."""
+
+    stream: int
+    offset: int
+    size: int
     payload: bytes
 
 

@@ -22,8 +22,8 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 def hostname() -> str:
@@ -121,12 +121,6 @@ def detect(env: Mapping[str, str] | None = None) -> BatchIdentity:
             return found
     generated = f"{hostname()}-{os.getpid()}-{int(time.time())}"
     return BatchIdentity("", generated, None, 0, generated)
-
-
-def batch_job_id(env: Mapping[str, str]) -> str | None:
-    """The job id the batch system gave this job, if any."""
-    found = detect(env)
-    return found.job_id if found.system else None
 
 
 def default_job_id(env: Mapping[str, str] | None = None) -> str:

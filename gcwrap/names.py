@@ -20,6 +20,11 @@ def split_name(name: str) -> tuple[str, ...]:
         raise NameError_("the name is empty")
     if "\x00" in name:
         raise NameError_("the name contains a NUL byte")
+    bad = next((c for c in name if c < " " or c == "\x7f"), None)
+    if bad is not None:
+        # A newline or escape in a file name breaks every listing, log line
+        # and shell loop that shows it: refused, as NUL is.
+        raise NameError_(f"{name!r} contains a control character (U+{ord(bad):04X})")
     if name.startswith("/"):
         raise NameError_(f"{name!r} is an absolute path; names are relative to the shadow's root")
     parts = tuple(p for p in name.split("/") if p not in ("", "."))

@@ -1,4 +1,10 @@
-"""The agent's in-memory view of its output streams (no I/O, no trio).
+"""The outbox: the agent's in-memory view of its streams, the one owner of
+their progress (no I/O, no SQLite; trio only for the "changed" signal).
+
+`Outbox` holds every output stream's `OutStream`, the stdin feeder, the
+job's end (the EXIT, once the job has ended) and the `changed` signal that
+wakes the tasks sharing them. Figures shown to users (the summary, the
+live view, the EXIT's lengths) are read from here, never kept twice.
 
 For every output stream the agent tracks four offsets, always ordered
 
@@ -24,17 +30,33 @@ its row is committed, but it takes no memory.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .spool import Chunk, Extent
+from .events import Exit, StdinData, StreamSpec
+from .records import Chunk, Extent
+from .sync import Signal
 
 MAX_ROW = 256 << 10  # coalesce small pipe reads into spool rows / DATA frames up to this
 JOIN_BELOW = MAX_ROW  # from memory, chunks smaller than this are joined into one frame
+STDIN_PREFETCH = 1 << 20  # bytes of stdin fetched ahead of the job
+
+
+class Mismatch(ValueError):
+    """What home says contradicts what was read or sent: an ACK past the
+    bytes sent to it (never from a sound shadow; and bytes acknowledged are
+    bytes whose segment may be reused), or a WELCOME holding fewer bytes
+    than it acknowledged or more than were written."""
 
 
 @dataclass
 class OutStream:
+    """One output stream's bytes and offsets. `read_end` is written here
+    only: by the pipe reader's `append`/`append_extent`, and by `restore`
+    and `adopt` (a resumed spool, and what home holds beyond it)."""
+
     id: int
     kind: str
     name: str
@@ -45,6 +67,8 @@ class OutStream:
     mem: deque[Chunk | Extent] = field(default_factory=deque)
     mem_bytes: int = 0
     arrivals: deque[tuple[int, float]] = field(default_factory=deque)  # (end offset, when read)
+    ack_recorded: int = 0  # the acknowledgement the spool holds
+    eof_recorded: bool = False  # the spool holds the stream's end
 
     @property
     def safe_end(self) -> int:
@@ -89,10 +113,27 @@ class OutStream:
         while arrivals and arrivals[0][0] <= safe:
             arrivals.popleft()
 
-    def ack(self, offset: int) -> bool:
-        """Record the shadow's durable offset; True if it moved forward."""
-        if offset > self.read_end:
-            raise ValueError(
+    def restore(self, appended: int, acked: int) -> None:
+        """The offsets a spool left behind (gcwrap resume): every byte is in
+        the spool, the stream has ended, and the spool holds both."""
+        self.read_end = self.spooled_end = appended
+        self.acked = self.ack_recorded = acked
+        self.eof = self.eof_recorded = True
+
+    def adopt(self, durable: int) -> None:
+        """Home holds more than a resumed spool knows of (a wrapper killed
+        between sending bytes and recording them): all of it is written and
+        safe."""
+        self.read_end = self.spooled_end = max(self.read_end, durable)
+
+    def ack(self, offset: int, sent: int | None = None) -> bool:
+        """Record the shadow's durable offset; True if it moved forward.
+        Past `sent` (what this connection sent; default: every byte read)
+        is Mismatch: the one check of it."""
+        if sent is not None and offset > sent:
+            raise Mismatch(f"the shadow acknowledged {offset} bytes of {self.kind}, but only {sent} were sent to it")
+        if sent is None and offset > self.read_end:
+            raise Mismatch(
                 f"stream {self.kind}: shadow acknowledged {offset} bytes but only {self.read_end} were written"
             )
         if offset <= self.acked:
@@ -190,6 +231,132 @@ class OutStream:
                 break
             end = chunk.end
         return end
+
+
+class StdinFeeder:
+    """Stdin bytes fetched from the shadow, waiting to be written to the job."""
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+        self.fetched = 0  # bytes received from the shadow
+        self.written = 0  # bytes handed to the job's pipe
+        self.buffer: deque[bytes] = deque()
+        self.buffered = 0
+        self.eof = False  # the shadow's file ended at `fetched`
+        self.closed = False  # the job closed its stdin
+        self.in_flight = False
+
+    def wants(self) -> bool:
+        return not (self.eof or self.closed or self.in_flight) and self.buffered < STDIN_PREFETCH
+
+    @property
+    def starved(self) -> bool:
+        """The job has not had all of its stdin (nor closed it)."""
+        return not self.closed and not (self.eof and self.written >= self.fetched)
+
+    def receive(self, ev: StdinData) -> None:
+        self.in_flight = False
+        if ev.offset != self.fetched:
+            return  # an answer to a request of an older session: ask again
+        if ev.payload:
+            self.buffer.append(ev.payload)
+            self.buffered += len(ev.payload)
+            self.fetched += len(ev.payload)
+        self.eof = ev.eof
+
+    def take(self) -> bytes | None:
+        if not self.buffer:
+            return None
+        data = self.buffer.popleft()
+        self.buffered -= len(data)
+        self.written += len(data)
+        return data
+
+
+class Outbox:
+    """The one owner of the job's stream progress: each output stream's
+    offsets and bytes (`streams`), the stdin fetched for the job (`stdin`),
+    the job's end (`exit`), and `changed`, the signal every task sharing
+    them waits on. The pipe readers append, the commit loop marks bytes
+    spooled, a session acknowledges; everyone else reads."""
+
+    def __init__(self, specs: Iterable[StreamSpec], *, resuming: bool = False) -> None:
+        specs = list(specs)
+        self.streams: dict[int, OutStream] = {
+            s.id: OutStream(s.id, s.kind, s.name) for s in specs if s.kind != "stdin"
+        }
+        stdin = [s.id for s in specs if s.kind == "stdin"]
+        self.stdin = StdinFeeder(stdin[0]) if stdin else None
+        self.changed = Signal()
+        self.exit: Exit | None = None  # the job's end (lengths as of then), once it has ended
+        self.resuming = resuming  # the offsets come from a spool left behind (gcwrap resume)
+
+    # -- figures (derived, never kept twice) -------------------------------
+
+    @property
+    def unsafe_bytes(self) -> int:
+        return sum(o.unsafe_bytes for o in self.streams.values())
+
+    @property
+    def spooled_pending(self) -> int:
+        """Bytes the spool holds that home has not acknowledged."""
+        return sum(max(0, o.spooled_end - o.acked) for o in self.streams.values())
+
+    @property
+    def all_delivered(self) -> bool:
+        return self.exit is not None and all(o.delivered for o in self.streams.values())
+
+    @property
+    def stdin_starved(self) -> bool:
+        """The job has a --stdin and has not had all of it (nor closed its stdin)."""
+        return self.stdin is not None and self.stdin.starved
+
+    def lengths(self) -> tuple[tuple[int, int], ...]:
+        """What the job wrote per stream, as of now (the EXIT's lengths)."""
+        return tuple((s, o.read_end) for s, o in self.streams.items())
+
+    def exit_frame(self, summary: tuple[tuple[str, str], ...]) -> Exit:
+        """The EXIT to send: the job's end, with the lengths as of now (a
+        resume may learn that home holds more than its spool)."""
+        assert self.exit is not None
+        return dataclasses.replace(self.exit, summary=summary, lengths=self.lengths())
+
+    # -- what home says ------------------------------------------------------
+
+    def welcomed(self, durable: Iterable[tuple[int, int]]) -> None:
+        """Home's durable offsets at the start of a session: acknowledged.
+        Mismatch when home holds fewer bytes than it acknowledged, or more
+        than were written (beyond a resumed spool: adopted, see `adopt`)."""
+        for sid, offset in durable:
+            out = self.streams.get(sid)
+            if out is None:
+                continue
+            if self.resuming and offset > out.read_end:
+                out.adopt(offset)
+            if offset < out.acked or offset > out.read_end:
+                raise Mismatch(f"the shadow holds {offset} bytes of {out.kind} ({out.name}), "
+                               f"but {out.acked} were acknowledged and {out.read_end} written")
+            out.ack(offset)
+        if self.stdin is not None:
+            self.stdin.in_flight = False
+        self.changed.fire()
+
+    def ack(self, sid: int, offset: int, sent: int) -> bool:
+        """An ACK of this session (which sent `sent` bytes of the stream):
+        True if it moved forward. KeyError for a stream we do not have,
+        Mismatch past what was sent."""
+        moved = self.streams[sid].ack(offset, sent)
+        if moved:
+            self.changed.fire()
+        return moved
+
+    def stdin_data(self, ev: StdinData) -> bool:
+        """Stdin bytes from home; False if the job has no such stream."""
+        if self.stdin is None or ev.stream != self.stdin.stream:
+            return False
+        self.stdin.receive(ev)
+        self.changed.fire()
+        return True
 
 
 def cached(chunk: Chunk | Extent) -> int:

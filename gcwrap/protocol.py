@@ -31,14 +31,9 @@ events into bytes with `send()`.
 from __future__ import annotations
 
 import enum
-import json
-import re
-import struct
-from typing import Any, cast
 
 from .events import (
     PROTOCOL_VERSION,
-    STREAM_KINDS,
     Ack,
     Auth,
     Challenge,
@@ -54,52 +49,39 @@ from .events import (
     Pong,
     StdinData,
     StdinRead,
-    StreamSpec,
     Welcome,
+    ZData,
 )
+from .frames import (
+    DATA_TYPE,
+    DEFAULT_MAX_FRAME,
+    HEADER,
+    MAX_CONTROL,
+    MAX_OFFSET,
+    MAX_PAYLOAD,
+    FrameType,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    data_header,
+    decode,
+    decode_data,
+    encode,
+)
+
+__all__ = [  # the codec's names, for who speaks the protocol through this module
+    "DEFAULT_MAX_FRAME", "MAGIC", "MAX_CONTROL", "MAX_OFFSET", "MAX_PAYLOAD", "NEED_DATA", "SUPPORTED_VERSIONS",
+    "Connection", "FrameType", "LocalProtocolError", "NeedData", "ProtocolError", "RemoteProtocolError", "Role",
+    "State", "data_header", "decode", "encode",
+]
 
 MAGIC = b"GCWRAP\r\n"
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
-
-MAX_PAYLOAD = 1 << 20  # largest DATA / STDIN_DATA payload either side sends
-MAX_CONTROL = 64 << 10  # largest JSON control frame body
-DEFAULT_MAX_FRAME = MAX_PAYLOAD + 64
-
-# Offsets and lengths travel as u64 but are file offsets (off_t) at both
-# ends: no file holds more than 2**63 - 1 bytes, and pread/pwrite refuse a
-# range that ends past it. So every offset, and every offset plus length,
-# is at most MAX_OFFSET, else the frame is malformed (BAD_FRAME), never left
-# to fail later at the receiver as an error of its own.
-MAX_OFFSET = (1 << 63) - 1
-_HEADER = struct.Struct("!IB")
-_DATA = struct.Struct("!BQ")
-_ACK = struct.Struct("!BQ")
-_STDIN_READ = struct.Struct("!BQI")
-_STDIN_DATA = struct.Struct("!BQB")
-_NONCE = struct.Struct("!Q")
-_DATA_TYPE = 3  # FrameType.DATA, as the int the header holds
+# Until the handshake is over (WELCOME), only control frames are legal: a
+# longer one is refused from its header, so an unauthenticated peer cannot
+# make the shadow buffer a DATA-sized frame.
+MAX_HANDSHAKE_FRAME = MAX_CONTROL + 1
 _SMALL = 4096  # received pieces shorter than this are copied together, not kept one by one
-
-_INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
-_MAX_JOB_ID = 256
-_MAX_NAME = 4096
-_MAX_STREAMS = 16
-
-
-class FrameType(enum.IntEnum):
-    HELLO = 1
-    WELCOME = 2
-    DATA = 3
-    ACK = 4
-    EXIT = 5
-    DONE = 6
-    STDIN_READ = 7
-    STDIN_DATA = 8
-    PING = 9
-    PONG = 10
-    ERROR = 11
-    CHALLENGE = 12
-    AUTH = 13
 
 
 class Role(enum.Enum):
@@ -125,23 +107,6 @@ class NeedData:
 
 NEED_DATA = NeedData()
 
-
-class ProtocolError(Exception):
-    """A violation of the protocol. `code` is what the peer is told."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_FRAME) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class LocalProtocolError(ProtocolError):
-    """We tried to send something the protocol does not allow: our bug."""
-
-
-class RemoteProtocolError(ProtocolError):
-    """The peer sent something the protocol does not allow."""
-
-
 # Which role may send which event in which state, and the state it leads to.
 # PING, PONG and ERROR are legal from both roles in every open state (ERROR
 # closes); everything else must be listed here.
@@ -159,7 +124,7 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
         Role.SHADOW: {},
     },
     State.STREAMING: {
-        Role.AGENT: {Data: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
+        Role.AGENT: {Data: State.STREAMING, ZData: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
         Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING},
     },
     State.EXITING: {
@@ -169,6 +134,9 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
     },
     State.CLOSED: {Role.AGENT: {}, Role.SHADOW: {}},
 }
+
+
+_HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
 def _next_state(state: State, role: Role, event: Event) -> State | None:
@@ -198,19 +166,22 @@ class Connection:
         self._eof = False
         self._magic_seen = role is Role.AGENT  # only the shadow expects the magic
         self._magic_sent = role is Role.SHADOW
+        self.features: frozenset[str] = frozenset()  # what the WELCOME accepted, for this connection
 
     # -- sending ---------------------------------------------------------
 
     def send(self, event: Event) -> bytes:
         """Bytes that put `event` on the wire; LocalProtocolError if illegal now."""
         new_state = _next_state(self.state, self.role, event)
-        if new_state is None:
+        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
             raise LocalProtocolError(
                 f"{self.role.value} may not send {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
             )
         frame = encode(event)
         self.state = new_state
+        if isinstance(event, Welcome):
+            self.features = frozenset(event.features)
         if not self._magic_sent:
             self._magic_sent = True
             return MAGIC + frame
@@ -218,7 +189,7 @@ class Connection:
 
     # -- receiving -------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed bytes from the peer; b"" means the peer closed (EOF)."""
         if self._eof and data:
             raise LocalProtocolError("data received after EOF")
@@ -302,10 +273,10 @@ class Connection:
         body: bytes | memoryview
         if not self._parts_len:
             data, pos = self._data, self._pos
-            if len(data) - pos < _HEADER.size:
-                self._take(_HEADER.size)
+            if len(data) - pos < HEADER.size:
+                self._take(HEADER.size)
                 return self._need_data()
-            length, ftype = _HEADER.unpack_from(data, pos)
+            length, ftype = HEADER.unpack_from(data, pos)
             self._check_length(length)
             end = pos + 4 + length
             if end > len(data):
@@ -318,11 +289,11 @@ class Connection:
                 self._data = b""
                 self._pos = 0
         else:
-            if self._parts_len < _HEADER.size:
-                self._take(_HEADER.size - self._parts_len)
-                if self._parts_len < _HEADER.size:
+            if self._parts_len < HEADER.size:
+                self._take(HEADER.size - self._parts_len)
+                if self._parts_len < HEADER.size:
                     return self._need_data()
-            length, ftype = _HEADER.unpack(self._gathered(_HEADER.size))
+            length, ftype = HEADER.unpack(self._gathered(HEADER.size))
             self._check_length(length)
             total = 4 + length
             if self._parts_len < total:
@@ -332,16 +303,18 @@ class Connection:
             frame = b"".join(self._parts)  # the one copy of a frame that spans reads
             self._keep_after(frame, total)  # more than one frame if receive_data ran twice
             body = memoryview(frame)[5:total]
-        if ftype == _DATA_TYPE and self.state is State.STREAMING and self.role is Role.SHADOW:
-            return _decode_data(body)  # the hot path: legal here, and the state stays
+        if ftype == DATA_TYPE and self.state is State.STREAMING and self.role is Role.SHADOW:
+            return decode_data(body)  # the hot path: legal here, and the state stays
         event = decode(ftype, body)
         new_state = _next_state(self.state, self.peer_role, event)
-        if new_state is None:
+        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
             raise RemoteProtocolError(
                 f"{self.peer_role.value} sent {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
             )
         self.state = new_state
+        if isinstance(event, Welcome):
+            self.features = frozenset(event.features)
         return event
 
     def _check_length(self, length: int) -> None:
@@ -350,6 +323,11 @@ class Connection:
         if length > self.max_frame:
             raise RemoteProtocolError(
                 f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if length > MAX_HANDSHAKE_FRAME and self.state in _HANDSHAKE_STATES:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes during the handshake (the limit is {MAX_HANDSHAKE_FRAME} until WELCOME)",
                 ErrorCode.FRAME_TOO_LARGE,
             )
 
@@ -364,394 +342,3 @@ class Connection:
     def buffered(self) -> int:
         """Bytes received but not yet turned into events."""
         return self._parts_len + len(self._data) - self._pos
-
-
-# -- codec -----------------------------------------------------------------
-
-
-_DATA_HEADER = struct.Struct("!IBBQ")  # _HEADER then _DATA: a DATA frame up to its payload
-
-
-def data_header(stream: int, offset: int, size: int) -> bytes:
-    """The bytes of a DATA frame that come before its `size`-byte payload
-    (a sender may write the payload after it without joining the two)."""
-    return _DATA_HEADER.pack(1 + _DATA.size + size, _DATA_TYPE, stream, offset)
-
-
-def _frame(ftype: FrameType, body: bytes) -> bytes:
-    return _HEADER.pack(len(body) + 1, ftype) + body
-
-
-def _json_body(obj: dict[str, Any]) -> bytes:
-    try:
-        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
-        # A lone surrogate (say an undecodable argv byte under surrogateescape)
-        # is not Unicode text: the peer would refuse it, so we never send it.
-        raise LocalProtocolError(f"control frame holds text that is not valid Unicode: {e}") from None
-    if len(body) > MAX_CONTROL:
-        raise LocalProtocolError(f"control frame of {len(body)} bytes is too large")
-    return body
-
-
-_HEX_RE = re.compile(r"[0-9a-f]{0,128}\Z")
-
-
-def _hex_field(value: str, what: str) -> str:
-    if not isinstance(value, str) or not _HEX_RE.match(value):
-        raise LocalProtocolError(f"{what} must be at most 128 lowercase hex digits")
-    return value
-
-
-def _hex(obj: dict[str, Any], key: str, ftype: FrameType) -> str:
-    value = obj.get(key, "")
-    if not isinstance(value, str) or not _HEX_RE.match(value):
-        raise _bad(f"{ftype.name}: {key!r} must be at most 128 lowercase hex digits")
-    return value
-
-
-def _check_offset(value: int, what: str) -> None:
-    if not 0 <= value <= MAX_OFFSET:
-        raise LocalProtocolError(f"{what} {value} out of range (0..{MAX_OFFSET})")
-
-
-def _check_pairs(pairs: tuple[tuple[int, int], ...], what: str) -> None:
-    if len(pairs) > _MAX_STREAMS:
-        raise LocalProtocolError(f"{what}: at most {_MAX_STREAMS} streams")
-    for sid, length in pairs:
-        if not 0 <= sid <= 255:
-            raise LocalProtocolError(f"{what}: stream id {sid} out of range")
-        _check_offset(length, f"{what}: length")
-
-
-def encode(event: Event) -> bytes:
-    """One frame for `event` (no state checks; see Connection.send)."""
-    try:
-        return _encode(event)
-    except struct.error as e:  # a stream id, nonce or count out of its field's range
-        raise LocalProtocolError(f"cannot encode {type(event).__name__}: {e}") from None
-
-
-def _encode(event: Event) -> bytes:
-    if isinstance(event, Data):
-        _check_offset(event.offset, "offset")
-        _check_offset(event.offset + len(event.payload), "end offset")
-        if len(event.payload) > MAX_PAYLOAD:
-            raise LocalProtocolError("DATA payload too large")
-        # One copy of the payload, not two (header + body, then frame + body).
-        return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
-    if isinstance(event, Ack):
-        _check_offset(event.offset, "offset")
-        return _frame(FrameType.ACK, _ACK.pack(event.stream, event.offset))
-    if isinstance(event, StdinRead):
-        _check_offset(event.offset, "offset")
-        if not 0 < event.max_bytes <= MAX_PAYLOAD:
-            raise LocalProtocolError(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
-        _check_offset(event.offset + event.max_bytes, "end offset")
-        return _frame(
-            FrameType.STDIN_READ, _STDIN_READ.pack(event.stream, event.offset, event.max_bytes)
-        )
-    if isinstance(event, StdinData):
-        _check_offset(event.offset, "offset")
-        _check_offset(event.offset + len(event.payload), "end offset")
-        if len(event.payload) > MAX_PAYLOAD:
-            raise LocalProtocolError("STDIN_DATA payload too large")
-        head = _STDIN_DATA.pack(event.stream, event.offset, int(event.eof))
-        return _frame(FrameType.STDIN_DATA, head + event.payload)
-    if isinstance(event, Ping):
-        return _frame(FrameType.PING, _NONCE.pack(event.nonce))
-    if isinstance(event, Pong):
-        return _frame(FrameType.PONG, _NONCE.pack(event.nonce))
-    if isinstance(event, Hello):
-        return _frame(
-            FrameType.HELLO,
-            _json_body(
-                {
-                    "versions": list(event.versions),
-                    "job_id": event.job_id,
-                    "instance": event.instance,
-                    "host": event.host,
-                    "user": event.user,
-                    "command": list(event.command),
-                    "streams": [[s.id, s.kind, s.name] for s in event.streams],
-                    "nonce": event.nonce,
-                }
-            ),
-        )
-    if isinstance(event, Welcome):
-        _check_offset(event.session, "session")
-        _check_pairs(event.durable, "WELCOME")
-        return _frame(
-            FrameType.WELCOME,
-            _json_body(
-                {
-                    "version": event.version,
-                    "session": event.session,
-                    "durable": [list(p) for p in event.durable],
-                    "heartbeat": event.heartbeat,
-                    "proof": event.proof,
-                }
-            ),
-        )
-    if isinstance(event, Exit):
-        _check_pairs(event.lengths, "EXIT")
-        return _frame(
-            FrameType.EXIT,
-            _json_body(
-                {
-                    "code": event.code,
-                    "signal": event.signal,
-                    "lengths": [list(p) for p in event.lengths],
-                    "reason": event.reason,
-                    "summary": [list(p) for p in event.summary],
-                }
-            ),
-        )
-    if isinstance(event, Done):
-        return _frame(FrameType.DONE, b"{}")
-    if isinstance(event, Challenge):
-        return _frame(FrameType.CHALLENGE, _json_body({"nonce": _hex_field(event.nonce, "nonce")}))
-    if isinstance(event, Auth):
-        return _frame(FrameType.AUTH, _json_body({"mac": _hex_field(event.mac, "mac")}))
-    if isinstance(event, Error):
-        return _frame(
-            FrameType.ERROR,
-            _json_body(
-                {"code": int(event.code), "message": event.message, "retry_after": event.retry_after}
-            ),
-        )
-    raise LocalProtocolError(f"cannot encode {event!r}")
-
-
-def _bad(message: str) -> RemoteProtocolError:
-    return RemoteProtocolError(message, ErrorCode.BAD_FRAME)
-
-
-def _load_json(body: bytes | memoryview, ftype: FrameType) -> dict[str, Any]:
-    if len(body) > MAX_CONTROL:
-        raise RemoteProtocolError(f"{ftype.name} frame too large", ErrorCode.FRAME_TOO_LARGE)
-    try:
-        obj = json.loads(str(body, "utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _bad(f"{ftype.name} frame is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise _bad(f"{ftype.name} frame is not a JSON object")
-    return obj
-
-
-def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
-    value = obj.get(key)
-    # bool is an int in Python; never accept it where a number is wanted.
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise _bad(f"{ftype.name}: field {key!r} missing or of the wrong type")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...]:
-    if not isinstance(value, list) or len(value) > _MAX_STREAMS:
-        raise _bad(f"{ftype.name}: {key!r} must be a short list")
-    out = []
-    for item in value:
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or not all(_is_int(v) for v in item)
-            or not 0 <= item[0] <= 255
-            or not 0 <= item[1] <= MAX_OFFSET
-        ):
-            raise _bad(f"{ftype.name}: {key!r} holds a bad (stream, length) pair")
-        out.append((item[0], item[1]))
-    return tuple(out)
-
-
-def _is_unicode(value: str) -> bool:
-    """False for a string holding a lone surrogate (JSON's "\\udce9"): such a
-    string cannot be encoded, and would crash whatever stores or prints it."""
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _text(value: Any, limit: int, ftype: FrameType, key: str) -> str:
-    if not isinstance(value, str) or len(value) > limit or "\x00" in value or not _is_unicode(value):
-        raise _bad(f"{ftype.name}: {key!r} must be Unicode text of at most {limit} characters, without NUL")
-    return value
-
-
-def _decode_hello(obj: dict[str, Any]) -> Hello:
-    f = FrameType.HELLO
-    versions = _get(obj, "versions", list, f)
-    if not versions or len(versions) > 16 or not all(_is_int(v) and 0 < v < 65536 for v in versions):
-        raise _bad("HELLO: 'versions' must list protocol versions")
-    job_id = _text(obj.get("job_id"), _MAX_JOB_ID, f, "job_id")
-    if not job_id or not job_id.isprintable():
-        raise _bad("HELLO: 'job_id' must be non-empty printable text")
-    instance = _text(obj.get("instance"), 64, f, "instance")
-    if not _INSTANCE_RE.match(instance):
-        raise _bad("HELLO: 'instance' must be 1-64 characters of [A-Za-z0-9_.-]")
-    command = _get(obj, "command", list, f)
-    if len(command) > 4096 or not all(isinstance(a, str) and _is_unicode(a) for a in command):
-        raise _bad("HELLO: 'command' must be a list of strings")
-    raw_streams = _get(obj, "streams", list, f)
-    if len(raw_streams) > _MAX_STREAMS:
-        raise _bad(f"HELLO: at most {_MAX_STREAMS} streams")
-    streams = []
-    seen: set[int] = set()
-    for item in raw_streams:
-        if not isinstance(item, list) or len(item) != 3:
-            raise _bad("HELLO: a stream must be [id, kind, name]")
-        sid, kind, name = item
-        if not _is_int(sid) or not 0 <= sid <= 255 or sid in seen:
-            raise _bad("HELLO: stream ids must be distinct integers 0..255")
-        if kind not in STREAM_KINDS:
-            raise _bad(f"HELLO: unknown stream kind {kind!r}")
-        seen.add(sid)
-        streams.append(StreamSpec(sid, kind, _text(name, _MAX_NAME, f, "name")))
-    return Hello(
-        job_id=job_id,
-        instance=instance,
-        streams=tuple(streams),
-        host=_text(obj.get("host", ""), 255, f, "host"),
-        user=_text(obj.get("user", ""), 255, f, "user"),
-        command=tuple(command),
-        versions=tuple(versions),
-        nonce=_hex(obj, "nonce", f),
-    )
-
-
-def _decode_exit(obj: dict[str, Any]) -> Exit:
-    f = FrameType.EXIT
-    code, sig = obj.get("code"), obj.get("signal")
-    if not (code is None or _is_int(code) and 0 <= code <= 255):
-        raise _bad("EXIT: 'code' must be null or 0..255")
-    if not (sig is None or _is_int(sig) and 0 < sig < 128):
-        raise _bad("EXIT: 'signal' must be null or 1..127")
-    summary_raw = obj.get("summary", [])
-    if not isinstance(summary_raw, list) or len(summary_raw) > 64:
-        raise _bad("EXIT: 'summary' must be a short list")
-    summary = []
-    for item in summary_raw:
-        if not isinstance(item, list) or len(item) != 2:
-            raise _bad("EXIT: 'summary' holds [key, value] pairs")
-        summary.append((_text(item[0], 64, f, "summary"), _text(item[1], 1024, f, "summary")))
-    return Exit(
-        code=code,
-        signal=sig,
-        lengths=_pairs(obj.get("lengths"), f, "lengths"),
-        reason=_text(obj.get("reason", ""), 4096, f, "reason"),
-        summary=tuple(summary),
-    )
-
-
-def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
-    obj = _load_json(body, ftype)
-    if ftype is FrameType.HELLO:
-        return _decode_hello(obj)
-    if ftype is FrameType.WELCOME:
-        version = _get(obj, "version", int, ftype)
-        session = _get(obj, "session", int, ftype)
-        heartbeat = obj.get("heartbeat", 10.0)
-        if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 0 < heartbeat < 86400:
-            raise _bad("WELCOME: 'heartbeat' must be a positive number of seconds")
-        if not 0 <= session <= MAX_OFFSET:
-            raise _bad("WELCOME: 'session' out of range")
-        return Welcome(
-            version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat),
-            _hex(obj, "proof", ftype),
-        )
-    if ftype is FrameType.CHALLENGE:
-        nonce = _hex(obj, "nonce", ftype)
-        if len(nonce) < 32:
-            raise _bad("CHALLENGE: 'nonce' must have at least 32 hex digits")
-        return Challenge(nonce)
-    if ftype is FrameType.AUTH:
-        return Auth(_hex(obj, "mac", ftype))
-    if ftype is FrameType.EXIT:
-        return _decode_exit(obj)
-    if ftype is FrameType.DONE:
-        return Done()
-    # ERROR
-    raw_code = _get(obj, "code", int, ftype)
-    try:
-        code = ErrorCode(raw_code)
-    except ValueError:
-        code = ErrorCode.INTERNAL  # a code from a newer peer: keep the message
-    retry_after = obj.get("retry_after", 0.0)
-    if not isinstance(retry_after, (int, float)) or isinstance(retry_after, bool) or not 0 <= retry_after < 86400:
-        raise _bad("ERROR: 'retry_after' must be a number of seconds")
-    return Error(code, _text(obj.get("message", ""), MAX_CONTROL, ftype, "message"), float(retry_after))
-
-
-def _fixed(st: struct.Struct, body: bytes | memoryview, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
-    if len(body) < st.size or exact and len(body) != st.size:
-        raise _bad(f"{ftype.name} frame has the wrong length ({len(body)} bytes)")
-    return st.unpack_from(body)
-
-
-def _decode_data(body: bytes | memoryview) -> Data:
-    if len(body) < _DATA.size:
-        raise _bad(f"DATA frame has the wrong length ({len(body)} bytes)")
-    stream, offset = _DATA.unpack_from(body)
-    payload = body[_DATA.size :]
-    if len(payload) > MAX_PAYLOAD:
-        raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
-    if offset + len(payload) > MAX_OFFSET:
-        raise _bad("DATA runs past the largest offset")
-    return Data(stream, offset, cast(bytes, payload))  # a memoryview when `body` is one: bytes-like, no copy
-
-
-def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
-    if ftype is FrameType.DATA:
-        return _decode_data(body)
-    if ftype is FrameType.ACK:
-        stream, offset = _fixed(_ACK, body, ftype, exact=True)
-        if offset > MAX_OFFSET:
-            raise _bad("ACK: offset past the largest offset")
-        return Ack(stream, offset)
-    if ftype is FrameType.STDIN_READ:
-        stream, offset, max_bytes = _fixed(_STDIN_READ, body, ftype, exact=True)
-        if not 0 < max_bytes <= MAX_PAYLOAD:
-            raise _bad(f"STDIN_READ: max_bytes must be 1..{MAX_PAYLOAD}")
-        if offset + max_bytes > MAX_OFFSET:
-            raise _bad("STDIN_READ runs past the largest offset")
-        return StdinRead(stream, offset, max_bytes)
-    if ftype is FrameType.STDIN_DATA:
-        stream, offset, eof = _fixed(_STDIN_DATA, body, ftype, exact=False)
-        if eof not in (0, 1):
-            raise _bad("STDIN_DATA: eof flag must be 0 or 1")
-        payload = bytes(body[_STDIN_DATA.size :])  # the agent gets bytes it may keep
-        if len(payload) > MAX_PAYLOAD:
-            raise RemoteProtocolError("STDIN_DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
-        if offset + len(payload) > MAX_OFFSET:
-            raise _bad("STDIN_DATA runs past the largest offset")
-        return StdinData(stream, offset, payload, bool(eof))
-    (nonce,) = _fixed(_NONCE, body, ftype, exact=True)
-    return Ping(nonce) if ftype is FrameType.PING else Pong(nonce)
-
-
-_JSON_FRAMES = {
-    FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.DONE, FrameType.ERROR, FrameType.CHALLENGE,
-    FrameType.AUTH,
-}
-
-
-def decode(raw_type: int, body: bytes | memoryview) -> Event:
-    """The event of one frame body, or RemoteProtocolError. A DATA payload
-    is a slice of `body` (a memoryview if `body` is one: no copy)."""
-    try:
-        ftype = FrameType(raw_type)
-    except ValueError:
-        raise _bad(f"unknown frame type {raw_type}") from None
-    if ftype in _JSON_FRAMES:
-        return _decode_json_frame(ftype, body)
-    return _decode_binary(ftype, body)

@@ -11,10 +11,11 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
-from .spool import loss_text
+from .records import loss_text
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from rich.console import Console
@@ -84,14 +85,6 @@ def ago(t: float | None, now: float | None = None) -> str:
     if s < 3600:
         return f"{s / 60:.0f}m ago"
     return f"{s / 3600:.1f}h ago"
-
-
-def exit_text(code: int | None, signal: int | None) -> str:
-    if signal:
-        return f"signal {signal}"
-    if code is not None:
-        return f"status {code}"
-    return "unknown"
 
 
 # -- tables that fit ----------------------------------------------------------
@@ -267,6 +260,12 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
         if lost:
             fields[-1] += ";"
             fields += ["LOST", *lost.split()]
+        wire = sp.get("wire") or {}
+        if wire.get("compressed_bytes") and wire.get("wire_bytes"):
+            fields[-1] += ";"
+            fields += ["sent", human_bytes(wire["job_bytes"]), "of", "output", "as",
+                       human_bytes(wire["wire_bytes"]), "on", "the", "wire",
+                       f"({ratio_text(wire['job_bytes'], wire['wire_bytes'])})"]
         lines += wrap_fields(fields, width)
     return lines
 
@@ -285,7 +284,7 @@ def status_view(spools: list[dict[str, Any]], width: int | None) -> Any:
 
 def job_state_text(job: dict[str, Any], now: float | None = None) -> str:
     """A job's state in words: streaming, disconnected since T, finished..."""
-    state = job["state"]
+    state = str(job["state"])
     if state == "disconnected":
         return f"disconnected since {ago(job['last_seen'], now)}"
     if state != "finished":
@@ -415,6 +414,8 @@ SUMMARY_LABELS: dict[str, tuple[str, Callable[[float], str]]] = {
     "reconnects": ("reconnects", lambda v: f"{v:.0f}"),
     "failed_attempts": ("failed connection attempts", lambda v: f"{v:.0f}"),
     "zero_copy_pct": ("spliced (zero-copy)", lambda v: f"{v:.0f}% of the output"),
+    "wire_bytes": ("on the wire", lambda v: f"{human_bytes(v)} ({v:,.0f} bytes)"),
+    "compressed_pct": ("sent compressed", lambda v: f"{v:.0f}% of the output"),
 }
 
 
@@ -423,7 +424,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, value in summary.items():
         n = number(value)
-        if key.endswith("_bytes") and n is not None:
+        if key.endswith("_bytes") and key not in SUMMARY_LABELS and n is not None:
             rows.append((f"{key[:-6]} written", f"{human_bytes(n)} ({n:,.0f} bytes)"))
         elif key in SUMMARY_LABELS and n is not None:
             label, show = SUMMARY_LABELS[key]
@@ -461,6 +462,9 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
     for st in job["streams"]:
         held = ["served from"] if st["kind"] == "stdin" else [human_bytes(st["durable"]), f"({st['durable']:,} bytes)",
                                                               "in"]
+        wire = st.get("wire")
+        if wire and st["kind"] != "stdin" and wire < st["durable"]:  # some of it came compressed
+            held[-1:] = [f"({human_bytes(wire)} on the wire, {ratio_text(st['durable'], wire)})", "in"]
         rows.append((st["kind"], [*held, st["name"]]))
     rows += [("I/O summary" if i == 0 else "", [f"{label}:", value])
              for i, (label, value) in enumerate(summary_rows(job.get("summary") or {}))]
@@ -479,21 +483,36 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
     return table
 
 
+def ratio_text(job: float, wire: float) -> str:
+    """How much smaller the wire's bytes are than the job's: "4.2x smaller"."""
+    return f"{job / wire:.1f}x smaller" if wire else "-"
+
+
+def _on_the_wire(summary: dict[str, Any]) -> list[str]:
+    """A line on compression, when some output went compressed."""
+    wire, pct = number(summary.get("wire_bytes")), number(summary.get("compressed_pct"))
+    if not wire or not pct:
+        return []
+    return [f"  on the wire {human_bytes(wire)} ({wire:,.0f} bytes); {pct:g}% of the output sent compressed"]
+
+
 def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:
     """The I/O summary gcwrap prints on its own stderr when it exits."""
     status = "unknown status" if job_status is None else f"status {job_status}"
     streams = [
-        f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items() if key.endswith("_bytes")
+        f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items()
+        if key.endswith("_bytes") and key != "wire_bytes"
     ]
     lost = int(summary.get("lost", 0))
     return [
         f"job {job_id} ended with {status}; wall {summary.get('wall_s', 0):.1f} s",
         "  output: " + (", ".join(streams) or "none") + f"; {summary.get('throughput_mb_s', 0):.1f} MB/s",
-        f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
-        f"job paused {summary.get('paused_s', 0):.1f} s",
-        f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
-        f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all",
-    ] + ([f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
+        (f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
+         f"job paused {summary.get('paused_s', 0):.1f} s"),
+        (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
+         f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
+    ] + _on_the_wire(summary) + (
+        [f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
 
 
 class Reporter:

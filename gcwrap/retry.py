@@ -8,6 +8,8 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 
+import trio
+
 
 @dataclass
 class Backoff:
@@ -23,7 +25,7 @@ class Backoff:
     failures: int = 0
 
     def next_delay(self) -> float:
-        exp = min(self.base * (2 ** min(self.failures, 30)), self.cap)
+        exp = min(self.base * 2.0 ** min(self.failures, 30), self.cap)
         self.failures += 1
         return min(self.cap, exp * self.rng.uniform(0.5, 1.5))
 
@@ -38,6 +40,10 @@ class HeartbeatTimeout(Exception):
 class Stalled(Exception):
     """The peer answers heartbeats but not what we asked of it (a handshake,
     DATA, a STDIN_READ, the EXIT): the connection is replaced."""
+
+
+class ConnectionLost(Exception):
+    """The shadow closed the connection (or bytes were lost on the way)."""
 
 
 class ShadowRefused(Exception):
@@ -75,7 +81,7 @@ def describe(exc: BaseException, where: str = "") -> str:
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the shadow's host{at}: {exc.strerror or exc}"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS failure with the shadow{at}: {exc.reason or exc}"
+        return f"TLS failure with the shadow{at}: {getattr(exc, 'reason', None) or exc}"
     if isinstance(exc, TimeoutError):
         return f"connecting to the shadow{at} timed out"
     if isinstance(exc, ConnectionRefusedError):
@@ -90,13 +96,12 @@ def describe(exc: BaseException, where: str = "") -> str:
         if exc.errno == errno.ETIMEDOUT:
             return f"connection to the shadow{at} timed out"
         return f"network error with the shadow{at}: {exc.strerror or exc}"
-    name = type(exc).__name__
-    if name == "BrokenResourceError" and isinstance(exc.__cause__, ssl.SSLError):
+    if isinstance(exc, trio.BrokenResourceError) and isinstance(exc.__cause__, ssl.SSLError):
         return describe(exc.__cause__, where)  # e.g. the shadow rejected our client certificate
-    if name == "TooSlowError":
+    if isinstance(exc, trio.TooSlowError):
         return f"connecting to the shadow{at} timed out"
-    if name == "ConnectionLost" and str(exc):
+    if isinstance(exc, ConnectionLost) and str(exc):
         return f"{exc}{at and ' (' + where + ')'}"
-    if name in ("BrokenResourceError", "ClosedResourceError", "ConnectionLost"):
+    if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionLost)):
         return f"connection to the shadow{at} was lost"
-    return f"{name}{at}: {exc}"
+    return f"{type(exc).__qualname__}{at}: {exc}"

@@ -44,8 +44,10 @@ each stream's write head and read head, and what is being read or written
 this instant. A descriptor is pinned while used (`_open`), and only an
 unpinned one is ever closed.
 
-Threads: the commit thread writes and releases, the readers' worker threads
-splice, the sender reads; the descriptor table is guarded by a lock. A
+Threads: commits (inline in the event loop's thread, or in a worker thread
+when large or the disk is slow) write and release, splices and sendfiles run
+the same way, the read-back connection reads in a worker thread; the
+descriptor table is guarded by a lock. A
 segment is released only once every byte in it is acknowledged, and nobody
 reads or writes acknowledged bytes; a descriptor still pinned when its
 segment goes is closed by its last user all the same.
@@ -68,6 +70,10 @@ MAX_OPEN = 16  # segment descriptors kept open between uses (see "Descriptors")
 
 
 class Segments:
+    """One spool's segment files: where each stream byte lives (natural
+    layout: by its offset), and the descriptors to write, splice, read and
+    sendfile them, bounded and shared by the spool's connections."""
+
     def __init__(
         self, directory: Path, segment_size: int = DEFAULT_SEGMENT, *, readonly: bool = False, natural: bool = False
     ) -> None:

@@ -11,22 +11,33 @@ while PINGs may well be answered). A slow shadow behind a thin link is
 neither: it drains the send queue, and answers what reached it. The
 handshake is bounded the same way: three heartbeats for each answer. All
 sends go through one lock.
+
+A session knows the job only through the `Outbox` (the streams' offsets
+and bytes, stdin, the job's end, the "changed" signal) and reads the bytes
+memory no longer holds through a `ByteSource` (the spool): it never sees
+the agent. It owns its socket, and so the mapping of the socket's errors.
 """
 
 from __future__ import annotations
 
 import array
+import dataclasses
+import errno
 import fcntl
 import itertools
+import logging
 import os
 import socket
 import ssl
 import termios
-from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import trio
 
+from . import compress as zc
 from .auth import agent_mac, new_nonce, same, shadow_proof
 from .events import (
     Ack,
@@ -38,22 +49,24 @@ from .events import (
     Error,
     ErrorCode,
     Event,
+    Exit,
     Hello,
     Ping,
     Pong,
     StdinData,
     StdinRead,
     Welcome,
+    ZData,
 )
 from .liveness import Liveness, watch
+from .outbox import Mismatch, Outbox
 from .protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
-from .retry import HeartbeatTimeout, ShadowRefused, Stalled
+from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
+from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
 from .sync import first_error
 
-if TYPE_CHECKING:
-    from .agent import Agent
+log = logging.getLogger("gcwrap")
 
-STDIN_PREFETCH = 1 << 20  # bytes of stdin fetched ahead of the job
 READ_BACK = 8 << 20  # bytes read back from the spool per worker-thread call (a backlog, a resume)
 STDIN_REQUEST = 256 << 10
 # What the shadow may say, once it has welcomed us, of the bytes it got on
@@ -67,52 +80,70 @@ DAMAGED_IN_TRANSIT = frozenset({
 })
 
 
+# A send's failure that is the socket's (the peer is gone), not the disk's.
+NETWORK_ERRNOS = frozenset({
+    errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBADF,
+})
+
+
 class SessionEnd(Exception):
     """The shadow said DONE: everything is home."""
 
 
-class ConnectionLost(Exception):
-    """The shadow closed the connection."""
+class ByteSource(Protocol):
+    """What a session needs of the spool: bytes memory no longer holds.
+    Failures to read them are `SourceError`s."""
+
+    path: Path
+    no_sendfile: bool  # sendfile from its files is not supported here: copy instead
+
+    @property
+    def zero_copy(self) -> bool:
+        """Bytes are found in place by offset (see `placed_size`)."""
+        ...
+
+    def placed_size(self, offset: int, end: int) -> int:
+        """How many of the placed bytes [offset, end) are in one file."""
+        ...
+
+    async def read_placed(self, stream: int, offset: int, size: int) -> bytes: ...
+
+    async def with_placed(self, stream: int, offset: int, fn: Callable[[int, int], int]) -> int:
+        """fn(descriptor, position) on the file holding byte `offset`; its
+        OSError propagates as it is (only fn knows what it did)."""
+        ...
+
+    async def read(self, stream: int, offset: int, limit: int) -> list[Chunk]: ...
 
 
-class StdinFeeder:
-    """Stdin bytes fetched from the shadow, waiting to be written to the job."""
+@dataclass(frozen=True)
+class SessionConfig:
+    """How a session speaks: its heartbeat, the token, whether over TLS."""
 
-    def __init__(self, stream: int) -> None:
-        self.stream = stream
-        self.fetched = 0  # bytes received from the shadow
-        self.written = 0  # bytes handed to the job's pipe
-        self.buffer: deque[bytes] = deque()
-        self.buffered = 0
-        self.eof = False  # the shadow's file ended at `fetched`
-        self.closed = False  # the job closed its stdin
-        self.in_flight = False
-
-    def wants(self) -> bool:
-        return not (self.eof or self.closed or self.in_flight) and self.buffered < STDIN_PREFETCH
-
-    def receive(self, ev: StdinData) -> None:
-        self.in_flight = False
-        if ev.offset != self.fetched:
-            return  # an answer to a request of an older session: ask again
-        if ev.payload:
-            self.buffer.append(ev.payload)
-            self.buffered += len(ev.payload)
-            self.fetched += len(ev.payload)
-        self.eof = ev.eof
-
-    def take(self) -> bytes | None:
-        if not self.buffer:
-            return None
-        data = self.buffer.popleft()
-        self.buffered -= len(data)
-        self.written += len(data)
-        return data
+    heartbeat: float = 5.0
+    token: bytes | None = None
+    tls: bool = False
+    compress: zc.Mode = zc.Mode.NONE  # --compress: used where the shadow's WELCOME accepts it
 
 
 class Session:
-    def __init__(self, agent: Agent, where: str) -> None:
-        self.agent = agent
+    """One connection to the shadow, from HELLO to DONE or failure: it
+    acknowledges into the outbox, and sends what the outbox and the byte
+    source hold. `on_welcome` is called once the shadow has welcomed it;
+    `exit_frame()` is the EXIT to send once every byte is home."""
+
+    def __init__(
+        self, outbox: Outbox, source: ByteSource, hello: Hello, config: SessionConfig, where: str, *,
+        on_welcome: Callable[[], None] = lambda: None, exit_frame: Callable[[], Exit] | None = None,
+        wire: zc.WireStats | None = None,
+    ) -> None:
+        self.outbox = outbox
+        self.source = source
+        self.hello = hello
+        self.config = config
+        self.on_welcome = on_welcome
+        self.exit_frame = exit_frame or (lambda: outbox.exit_frame(()))
         self.where = where
         self.conn = Connection(Role.AGENT)
         self.send_lock = trio.Lock()
@@ -124,8 +155,11 @@ class Session:
         self.pending: list[Event] = []  # events received but not yet handled
         self.exit_sent = False
         self.nonces = itertools.count(1)
-        self.heartbeat = agent.opts.heartbeat
+        self.heartbeat = config.heartbeat
         self.liveness = Liveness(self.heartbeat, trio.current_time())
+        self.wire = wire if wire is not None else zc.WireStats()
+        self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
+        self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
@@ -144,7 +178,7 @@ class Session:
             parts: list[bytes | memoryview] = [header, payload]
             while parts:
                 try:
-                    sent = await sock.sendmsg(parts)  # type: ignore[union-attr]
+                    sent = await sock.sendmsg(parts)
                 except OSError as e:  # as SocketStream.send_all reports it
                     raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
                 while parts and sent >= len(parts[0]):
@@ -158,11 +192,11 @@ class Session:
         [offset, end) or the part of it up to the segment's end; `sent`
         moves past it. Plain TCP: header, then sendfile (no copy in user
         space). TLS: read, then send."""
-        spooler = self.agent.spooler
-        size = min(spooler.placed_size(offset, end), MAX_PAYLOAD)
+        source = self.source
+        size = min(source.placed_size(offset, end), MAX_PAYLOAD)
         self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
         if self.conn.state is not State.STREAMING or isinstance(stream, trio.SSLStream):
-            await self._send_data(stream, sid, offset, await spooler.read_placed(sid, offset, size))
+            await self._send_data(stream, sid, offset, await source.read_placed(sid, offset, size))
             self.handed[sid] = offset + size
             return
         sock = self.sock
@@ -180,12 +214,12 @@ class Session:
                 except BlockingIOError:
                     pass
                 while header:
-                    header = header[await sock.send(header, socket.MSG_MORE) :]  # type: ignore[union-attr]
+                    header = header[await sock.send(header, socket.MSG_MORE) :]
             except OSError as e:  # as SocketStream.send_all reports it
                 raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
             done = 0
             while done < size:
-                sent = await spooler.sendfile(sock.fileno(), sid, offset + done, size - done)
+                sent = await sendfile_placed(source, sock.fileno(), sid, offset + done, size - done)
                 done += sent
                 if done < size:
                     # Short: the send buffer is full. Retrying at once would
@@ -202,60 +236,38 @@ class Session:
             self.raw = socket.socket(fileno=os.dup(self.sock.fileno()))
         return self.raw
 
-    async def run(self, stream: trio.abc.Stream, sock: socket.socket | trio.socket.SocketType) -> None:
+    async def run(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         """Speak the protocol over `stream` (plain TCP, or TLS over it); `sock`
         is the TCP socket underneath, for its options and send queue."""
-        agent = self.agent
+        outbox = self.outbox
         self.sock = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         except OSError:
             pass
-        job = agent.job
-        token = agent.opts.token
-        hello = Hello(
-            job_id=job.job_id,
-            instance=job.instance,
-            streams=tuple(agent.specs),
-            host=job.host,
-            user=job.user,
-            command=tuple(job.command),
-            nonce=new_nonce() if token else "",
-        )
+        token = self.config.token
+        hello = dataclasses.replace(self.hello, nonce=new_nonce() if token else "")
         try:
             await self._send(stream, hello)
             welcome = await self._authenticate(stream, hello, token)
         except (ConnectionLost, trio.BrokenResourceError) as e:
-            if agent.opts.tls is not None and not isinstance(e.__cause__, ssl.SSLError):
+            if self.config.tls and not isinstance(e.__cause__, ssl.SSLError):
                 raise ConnectionLost(
                     "the shadow closed the TLS connection before welcoming us: it probably rejected our "
                     "client certificate (missing, expired, or from a CA it does not trust; see its log)"
                 ) from None
             raise
-        for sid, durable in welcome.durable:
-            out = agent.out.get(sid)
-            if out is None:
-                continue
-            if agent.resuming and durable > out.read_end:
-                # A wrapper killed between sending bytes and recording them
-                # (the group commit gathers for up to 10 ms): home holds
-                # more than its spool knows of, and all of the spool's part.
-                out.read_end = out.spooled_end = durable
-            if durable < out.acked or durable > out.read_end:
-                raise ShadowRefused(
-                    ErrorCode.LENGTH_MISMATCH,
-                    f"the shadow holds {durable} bytes of {out.kind} ({out.name}), "
-                    f"but {out.acked} were acknowledged and {out.read_end} written",
-                    permanent=True,
-                )
-            out.ack(durable)
-        self.sent = {sid: out.acked for sid, out in agent.out.items()}
+        try:
+            outbox.welcomed(welcome.durable)
+        except Mismatch as e:
+            raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), permanent=True) from None
+        self.sent = {sid: out.acked for sid, out in outbox.streams.items()}
         self.handed = dict(self.sent)
-        if agent.stdin is not None:
-            agent.stdin.in_flight = False
+        if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
+            self.policy = zc.Policy(self.config.compress, trio.current_time())
+            self._measure_sndbuf()
         self.welcomed = True
-        agent.on_welcome()
-        agent.changed.fire()
+        self.on_welcome()
         try:
             with first_error():
                 async with trio.open_nursery() as nursery:
@@ -270,8 +282,8 @@ class Session:
 
     async def _receive_events(self, stream: trio.abc.Stream) -> list[Event]:
         if self.pending:  # what came in the same read as the handshake's answer
-            events, self.pending = self.pending, []
-            return events
+            held, self.pending = self.pending, []
+            return held
         data = await stream.receive_some(65536)
         self.liveness.heard(trio.current_time())
         try:
@@ -341,36 +353,23 @@ class Session:
             raise ConnectionLost("the shadow closed the connection")
 
     async def _recv_loop(self, stream: trio.abc.Stream) -> None:
-        agent = self.agent
+        outbox = self.outbox
         while True:
             for ev in await self._receive_events(stream):
                 if isinstance(ev, Ack):
-                    out = agent.out.get(ev.stream)
-                    if out is None:
+                    if ev.stream not in outbox.streams:
                         raise ShadowRefused(ErrorCode.UNKNOWN_STREAM, f"ACK for unknown stream {ev.stream}", False)
-                    if ev.offset > self.sent[ev.stream]:
-                        # (Never from a sound shadow; and bytes acknowledged
-                        # are bytes whose segment may be reused.)
-                        raise ShadowRefused(
-                            ErrorCode.LENGTH_MISMATCH,
-                            f"the shadow acknowledged {ev.offset} bytes of {out.kind}, "
-                            f"but only {self.sent[ev.stream]} were sent to it",
-                            True,
-                        )
                     try:
-                        moved = out.ack(ev.offset)
-                    except ValueError as e:
+                        moved = outbox.ack(ev.stream, ev.offset, self.sent[ev.stream])
+                    except Mismatch as e:
                         raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
                     if moved:
                         self.progressed = True
                         self.liveness.answered(("data", ev.stream))
-                        agent.changed.fire()
                 elif isinstance(ev, StdinData):
-                    if agent.stdin is not None and ev.stream == agent.stdin.stream:
+                    if outbox.stdin_data(ev):
                         self.progressed = self.progressed or bool(ev.payload)
                         self.liveness.answered("stdin")
-                        agent.stdin.receive(ev)
-                        agent.changed.fire()
                 elif isinstance(ev, Ping):
                     await self._send(stream, Pong(ev.nonce))
                 elif isinstance(ev, Done):
@@ -380,23 +379,83 @@ class Session:
                 else:
                     self._check_failure(ev)
 
+    def _measure_sndbuf(self) -> None:
+        try:
+            self.sndbuf = max(1, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        except OSError:
+            self.sndbuf = 1 << 20
+
+    def _sent_frame(self, raw: int, wire: int) -> None:
+        """Count a frame that went out, and tell the compression policy how
+        full the socket's send queue is now (full: the link sets the pace)."""
+        self.wire.job_bytes += raw
+        self.wire.wire_bytes += wire
+        policy = self.policy
+        if policy is None:
+            return
+        now = trio.current_time()
+        if policy.window_ends(now):
+            self._measure_sndbuf()  # (the kernel grows it as the connection goes)
+        backlog = sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
+        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
+
+    async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
+        """One frame of [offset, end) compressed (ZDATA) when that makes it
+        smaller, as it is (DATA) when not; `sent` moves past it."""
+        policy, source = self.policy, self.source
+        assert policy is not None
+        out = self.outbox.streams[sid]
+        size = min(end - offset, MAX_PAYLOAD)
+        data = out.from_memory(offset, size)
+        payload: bytes | memoryview
+        if data is not None:
+            payload = memoryview(data.data)[offset - data.start : offset - data.start + size]
+        elif source.zero_copy and out.placed_end(offset) > offset:
+            size = min(source.placed_size(offset, out.placed_end(offset)), size)
+            payload = await source.read_placed(sid, offset, size)
+        else:
+            chunks = await source.read(sid, offset, size)
+            if not chunks or chunks[0].start > offset:
+                raise RuntimeError(f"spool lost bytes from {offset} of {out.kind}")
+            c = chunks[0]
+            payload = memoryview(c.data)[offset - c.start : offset - c.start + size]
+        size = len(payload)
+        blob, cpu = zc.timed_compress(payload)
+        policy.compressed(trio.current_time(), size, len(blob), cpu)
+        self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
+        if len(blob) < size:
+            await self._send(stream, ZData(sid, offset, size, blob))
+            self.wire.compressed_bytes += size
+            wire = len(blob)
+        else:
+            await self._send_data(stream, sid, offset, payload)
+            wire = size
+        self.handed[sid] = offset + size
+        self._sent_frame(size, wire)
+
     async def _send_loop(self, stream: trio.abc.Stream) -> None:
-        agent = self.agent
+        outbox = self.outbox
         while True:
             progressed = False
-            for sid, out in agent.out.items():
+            for sid, out in outbox.streams.items():
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
+                policy = self.policy
+                if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
+                    await self._send_compressed(stream, sid, offset, out.read_end)
+                    progressed = True
+                    continue
                 chunk = out.from_memory(offset, MAX_PAYLOAD)
-                if chunk is None and agent.spooler.zero_copy:
+                if chunk is None and self.source.zero_copy:
                     placed = out.placed_end(offset)
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
                         await self._send_placed(stream, sid, offset, placed)
+                        self._sent_frame(self.sent[sid] - offset, self.sent[sid] - offset)
                         progressed = True
                         continue
-                chunks = [chunk] if chunk is not None else await agent.spooler.read(sid, offset, READ_BACK)
+                chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, READ_BACK)
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
@@ -407,19 +466,20 @@ class Session:
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
                         self.handed[sid] = start + len(payload)
+                        self._sent_frame(len(payload), len(payload))
                 progressed = True
-            feeder = agent.stdin
+            feeder = outbox.stdin
             if feeder is not None and feeder.wants():
                 feeder.in_flight = True
                 await self._send(stream, StdinRead(feeder.stream, feeder.fetched, STDIN_REQUEST))
                 progressed = True
             if progressed:
                 continue
-            if agent.all_delivered and not self.exit_sent and agent.exit_event is not None:
+            if outbox.all_delivered and not self.exit_sent:
                 self.exit_sent = True
-                await self._send(stream, agent.exit_frame())
+                await self._send(stream, self.exit_frame())
                 continue
-            await agent.changed.wait()
+            await outbox.changed.wait()
 
     async def _pinger(self, stream: trio.abc.Stream) -> None:
         while True:
@@ -429,8 +489,9 @@ class Session:
     def _waiting(self) -> list[object]:
         """What this session asked of the shadow and has had no answer to:
         bytes handed to the kernel and not acknowledged, a STDIN_READ, the EXIT."""
-        waiting: list[object] = [("data", sid) for sid, out in self.agent.out.items() if self.handed[sid] > out.acked]
-        if self.agent.stdin is not None and self.agent.stdin.in_flight:
+        outbox = self.outbox
+        waiting: list[object] = [("data", sid) for sid, out in outbox.streams.items() if self.handed[sid] > out.acked]
+        if outbox.stdin is not None and outbox.stdin.in_flight:
             waiting.append("stdin")
         if self.exit_sent:
             waiting.append("exit")
@@ -447,9 +508,46 @@ class Session:
         elif request == "exit":
             what = "the job's end (EXIT) was never answered"
         else:
-            out = self.agent.out[request[1]]  # type: ignore[index]
+            out = self.outbox.streams[request[1]]  # type: ignore[index]
             what = f"{self.handed[out.id] - out.acked:,} bytes of {out.kind} were never acknowledged"
         raise Stalled(f"{what} within {limit}, though the bytes left this host and heartbeats are answered")
+
+
+async def sendfile_placed(source: ByteSource, sock: int, stream: int, offset: int, size: int) -> int:
+    """Send placed bytes from their file to the (non-blocking) socket
+    without copying them through user space (where sendfile is not
+    supported: pread and write); the bytes sent, 0 when the socket's buffer
+    is full. A failing socket raises trio.BrokenResourceError, a failing
+    disk SourceError: the error's errno says whose it is."""
+
+    def send(fd: int, pos: int) -> int:
+        try:
+            if source.no_sendfile:
+                return copy(fd, pos)
+            try:
+                return os.sendfile(sock, fd, pos, size)
+            except OSError as e:
+                if e.errno not in UNSUPPORTED_ERRNOS:
+                    raise
+                log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
+                source.no_sendfile = True
+                return copy(fd, pos)
+        except BlockingIOError:
+            return 0
+
+    def copy(fd: int, pos: int) -> int:
+        data = os.pread(fd, min(size, 1 << 20), pos)
+        if not data:
+            raise OSError(errno.EIO, f"segment ends before byte {offset} of stream {stream}")
+        return os.write(sock, data)  # a socket: write(2) is send(2) without flags
+
+    try:
+        return await source.with_placed(stream, offset, send)
+    except OSError as e:
+        if e.errno in NETWORK_ERRNOS:
+            raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+        raise SourceError(f"spool {source.path}: cannot send bytes {offset}..{offset + size} of stream {stream}: "
+                          f"{e.strerror or e}") from None
 
 
 def send_queue(sock: socket.socket | trio.socket.SocketType) -> int:

@@ -38,17 +38,21 @@ import math
 import os
 import random
 import resource
+import signal
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-from .auth import AllowList, SubjectMap, agent_mac, new_nonce, same, shadow_proof, subject_cn
+from . import compress
+from .auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
 from .events import (
+    PROTOCOL_VERSION,
     Ack,
     Auth,
     Challenge,
@@ -65,8 +69,9 @@ from .events import (
     StdinData,
     StdinRead,
     Welcome,
+    ZData,
 )
-from .protocol import NEED_DATA, PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from .protocol import NEED_DATA, SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .shadow_store import FileCache, JobFiles, Store, StoreError, StreamFile, Superseded
 from .sync import Signal, first_error
 
@@ -75,6 +80,10 @@ T = TypeVar("T")
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
+HANDSHAKE_READ = 4 << 10  # reads before a connection has authenticated: what it holds stays small
+LINGER_READ = 16 << 10  # reads of what a refused peer still sends (dropped): a thousand of them hold little
+TRIM_AFTER = 4 << 20  # once unauthenticated connections held this much, give it back to the system when they go
+TRIM_CONNECTIONS = 512  # ...or once this many connections came and went through their handshake
 LINGER_S = 1.0  # after refusing a connection, read and drop what still comes for this long...
 LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
 
@@ -85,6 +94,11 @@ LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a 
 FD_MARGIN = 48
 ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
+# Stopping (SIGTERM, SIGINT): every session makes what it wrote durable and
+# tells its agent SHUTTING_DOWN, within STOP_GRACE seconds; the agents come
+# back after STOP_RETRY_AFTER, without counting a failure (a restart).
+STOP_GRACE = 10.0
+STOP_RETRY_AFTER = 3.0
 
 
 @dataclass
@@ -98,11 +112,13 @@ class ShadowOptions:
     min_free: int = 64 << 20  # below this much free space at home, new sessions get BUSY
     port_file: Path | None = None
     token: bytes | None = None  # require the token challenge-response (gcwrap.auth)
+    tokens: dict[str, bytes] = field(default_factory=dict)  # identity -> its own token (gcwrap.auth.load_token_dir)
     tls: ssl.SSLContext | None = None  # TLS (mutual when it requires client certificates)
     allow: AllowList = field(default_factory=AllowList)  # who may connect at all
     subjects: SubjectMap = field(default_factory=SubjectMap)  # certificate CN -> job ids it may write
     quota: int = 0  # bytes one job may write in all (0: no limit)
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
+    handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
 
 
 class ListenError(Exception):
@@ -111,6 +127,10 @@ class ListenError(Exception):
 
 class Fenced(Exception):
     """This connection must stop: replaced by a newer one, or its files failed."""
+
+
+class ShuttingDown(Exception):
+    """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
 
 
 @dataclass(eq=False)
@@ -123,6 +143,7 @@ class LiveJob:
 
     job_id: str
     identity: str = ""
+    tenant: str = ""  # the identity whose part of the root the job's files are in ("": the root itself)
     files: JobFiles = field(init=False)
     prev: list[LiveJob] = field(default_factory=list)
     scope: trio.CancelScope | None = None
@@ -333,6 +354,11 @@ def _open_fds() -> int:
 
 
 class Shadow:
+    """The shadow's server: accepts agents, admits each session of a job
+    (fencing the older ones), writes their DATA into the job's files, acks
+    what `Durability` made durable, serves stdin, and stops in order
+    (`stop`, on SIGTERM or SIGINT)."""
+
     def __init__(self, opts: ShadowOptions, store: Store) -> None:
         self.opts = opts
         self.store = store
@@ -345,7 +371,20 @@ class Shadow:
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.stale: dict[str, set[str]] = {}  # attempts (instances) of each job the state refused as replaced
         self.connections = 0
-        self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0}
+        self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
+        self.stopping = ""  # why the shadow stops, once it does (see `stop`)
+        self.accepting: trio.CancelScope | None = None
+        self.serving: trio.CancelScope | None = None
+        # Compressed DATA is accepted from agents that offer it, when this Python can decode it.
+        self.features = (compress.FEATURE,) if compress.available() else ()
+        # With identities (per-identity tokens, or client certificates), each
+        # identity's files are under ROOT/<identity>/; without, under ROOT.
+        self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
+        self.handshake_held: dict[int, int] = {}  # bytes each unauthenticated connection holds (by its Connection's id)
+        self.handshake_bytes = 0  # their sum, at most opts.handshake_memory
+        self.handshake_peak = 0  # their largest sum since the memory was last given back
+        self.unauthenticated: set[int] = set()  # connections (ids of their Connection) not authenticated yet
+        self.handshakes_seen = 0  # connections accepted since the memory was last given back
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -364,9 +403,9 @@ class Shadow:
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
         async with trio.open_nursery() as nursery:
+            self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
-            for listener in listeners:
-                nursery.start_soon(self._accept, listener, nursery)
+            accepting = await nursery.start(self._accept_all, listeners, nursery)
             port = listeners[0].socket.getsockname()[1]
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
             if self.opts.port_file is not None:
@@ -376,7 +415,33 @@ class Shadow:
                     tmp.replace(self.opts.port_file)
                 except OSError as e:
                     raise ListenError(f"cannot write the port file {self.opts.port_file}: {e.strerror}") from None
+            self.accepting = accepting
             task_status.started(port)
+
+    async def _accept_all(self, listeners: list[trio.SocketListener], nursery: trio.Nursery, *,
+                          task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """Accept on every listener until `stop` cancels the scope it reports."""
+        async with trio.open_nursery() as accepting:
+            for listener in listeners:
+                accepting.start_soon(self._accept, listener, nursery)
+            task_status.started(accepting.cancel_scope)
+
+    async def stop(self, why: str) -> None:
+        """Stop serving: accept no more connections; every session makes what
+        it wrote durable and tells its agent SHUTTING_DOWN (it comes back,
+        to this shadow restarted); then end, within STOP_GRACE."""
+        self.stopping = why
+        log.info("%s: stopping; %d connection(s) told to come back", why, self.connections)
+        if self.accepting is not None:
+            self.accepting.cancel()
+        for job in list(self.live.values()):
+            if job.scope is not None:
+                job.scope.cancel()
+        with trio.move_on_after(STOP_GRACE):
+            while self.connections:
+                await self.fds_freed.wait()
+        if self.serving is not None:
+            self.serving.cancel()
 
     # -- descriptors -------------------------------------------------------
 
@@ -439,7 +504,7 @@ class Shadow:
                 why = allow.check(ip)
             if why:
                 self.stats["refused"] += 1
-                log.warning("%s: refused before reading: %s", peer, why)
+                log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
                 if self.opts.tls is None:
                     await self._refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}", peer)
                 return None
@@ -452,7 +517,8 @@ class Shadow:
         except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
             self.stats["refused"] += 1
             cause = e.__cause__ or e
-            log.warning("%s: TLS handshake failed: %s", peer, cause if str(cause) else type(cause).__name__)
+            log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer,
+                        cause if str(cause) else type(cause).__name__)
             return None
         return tls, subject_cn(tls.getpeercert())
 
@@ -464,11 +530,13 @@ class Shadow:
             ip, peer = "", "?"
         conn = Connection(Role.SHADOW)
         stream: trio.abc.Stream = tcp
+        self.unauthenticated.add(id(conn))
+        self.handshakes_seen += 1
         try:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
-                log.warning("%s: too many connections (%d; this shadow serves %d at once)", peer, self.connections,
-                            self.budget.max_served)
+                log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
+                            self.connections, self.budget.max_served)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow", peer,
                                    retry_after=_retry_after())
                 return
@@ -483,38 +551,44 @@ class Shadow:
                 await trio.aclose_forcefully(tcp)
             self.connections -= 1
             self.fds_freed.fire()
+            self._handshake_gone(conn)
 
     async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
                             cn: str) -> None:
-        """Serve one admitted connection; every failure ends in an ERROR to the peer."""
+        """Serve one admitted connection; every failure ends in an ERROR to the
+        peer, and a log line naming the peer and its identity."""
+        who = [cn or "unauthenticated"]  # the identity, once the handshake has established it
         try:
             with first_error():
-                await self._serve_connection(stream, conn, peer, identity, cn)
+                await self._serve_connection(stream, conn, peer, identity, cn, who)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
-            log.info("%s: connection lost (%s)", peer, e)
+            log.info("%s [%s]: connection lost (%s)", peer, who[0], e)
         except ProtocolError as e:
-            log.warning("%s: protocol error: %s", peer, e)
+            log.warning("%s [%s]: protocol error: %s", peer, who[0], e)
             await self._refuse(stream, conn, e.code, str(e), peer)
         except StoreError as e:
             self.stats["refused"] += 1
-            log.warning("%s: refused: %s", peer, e)
+            log.warning("%s [%s]: refused: %s", peer, who[0], e)
             await self._refuse(stream, conn, e.code, str(e), peer)
         except trio.TooSlowError:
-            log.warning("%s: timed out", peer)
+            log.warning("%s [%s]: timed out", peer, who[0])
             await self._refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent", peer)
         except Fenced as e:
-            log.info("%s: connection stopped: %s", peer, e)
+            log.info("%s [%s]: connection stopped: %s", peer, who[0], e)
             await self._refuse(stream, conn, ErrorCode.FENCED, str(e), peer)
+        except ShuttingDown as e:
+            log.info("%s [%s]: %s", peer, who[0], e)
+            await self._refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), peer, retry_after=STOP_RETRY_AFTER)
         except OSError as e:
             if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
-                log.warning("%s: out of descriptors: %s", peer, e.strerror)
+                log.warning("%s [%s]: out of descriptors: %s", peer, who[0], e.strerror)
                 await self._refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors", peer,
                                    retry_after=_retry_after())
             else:
-                log.error("%s: I/O error: %s", peer, e)
+                log.error("%s [%s]: I/O error: %s", peer, who[0], e)
                 await self._refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}", peer)
         except Exception as e:  # noqa: BLE001 - one bad connection must not stop the shadow
-            log.exception("%s: internal error", peer)
+            log.exception("%s [%s]: internal error", peer, who[0])
             await self._refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}", peer)
 
     async def _refuse(
@@ -539,15 +613,17 @@ class Shadow:
                     await stream.send_eof()
                 drained = 0
                 while drained < LINGER_BYTES:
-                    data = await stream.receive_some(RECEIVE_SIZE)
-                    if not data:
+                    # (no reference kept to what was read while waiting for more:
+                    # a thousand refused connections must not hold a read each)
+                    n = len(await stream.receive_some(LINGER_READ))
+                    if not n:
                         break
-                    drained += len(data)
+                    drained += n
             except Exception:  # noqa: BLE001, S110 - best effort: the peer may be gone
                 pass
 
-    async def _next_events(self, stream: trio.abc.Stream, conn: Connection) -> list[Event]:
-        data = await stream.receive_some(RECEIVE_SIZE)
+    async def _next_events(self, stream: trio.abc.Stream, conn: Connection, size: int = RECEIVE_SIZE) -> list[Event]:
+        data = await stream.receive_some(size)
         conn.receive_data(data)
         events: list[Event] = []
         while True:
@@ -566,7 +642,8 @@ class Shadow:
         protocol); None if it closed or gave up. Events that arrived in the
         same read stay in `pending`, in order, for whoever reads next."""
         while not pending:
-            pending.extend(await self._next_events(stream, conn))
+            pending.extend(await self._next_events(stream, conn, HANDSHAKE_READ))
+            self._charge_handshake(conn)
         ev = pending.pop(0)
         if isinstance(ev, kind):
             return ev
@@ -574,14 +651,45 @@ class Shadow:
             return None
         raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}", ErrorCode.UNEXPECTED)
 
+    def _charge_handshake(self, conn: Connection) -> None:
+        """Count what an unauthenticated connection holds (bytes received, not
+        yet a whole frame). Each holds at most one control frame (the
+        protocol refuses a longer one from its header); all together at most
+        `handshake_memory`: the one that would pass it is told BUSY."""
+        key = id(conn)
+        held = conn.buffered
+        total = self.handshake_bytes - self.handshake_held.get(key, 0) + held
+        if held and total > self.opts.handshake_memory:
+            raise StoreError(ErrorCode.BUSY, "the shadow holds too many unfinished handshakes: try again later")
+        self.handshake_bytes = total
+        self.handshake_held[key] = held
+        self.handshake_peak = max(self.handshake_peak, total)
+
+    def _handshake_over(self, conn: Connection) -> None:
+        """The handshake is over: what the connection held is no longer counted."""
+        self.handshake_bytes -= self.handshake_held.pop(id(conn), 0)
+
+    def _handshake_gone(self, conn: Connection) -> None:
+        """One connection fewer without authentication (it authenticated, or closed)."""
+        self.unauthenticated.discard(id(conn))
+        many = self.handshake_peak >= TRIM_AFTER or self.handshakes_seen >= TRIM_CONNECTIONS
+        if many and not self.unauthenticated:
+            # A flood of unauthenticated connections is over (refused ones
+            # included, once done lingering): what they held is free, but in
+            # small pieces that malloc keeps. Give it back.
+            self.handshake_peak = self.handshakes_seen = 0
+            _trim_heap()
+
     async def _authenticate(
         self, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str, pending: list[Event]
-    ) -> str | None:
-        """The token challenge-response and the certificate's rights; returns
-        the shadow's proof for WELCOME, or None if the agent went away."""
+    ) -> tuple[str, str] | None:
+        """The token challenge-response and the identity's rights; returns
+        the shadow's proof for WELCOME and the identity (its certificate's
+        CN, or the name of its token; "" if none), or None if the agent went away."""
         proof = ""
-        token = self.opts.token
-        if token is not None:
+        identity = cn
+        tokens = self.opts.tokens or ({"": self.opts.token} if self.opts.token is not None else {})
+        if tokens:
             if not hello.nonce:
                 raise StoreError(ErrorCode.AUTH_FAILED,
                                  "this shadow requires token authentication: start gcwrap with --token-file")
@@ -591,28 +699,48 @@ class Shadow:
             if auth is None:
                 return None
             assert isinstance(auth, Auth)
-            if not same(auth.mac, agent_mac(token, hello.nonce, nonce, hello.job_id, hello.instance)):
+            found = match_token(tokens, auth.mac, hello.nonce, nonce, hello.job_id, hello.instance)
+            if found is None:
                 raise StoreError(ErrorCode.AUTH_FAILED, "authentication failed: wrong token")
+            name, token = found
+            if name:  # a token of its own names the identity; a certificate must name the same one
+                if cn and cn != name:
+                    raise StoreError(ErrorCode.AUTH_FAILED,
+                                     f"authentication failed: the token of {name} came with the certificate of CN={cn}")
+                identity = name
             proof = shadow_proof(token, hello.nonce, nonce)
-        if cn and not self.opts.subjects.allows(cn, hello.job_id):
-            raise StoreError(ErrorCode.AUTH_FAILED, f"certificate CN={cn} may not write job {hello.job_id}")
-        return proof
+        if self.tenancy:
+            why = identity_problem(identity) if identity else "the client certificate names no subject CN"
+            if why:
+                raise StoreError(ErrorCode.AUTH_FAILED, f"authentication failed: {why}")
+        if identity and not self.opts.subjects.allows(identity, hello.job_id):
+            what = f"certificate CN={identity}" if identity == cn else f"identity {identity}"
+            raise StoreError(ErrorCode.AUTH_FAILED, f"{what} may not write job {hello.job_id}")
+        return proof, identity
 
     async def _serve_connection(
-        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str
+        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str, who: list[str]
     ) -> None:
         pending: list[Event] = []
-        with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
-            hello = await self._await(stream, conn, Hello, pending)
-            if hello is None:
-                return
-            assert isinstance(hello, Hello)
-            proof = await self._authenticate(stream, conn, hello, cn, pending)
-            if proof is None:
-                return
+        try:
+            with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
+                hello = await self._await(stream, conn, Hello, pending)
+                if hello is None:
+                    return
+                assert isinstance(hello, Hello)
+                authenticated = await self._authenticate(stream, conn, hello, cn, pending)
+                if authenticated is None:
+                    return
+        finally:
+            self._handshake_over(conn)
+        proof, named = authenticated
+        self._handshake_gone(conn)
+        tenant = named if self.tenancy else ""
+        who[0] = named or ("token" if self.opts.token is not None else "anonymous")
+        identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
         busy = self._busy()
         if busy:
-            log.warning("%s: job %s told to come back later: %s", peer, hello.job_id, busy)
+            log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
             await self._refuse(stream, conn, ErrorCode.BUSY, busy, peer, retry_after=10)
             return
         if PROTOCOL_VERSION not in hello.versions:
@@ -624,22 +752,36 @@ class Shadow:
             # Refused before the claim: a replaced attempt must not take the job from the newer one's session.
             raise StoreError(ErrorCode.STALE_ATTEMPT,
                              f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
-        job = self._claim(hello.job_id, identity)  # no await since the handshake was read
+        if tenant:
+            # Whose the job id is, before claiming it: a claim fences the
+            # session holding the job, and no identity may do that to another's.
+            owner = await self._worker(lambda: self.store.owner(hello.job_id))
+            if owner is not None and owner != tenant:
+                why = "belongs to another identity" if owner else "was streamed here before this shadow had identities"
+                raise StoreError(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
+        if self.stopping:
+            raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
+        job = self._claim(hello.job_id, identity, tenant)  # no await since the handshake was read
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope  # before the first await: a later claim cancels this one wherever it waits
-                await self._open_job(job, hello, peer)
+                await self._open_job(job, hello, peer, tenant)
                 files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
-                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof)
+                features = tuple(f for f in self.features if f in hello.features)
+                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features)
                 self._check(job)
                 await stream.send_all(conn.send(welcome))
-                log.info("%s: job %s session %d (%s)", peer, files.job_id, files.session, hello.host or "?")
+                log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
+                         hello.host or "?")
                 send_lock = trio.Lock()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._acker, stream, conn, job, send_lock)
-                    await self._receive(stream, conn, job, send_lock, peer, pending)
+                    await self._receive(stream, conn, job, send_lock, f"{peer} [{who[0]}]", pending)
                     nursery.cancel_scope.cancel()
+            if scope.cancelled_caught and self.stopping and not job.fenced:
+                await self.durability.flush(job)  # what it wrote is durable before the agent is told
+                raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
             if scope.cancelled_caught:
                 raise Fenced(job.fenced or "stopped")
         finally:
@@ -659,11 +801,15 @@ class Shadow:
                 return f"disk low at home: {free} bytes free, {self.opts.min_free} needed"
         return ""
 
-    def _claim(self, job_id: str, identity: str) -> LiveJob:
+    def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
         """A new session takes the job, at once: no await between looking up
         who holds it and taking it, so one session holds a job at any instant.
         The holder until now is fenced: it writes, records and acknowledges
-        nothing more, and its handler is cancelled."""
+        nothing more, and its handler is cancelled. Only by a session of the
+        same identity: a job id another identity is streaming is refused."""
+        held = self.live.get(job_id)
+        if held is not None and held.tenant != tenant:
+            raise StoreError(ErrorCode.AUTH_FAILED, f"job {job_id} belongs to another identity")
         cap = self.opts.max_jobs_per_identity
         if cap and job_id not in self.live:
             mine = sum(1 for j in self.live.values() if j.identity == identity)
@@ -673,7 +819,7 @@ class Shadow:
         if old is not None:
             old.fence("a newer connection of this job took over")
         sessions = self.sessions.setdefault(job_id, [])
-        job = LiveJob(job_id, identity, prev=list(sessions))
+        job = LiveJob(job_id, identity, tenant, prev=list(sessions))
         sessions.append(job)
         self.live[job_id] = job
         return job
@@ -688,7 +834,7 @@ class Shadow:
             job.fence("a newer connection of this job took over")
             job.check()
 
-    async def _open_job(self, job: LiveJob, hello: Hello, peer: str) -> None:
+    async def _open_job(self, job: LiveJob, hello: Hello, peer: str, tenant: str = "") -> None:
         """Open the files of a claimed job at their durable lengths, once no
         earlier session of the job can write them: every one is fenced and
         is waited for until its files are closed. After every await, the
@@ -713,6 +859,7 @@ class Shadow:
                     command=list(hello.command),
                     peer=peer,
                     codes=ErrorCode,
+                    tenant=tenant,
                 )
             )
         except StoreError as e:
@@ -821,11 +968,14 @@ class Shadow:
         files = job.files
         for ev in events:
             self._check(job)
-            if isinstance(ev, Data):
+            if isinstance(ev, (Data, ZData)):
                 sf = files.outputs.get(ev.stream)
-                if sf is not None and sf.fd < 0:
-                    await self._open(sf)
-                self._write(job, ev)
+                if sf is not None:
+                    if sf.fd < 0:
+                        await self._open(sf)
+                    sf.wire += len(ev.payload)
+                self.stats["wire"] += len(ev.payload)
+                self._write(job, ev if isinstance(ev, Data) else _inflate(ev))
             elif isinstance(ev, StdinRead):
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
@@ -917,6 +1067,23 @@ class Shadow:
             await stream.send_all(conn.send(Done()))
 
 
+def _trim_heap() -> None:
+    """Return free heap memory to the system (glibc's malloc_trim; elsewhere nothing)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 def _retry_after() -> float:
     """When a refused agent should come back: spread, so they do not return together."""
     return round(random.uniform(1.0, 4.0), 2)
@@ -945,8 +1112,34 @@ async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS
         store = await trio.to_thread.run_sync(Store, opts.root)
     except OSError as e:
         raise StoreError(None, f"cannot use the root {opts.root}: {e.strerror or e}") from None
+    shadow = Shadow(opts, store)
     try:
-        with first_error():
-            await Shadow(opts, store).serve(task_status=task_status)
+        with first_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_signals, shadow, signals)
+                await shadow.serve(task_status=task_status)  # (until `stop` ends it)
+                nursery.cancel_scope.cancel()
     finally:
         store.close()
+
+
+async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
+    """The first SIGTERM or SIGINT stops the shadow in order (`Shadow.stop`),
+    a second one at once."""
+    async with trio.open_nursery() as nursery:
+        async for signum in signals:
+            if shadow.stopping:
+                log.warning("%s received again: stopping now", signal.Signals(signum).name)
+                if shadow.serving is not None:
+                    shadow.serving.cancel()
+                return
+            nursery.start_soon(shadow.stop, f"{signal.Signals(signum).name} received")
+
+
+def _inflate(ev: ZData) -> Data:
+    """The DATA a ZDATA frame carries; a frame that does not decode to
+    exactly the bytes it announced is malformed (nothing of it is written)."""
+    try:
+        return Data(ev.stream, ev.offset, compress.codec().decompress(ev.payload, ev.size))
+    except compress.CodecError as e:
+        raise ProtocolError(f"ZDATA for stream {ev.stream} at offset {ev.offset}: {e}", ErrorCode.BAD_FRAME) from None

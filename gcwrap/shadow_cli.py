@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .cli import Size
+from .clitypes import Size
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -18,7 +18,7 @@ class DefaultServeGroup(click.Group):
     """`gcshadow --port 50000` means `gcshadow serve --port 50000`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+        if not args or (args[0] not in self.commands and args[0] not in ("-h", "--help", "--version")):
             args = ["serve", *args]
         return super().parse_args(ctx, args)
 
@@ -85,15 +85,21 @@ def main() -> None:
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               envvar=["GCSHADOW_TOKEN_FILE", "GCWRAP_TOKEN_FILE"], show_envvar=True,
               help="Require agents to prove this shared secret (the file must be private: chmod 600).")
+@click.option("--token-dir", type=click.Path(file_okay=False, path_type=Path), envvar="GCSHADOW_TOKEN_DIR",
+              show_envvar=True,
+              help="One token per identity: each file (chmod 600) is named after the identity whose token it holds. "
+                   "Each identity's files land under ROOT/IDENTITY/.")
 @click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_CERT",
               show_envvar=True, help="Serve TLS with this certificate.")
 @click.option("--tls-key", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_KEY",
               show_envvar=True, help="Private key of --tls-cert (if not in the same file).")
 @click.option("--tls-ca", type=click.Path(dir_okay=False, path_type=Path), envvar="GCSHADOW_TLS_CA",
-              show_envvar=True, help="Require client certificates signed by this CA (mutual TLS).")
+              show_envvar=True, help="Require client certificates signed by this CA (mutual TLS); "
+              "each certificate's CN is an identity, whose files land under ROOT/CN/.")
 @click.option("--allow-subject", "allow_subjects", multiple=True, metavar="CN:JOB-GLOB",
-              help="With --tls-ca: a client certificate with this CN may write the jobs matching the glob "
-                   "(repeatable; none given: any verified client may write any job).")
+              help="With --tls-ca or --token-dir: the identity (certificate CN, or token file name) may write the "
+                   "jobs matching the glob (repeatable; none given: any identity may use any job id not in use by "
+                   "another).")
 @click.option("--allow", "allow", multiple=True, metavar="HOSTS", envvar="GCSHADOW_ALLOW", show_envvar=True,
               help="Hosts, .domain suffixes and CIDR ranges that may connect (repeatable or comma-separated); "
                    "everyone else is refused before a byte is read.")
@@ -108,7 +114,7 @@ def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
     max_connections: int, min_free: int, verbose: int, log_format: str, token_file: Path | None,
     tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, allow_subjects: tuple[str, ...],
-    allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool,
+    allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool, token_dir: Path | None,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -125,7 +131,7 @@ def serve(
     from .shadow_store import StoreError, check_root
 
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
-    security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure)
+    security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
     opts = ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file,
         handshake_timeout=handshake_timeout, idle_timeout=idle_timeout, max_connections=max_connections,
@@ -144,39 +150,45 @@ def serve(
 
 def _security(
     host: str, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None,
-    allow_subjects: tuple[str, ...], allow: tuple[str, ...], insecure: bool,
+    allow_subjects: tuple[str, ...], allow: tuple[str, ...], insecure: bool, token_dir: Path | None = None,
 ) -> dict[str, Any]:
     """ShadowOptions fields for authentication, and the default posture:
     without authentication, loopback only unless --insecure says otherwise."""
     import logging
 
-    from .auth import AllowList, AuthError, SubjectMap, is_loopback, load_token, server_context
+    from .auth import AllowList, AuthError, SubjectMap, is_loopback, load_token, load_token_dir, server_context
 
     log = logging.getLogger("gcshadow")
     try:
+        if token_file and token_dir:
+            raise AuthError("give --token-file (one shared token) or --token-dir (one per identity), not both")
         token = load_token(token_file, private=True) if token_file else None
+        tokens = load_token_dir(token_dir) if token_dir else {}
         if (tls_key or tls_ca) and not tls_cert:
             raise AuthError("--tls-key and --tls-ca need --tls-cert")
-        if allow_subjects and not tls_ca:
-            raise AuthError("--allow-subject needs --tls-ca (client certificates)")
+        if allow_subjects and not (tls_ca or token_dir):
+            raise AuthError("--allow-subject needs identities: --tls-ca (client certificates) or --token-dir")
         tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert else None
         subjects = SubjectMap.parse(list(allow_subjects))
         allowed = AllowList.parse(list(allow))
     except AuthError as e:
         raise click.UsageError(str(e)) from None
-    authenticated = token is not None or tls_ca is not None
+    authenticated = token is not None or bool(tokens) or tls_ca is not None
     if not authenticated:
         if not is_loopback(host):
             if not insecure:
                 raise click.UsageError(
                     f"refusing to listen on {host} without authentication: anyone who can connect could write "
-                    "files under the root. Use --token-file, or --tls-cert/--tls-key with --tls-ca; "
+                    "files under the root. Use --token-file or --token-dir, or --tls-cert/--tls-key with --tls-ca; "
                     "or --insecure if that is really what you want"
                 )
             log.warning("listening on %s WITHOUT authentication (--insecure): anyone who can connect may write", host)
         else:
             log.info("no authentication configured: listening on loopback only (%s)", host)
-    return {"token": token, "tls": tls, "subjects": subjects, "allow": allowed}
+    if tokens or tls_ca is not None:
+        log.info("identities from %s: each one's files land in a directory of its own under the root",
+                 f"{len(tokens)} token files" if tokens else "client certificates (their CN)")
+    return {"token": token, "tokens": tokens, "tls": tls, "subjects": subjects, "allow": allowed}
 
 
 @main.command(context_settings=CONTEXT)

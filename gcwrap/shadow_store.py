@@ -31,18 +31,19 @@ import sqlite3
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .events import ErrorCode, StreamSpec
 
 if TYPE_CHECKING:
     import sqlite_utils
+from .db import migrate as db_migrate
 from .db import transaction, uri
 from .names import STATE_DIR, NameError_, split_name
-from .spool import migrate as spool_migrate
 
 LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
 LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
@@ -85,13 +86,26 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m002_owner(db: sqlite_utils.Database) -> None:
+    # The identity a job belongs to ("" on a shadow without identities).
+    db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+
+
+def _m003_wire(db: sqlite_utils.Database) -> None:
+    # Bytes that crossed the wire for a stream (compressed or not); NULL for
+    # streams recorded before it was counted.
+    db.execute("ALTER TABLE streams ADD COLUMN wire INTEGER")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
+    (2, "owner", _m002_owner),
+    (3, "wire", _m003_wire),
 ]
 
 
 def migrate(db: sqlite_utils.Database) -> None:
-    spool_migrate(db, MIGRATIONS)
+    db_migrate(db, MIGRATIONS)
 
 
 def _database(conn: sqlite3.Connection) -> sqlite_utils.Database:
@@ -231,10 +245,13 @@ def _open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
     return fd
 
 
-def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) -> int:
+def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, made: list[str] | None = None) -> int:
     """Open NAME under the root without following any symlink; only regular
-    files. With `write` and `create`, missing directories and the file are
-    made. Raises NameError_ for a refused name, OSError for I/O failures."""
+    files with one link (a hard link made in the root could lead to any file
+    of the file system, or to another identity's). With `write` and
+    `create`, missing directories and the file are made (the file's name
+    appended to `made`). Raises NameError_ for a refused name, OSError for
+    I/O failures."""
     parts = split_name(name)
     make = write and create
     try:
@@ -251,7 +268,14 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) 
         flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         flags |= (os.O_WRONLY | (os.O_CREAT if create else 0)) if write else os.O_RDONLY
         try:
-            fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            if made is not None and flags & os.O_CREAT:
+                try:  # which files a refused job made, to remove them again
+                    fd = os.open(parts[-1], flags | os.O_EXCL, 0o644, dir_fd=dfd)
+                    made.append(name)
+                except FileExistsError:
+                    fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            else:
+                fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
         except OSError as e:
             if e.errno == 40:
                 raise NameError_(f"{name!r} is a symlink") from None
@@ -266,6 +290,9 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True) 
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NameError_(f"{name!r} is not a regular file")
+    if st.st_nlink > 1:
+        os.close(fd)
+        raise NameError_(f"{name!r} has {st.st_nlink} links (hard links lead to other files): refused, as a symlink is")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
@@ -287,6 +314,7 @@ class StreamFile:
     pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
     sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
+    wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -598,19 +626,33 @@ class Store:
         command: list[str],
         peer: str,
         codes: Any,
+        tenant: str = "",
     ) -> JobFiles:
         """Claim or resume a job's files. A new instance (attempt) of a job
-        starts its files afresh; a known one resumes at the durable lengths."""
+        starts its files afresh; a known one resumes at the durable lengths.
+        With a `tenant` (an identity), the job's names are under ROOT/tenant/
+        and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
-            return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes)
+            return self._open_job(job_id, instance, list(streams), host, user, command, peer, codes, tenant)
+
+    def owner(self, job_id: str) -> str | None:
+        """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
+        with self.db_lock:
+            row = self.db.execute("SELECT owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        return None if row is None else str(row[0])
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
-        peer: str, codes: Any,
+        peer: str, codes: Any, tenant: str = "",
     ) -> JobFiles:
         db = self.db
         now = time.time()
-        row = db.execute("SELECT instance, session, state FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        row = db.execute("SELECT instance, session, state, owner FROM jobs WHERE job_id = ?", [job_id]).fetchone()
+        if row is not None and row[3] != tenant:
+            if not row[3]:
+                raise StoreError(codes.AUTH_FAILED, f"job {job_id} was streamed here before this shadow had "
+                                                    "identities: give the job another id")
+            raise StoreError(codes.AUTH_FAILED, f"job {job_id} belongs to another identity")
         seen = db.execute(
             "SELECT 1 FROM instances WHERE job_id = ? AND instance = ?", [job_id, instance]
         ).fetchone()
@@ -619,23 +661,20 @@ class Store:
             raise StoreError(codes.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
         if not fresh and row[2] == "finished":
             pass  # resending EXIT after a lost DONE: welcome it, the lengths will match
-        names: dict[str, int] = {}
-        for spec in streams:
-            try:
-                norm = "/".join(split_name(spec.name))
-            except NameError_ as e:
-                raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
-            if spec.kind != "stdin":
-                if norm in names:
-                    raise StoreError(codes.PATH_FORBIDDEN, f"two streams of the job name {norm!r}")
-                names[norm] = spec.id
-                owner = db.execute(
-                    """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
-                       WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
-                    [norm, job_id],
-                ).fetchone()
-                if owner:
-                    raise StoreError(codes.PATH_OWNED, f"{norm!r} belongs to job {owner[0]}, which is still active")
+        named = self._names(job_id, streams, tenant, codes)
+        # Every file is opened (and refused) before any is cut back or
+        # recorded: nothing is written for a refused job, and files it made
+        # are removed again.
+        made: list[str] = []
+        fds: list[int] = []
+        try:
+            for spec, norm in named:
+                fds.append(self._open_fd(spec, norm, codes, made))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            self._unmake(made)
+            raise
         files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1)
         try:
             with transaction(db.conn):
@@ -643,8 +682,8 @@ class Store:
                     db.execute("DELETE FROM streams WHERE job_id = ?", [job_id])
                     db.execute(
                         """INSERT OR REPLACE INTO jobs (job_id, instance, host, user, command, peer, state,
-                           session, first_seen, last_seen) VALUES (?, ?, ?, ?, ?, ?, 'streaming', ?, ?, ?)""",
-                        [job_id, instance, host, user, json.dumps(command), peer, files.session, now, now],
+                           session, first_seen, last_seen, owner) VALUES (?, ?, ?, ?, ?, ?, 'streaming', ?, ?, ?, ?)""",
+                        [job_id, instance, host, user, json.dumps(command), peer, files.session, now, now, tenant],
                     )
                     db.execute("INSERT OR IGNORE INTO instances VALUES (?, ?, ?)", [job_id, instance, now])
                 else:
@@ -653,24 +692,72 @@ class Store:
                         "THEN 'finished' ELSE 'streaming' END WHERE job_id = ?",
                         [files.session, peer, now, job_id],
                     )
-                for spec in streams:
-                    norm = "/".join(split_name(spec.name))
-                    self._open_stream(files, spec, norm, fresh, codes)
+                while fds:
+                    (spec, norm), fd = named.pop(0), fds.pop(0)
+                    self._open_stream(files, spec, norm, fd, fresh, codes)
         except BaseException:
+            for fd in fds:
+                os.close(fd)
             files.close()
+            self._unmake(made)
             raise
         return files
 
-    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fresh: bool, codes: Any) -> None:
-        db = self.db
+    def _names(self, job_id: str, streams: list[StreamSpec], tenant: str, codes: Any) -> list[tuple[StreamSpec, str]]:
+        """Each stream with its name under the root, refusing names that
+        escape it, two outputs of one name, and outputs another active job holds."""
+        names: dict[str, int] = {}
+        named: list[tuple[StreamSpec, str]] = []
+        for spec in streams:
+            try:
+                norm = "/".join(split_name(spec.name))
+            except NameError_ as e:
+                raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
+            if tenant:  # the identity's part of the root: opened from the root, one directory at a time
+                norm = f"{tenant}/{norm}"
+            named.append((spec, norm))
+            if spec.kind != "stdin":
+                if norm in names:
+                    raise StoreError(codes.PATH_FORBIDDEN, f"two streams of the job name {norm!r}")
+                names[norm] = spec.id
+                owner = self.db.execute(
+                    """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
+                       WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
+                    [norm, job_id],
+                ).fetchone()
+                if owner:
+                    raise StoreError(codes.PATH_OWNED, f"{norm!r} belongs to job {owner[0]}, which is still active")
+        return named
+
+    def _open_fd(self, spec: StreamSpec, norm: str, codes: Any, made: list[str]) -> int:
         try:
-            fd = open_confined(self.root_fd, norm, write=spec.kind != "stdin")
+            return open_confined(self.root_fd, norm, write=spec.kind != "stdin", made=made)
         except NameError_ as e:
             raise StoreError(codes.PATH_FORBIDDEN, str(e)) from None
         except FileNotFoundError:
             raise StoreError(codes.NOT_FOUND, f"stdin file {norm!r} does not exist at the shadow") from None
         except OSError as e:
             raise StoreError(codes.IO_ERROR, f"cannot open {norm!r}: {e.strerror}") from None
+
+    def _unmake(self, made: list[str]) -> None:
+        """Remove the (still empty) files a refused job made."""
+        for name in made:
+            parts = split_name(name)
+            try:
+                dfd = _open_dir(self.root_fd, parts[:-1], create=False)
+            except OSError:
+                continue
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                    os.unlink(parts[-1], dir_fd=dfd)
+            except OSError:
+                pass
+            finally:
+                os.close(dfd)
+
+    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, fresh: bool, codes: Any) -> None:
+        db = self.db
         if spec.kind == "stdin":
             files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session)
             files.stdin.identify()
@@ -684,18 +771,18 @@ class Store:
             if fresh:
                 os.ftruncate(fd, 0)
                 os.fsync(fd)
-                durable = 0
+                durable = wire = 0
                 db.execute(
-                    "INSERT INTO streams (job_id, stream, kind, name, durable) VALUES (?, ?, ?, ?, 0)",
+                    "INSERT INTO streams (job_id, stream, kind, name, durable, wire) VALUES (?, ?, ?, ?, 0, 0)",
                     [files.job_id, spec.id, spec.kind, norm],
                 )
             else:
                 row = db.execute(
-                    "SELECT durable, name FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
+                    "SELECT durable, name, wire FROM streams WHERE job_id = ? AND stream = ?", [files.job_id, spec.id]
                 ).fetchone()
                 if row is None or row[1] != norm:
                     raise StoreError(codes.UNEXPECTED, f"job {files.job_id} resumed with different streams")
-                durable = row[0]
+                durable, wire = row[0], row[2] or 0
                 size = os.fstat(fd).st_size
                 if size < durable:
                     raise StoreError(
@@ -708,7 +795,7 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session)
+        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session, wire=wire)
         sf.identify()
         files.outputs[spec.id] = sf
 
@@ -721,7 +808,7 @@ class Store:
         failure, may be acknowledged. A file whose session no longer holds
         its job gets `Superseded`: its length is not recorded."""
         results = self.syncer.sync(files)
-        good = [(sf.job_id, sf.stream, n, sf.session) for sf, n, err in results if err is None]
+        good = [(sf.job_id, sf.stream, n, sf.session, sf.wire) for sf, n, err in results if err is None]
         if good:
             try:
                 stale = self.record_durable(good)
@@ -734,17 +821,17 @@ class Store:
         return results, ""
 
     _RECORD_DURABLE = (
-        "UPDATE streams SET durable = max(durable, ?) WHERE job_id = ? AND stream = ? "
+        "UPDATE streams SET durable = max(durable, ?), wire = max(coalesce(wire, 0), ?) WHERE job_id = ? AND stream = ? "
         "AND (SELECT session FROM jobs WHERE jobs.job_id = streams.job_id) = ?"
     )
 
-    def record_durable(self, lengths: Iterable[tuple[str, int, int, int]]) -> set[tuple[str, int]]:
-        """Record (job, stream, length, session) tuples, each only while that
+    def record_durable(self, lengths: Iterable[tuple[str, int, int, int, int]]) -> set[tuple[str, int]]:
+        """Record (job, stream, length, session, wire bytes) tuples, each only while that
         session holds the job in the state database (in the same transaction
         as the check). Returns the (job, stream) pairs not recorded. A job's
         "last seen" follows its data: stamped in the same transaction, at most
         once per LAST_SEEN_EVERY."""
-        rows = [(n, j, s, session) for j, s, n, session in lengths]
+        rows = [(n, wire, j, s, session) for j, s, n, session, wire in lengths]
         now = time.time()
         stamped = self.last_seen
         refused: set[tuple[str, int]] = set()
@@ -753,9 +840,9 @@ class Store:
             if conn.executemany(self._RECORD_DURABLE, rows).rowcount != len(rows):
                 # Some session was superseded (rare): find which rows did not apply.
                 # Recording a length again is harmless (max).
-                refused = {(j, s) for n, j, s, session in rows
-                           if conn.execute(self._RECORD_DURABLE, (n, j, s, session)).rowcount == 0}
-            stale = {j for _, j, s, _ in rows
+                refused = {(j, s) for n, wire, j, s, session in rows
+                           if conn.execute(self._RECORD_DURABLE, (n, wire, j, s, session)).rowcount == 0}
+            stale = {j for _, _, j, s, _ in rows
                      if (j, s) not in refused and now - stamped.get(j, 0.0) >= LAST_SEEN_EVERY}
             if stale:
                 conn.executemany("UPDATE jobs SET last_seen = ? WHERE job_id = ?", [(now, j) for j in stale])
@@ -771,7 +858,8 @@ class Store:
         if "summary" in fields:
             fields["summary"] = json.dumps(fields["summary"])
         sets = ", ".join(f"{k} = ?" for k in fields)
-        where, args = "job_id = ?", [job_id]
+        args: list[object] = [job_id]
+        where = "job_id = ?"
         if if_session is not None:
             where, args = "job_id = ? AND session = ?", [job_id, if_session]
         with self.db_lock, transaction(self.db.conn):
@@ -796,9 +884,10 @@ def list_jobs(root: Path) -> list[dict[str, Any]]:
         jobs = [dict(zip([d[0] for d in cur.description], r)) for cur in [db.execute("SELECT * FROM jobs ORDER BY first_seen")] for r in cur.fetchall()]
         for job in jobs:
             job["streams"] = [
-                {"stream": s, "kind": k, "name": n, "durable": d}
-                for s, k, n, d in db.execute(
-                    "SELECT stream, kind, name, durable FROM streams WHERE job_id = ? ORDER BY stream", [job["job_id"]]
+                {"stream": s, "kind": k, "name": n, "durable": d, "wire": w}
+                for s, k, n, d, w in db.execute(
+                    "SELECT stream, kind, name, durable, wire FROM streams WHERE job_id = ? ORDER BY stream",
+                    [job["job_id"]]
                 ).fetchall()
             ]
             job["command"] = json.loads(job["command"] or "[]")

@@ -5,10 +5,12 @@ each stream's appended and acknowledged offsets, and the chunks not yet
 acknowledged by the shadow. Acknowledged chunks are deleted, so its size
 tracks the undelivered backlog.
 
-Storage code here is synchronous and takes a `Database` (plain sqlite3; an
-`sqlite_utils.Database` does as well): the
-agent calls it from one worker thread, tests call it directly (in memory too).
-Schema changes are numbered migrations recorded in `_migrations`.
+Storage code here is synchronous and takes a `Database` (gcwrap.db; an
+`sqlite_utils.Database` does as well). The agent's spooler is the only
+writer: it runs each commit inline in the event loop's thread when it is
+small (zero-copy rows), else in a worker thread, one at a time; a second,
+read-only connection reads evicted bytes back. Tests call it directly (in
+memory too). Schema changes are numbered migrations (gcwrap.db.migrate).
 
 Durability: WAL with synchronous=NORMAL. A commit survives the wrapper being
 killed (kill -9), which is what the spool is for; after a power loss the last
@@ -28,121 +30,20 @@ import resource
 import sqlite3
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
+from typing import Any, TypeVar
 
-from .db import transaction, uri
+from . import db as sqlitedb
+from .db import AnyDatabase, Database, Migration, configure, connect, migrate, reader, transaction
+from .records import Chunk, Extent, JobRecord, SourceError, StreamState
 from .segments import DEFAULT_SEGMENT, Segments
-
-if TYPE_CHECKING:
-    import sqlite_utils
-
-
-class Database:
-    """What the spool needs of a database: `execute` and `conn` (the subset
-    of `sqlite_utils.Database` it uses, so migrations take either). Plain
-    sqlite3: importing sqlite-utils costs a quarter of a second of CPU, which
-    every job would pay; the shadow's state database uses sqlite-utils."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def execute(self, sql: str, parameters: Any = None) -> sqlite3.Cursor:
-        return self.conn.execute(sql, parameters) if parameters is not None else self.conn.execute(sql)
-
-
-AnyDatabase = Union[Database, "sqlite_utils.Database"]
-
 
 SPOOL_SUFFIX = ".spool"
 # The bytes live in segment files: the database holds only small rows, and a
 # commit writes every page it touches to the WAL. With the 64 KiB pages of
 # the blob days, a 64 KiB pipe read cost about 200 KiB of WAL writes.
 PAGE_SIZE = 4096
-
-
-@dataclass(frozen=True)
-class Chunk:
-    stream: int
-    start: int
-    data: bytes
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.data)
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-
-@dataclass(frozen=True)
-class Extent:
-    """Stream bytes [start, end) already in their segment file (spliced from
-    the job's pipe, never in memory); they are spooled once their row is
-    committed. Only with a spool of natural layout (gcwrap.segments)."""
-
-    stream: int
-    start: int
-    end: int
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class StreamState:
-    id: int
-    kind: str
-    name: str
-    appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
-    acked: int = 0  # bytes durable at home
-    eof: bool = False
-    written: int | None = None  # bytes the job wrote, recorded when the run ended (None: not recorded)
-
-    @property
-    def pending(self) -> int:
-        return self.appended - self.acked
-
-    @property
-    def lost(self) -> int:
-        """Bytes the job wrote that neither the spool nor home holds: the
-        tail [appended, written), held only in memory when the run ended."""
-        return max(0, self.written - self.appended) if self.written is not None else 0
-
-
-def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
-    """In words, what is lost: (stream kind, first lost offset, end) each,
-    e.g. "the last 1,024 bytes of stdout (offsets 4,096 to 5,120)". Lost
-    bytes are always a stream's tail: what was held only in memory."""
-    parts = [f"the last {end - start:,} bytes of {kind} (offsets {start:,} to {end:,})"
-             for kind, start, end in losses if end > start]
-    return ", and ".join(parts)
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    instance: str
-    command: list[str]
-    host: str = ""
-    user: str = ""
-    shadow: str = ""
-    started: float = 0.0
-    wrapper_pid: int | None = None
-    child_pid: int | None = None
-    ended: float | None = None
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    state: str = "starting"
-    reason: str = ""
-    last_error: str = ""
-    retries: int = 0
-    connected: bool = False
-    delivered: bool = False
-    summary: dict[str, Any] = field(default_factory=dict)
 
 
 # -- migrations --------------------------------------------------------------
@@ -204,7 +105,7 @@ def _m005_written(db: AnyDatabase) -> None:
     db.execute("ALTER TABLE streams ADD COLUMN written INTEGER")
 
 
-MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
+MIGRATIONS: list[Migration] = [
     (1, "initial", _m001_initial),
     (2, "chunk-time", _m002_chunk_time),
     (3, "segments", _m003_segments),
@@ -212,33 +113,12 @@ MIGRATIONS: list[tuple[int, str, Callable[[AnyDatabase], None]]] = [
     (5, "written", _m005_written),
 ]
 
-
-Migrations = list[tuple[int, str, Callable[[Any], None]]]
-
-
-def migrate(db: AnyDatabase, migrations: Migrations | None = None) -> None:
-    """Apply every migration not yet recorded, each in its own transaction
-    (the spool's by default; the shadow's state passes its own)."""
-    db.execute(
-        "CREATE TABLE IF NOT EXISTS _migrations (id INTEGER PRIMARY KEY, name TEXT, applied REAL)"
-    )
-    done = {row[0] for row in db.execute("SELECT id FROM _migrations").fetchall()}
-    for number, name, fn in MIGRATIONS if migrations is None else migrations:
-        if number in done:
-            continue
-        with transaction(db.conn):
-            fn(db)
-            db.execute("INSERT INTO _migrations VALUES (?, ?, ?)", [number, name, time.time()])
+JOURNAL_SIZE_LIMIT = 8 << 20  # bound the WAL file: checkpoints reset it, and this truncates what stays
 
 
-def configure(conn: sqlite3.Connection, *, new: bool) -> None:
-    if new:
-        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = NORMAL")
-    conn.execute("PRAGMA busy_timeout = 10000")
-    # Bound the WAL file: checkpoints reset it, and this truncates what stays.
-    conn.execute("PRAGMA journal_size_limit = 8388608")
+def _configure(conn: sqlite3.Connection) -> None:
+    """The spool's pragmas: WAL, synchronous=NORMAL (see the module's docstring)."""
+    configure(conn, synchronous="NORMAL", journal_size_limit=JOURNAL_SIZE_LIMIT)
 
 
 # -- naming ------------------------------------------------------------------
@@ -271,13 +151,29 @@ def spool_files(directory: Path) -> list[Path]:
 
 # -- the spool ---------------------------------------------------------------
 
-_JOB_FIELDS = (
-    "job_id instance command host user shadow started wrapper_pid child_pid ended exit_code "
-    "exit_signal state reason last_error retries connected delivered summary"
-).split()
+_JOB_FIELDS = [
+    "job_id", "instance", "command", "host", "user", "shadow", "started", "wrapper_pid", "child_pid", "ended",
+    "exit_code", "exit_signal", "state", "reason", "last_error", "retries", "connected", "delivered", "summary",
+]
 
 
-class SpoolError(Exception):
+def _job_values(job: dict[str, Any]) -> dict[str, Any]:
+    """Job fields as the job table stores them (JSON, 0/1); ValueError for
+    a field it does not have."""
+    values = dict(job)
+    for key in ("command", "summary"):
+        if key in values:
+            values[key] = json.dumps(values[key])
+    for key in ("connected", "delivered"):
+        if key in values:
+            values[key] = int(values[key])
+    bad = set(values) - set(_JOB_FIELDS)
+    if bad:
+        raise ValueError(f"unknown job fields {sorted(bad)}")
+    return values
+
+
+class SpoolError(SourceError):
     """The spool could not be read or written (disk full, I/O error, corrupt)."""
 
 
@@ -291,7 +187,7 @@ def _reads(fn: F) -> F:
     def read(self: Spool, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except (sqlite3.DatabaseError, ValueError, TypeError) as e:
+        except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as e:
             raise SpoolError(f"spool {self.path}: cannot be read, it is damaged ({e})") from None
     return read  # type: ignore[return-value]
 
@@ -364,8 +260,7 @@ class Spool:
         except (OSError, SpoolError) as e:
             # In place but unusable (no descriptor left, the disk...): not a
             # spool anyone could resume, so none at all.
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
+            sqlitedb.remove(path)
             if isinstance(e, OSError):
                 raise SpoolError(describe_os_error(e, path)) from None
             raise
@@ -386,7 +281,7 @@ class Spool:
         try:
             conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
             db = Database(conn)
-            migrate(db)
+            migrate(db, MIGRATIONS)
             spool = cls(db, path)
             with transaction(db.conn):
                 row = spool._job_row(job)
@@ -398,7 +293,7 @@ class Spool:
                     db.execute("INSERT INTO streams (id, kind, name) VALUES (?, ?, ?)", [sid, kind, name])
                 db.execute("UPDATE job SET segment_size = ? WHERE id = 1", [segment_size])
             if path is None:
-                configure(conn, new=False)
+                _configure(conn)
         except sqlite3.Error as e:
             conn.close()
             raise SpoolError(describe_sqlite_error(e, path or where)) from None
@@ -418,15 +313,14 @@ class Spool:
         if not path.exists():
             raise SpoolError(f"no spool at {path}")
         try:
-            conn = sqlite3.connect(uri(path, **({"mode": "ro"} if readonly else {})), uri=True,
-                                   isolation_level=None, check_same_thread=False)
+            conn = connect(path, readonly=readonly)
             if not readonly:
-                configure(conn, new=False)
-            else:
-                conn.execute("PRAGMA busy_timeout = 10000")
-            db = Database(conn)
+                _configure(conn)
+            # The read side (`gcwrap status`, a resume's first look) reads through
+            # sqlite-utils; the job's own connections through the same subset of it.
+            db: AnyDatabase = reader(conn) if readonly else Database(conn)
             if not readonly:
-                migrate(db)
+                migrate(db, MIGRATIONS)
             conn.execute("SELECT 1 FROM job").fetchall()
         except sqlite3.DatabaseError as e:
             if "conn" in locals():
@@ -483,11 +377,10 @@ class Spool:
 
     @_reads
     def job(self) -> JobRecord:
-        cur = self.db.execute(f"SELECT {', '.join(_JOB_FIELDS)} FROM job WHERE id = 1")
-        row = cur.fetchone()
+        row = next(iter(self.db["job"].rows_where("id = 1")), None)
         if row is None:
             raise SpoolError(f"{self.path}: spool has no job record")
-        values = dict(zip(_JOB_FIELDS, row))
+        values = {k: row[k] for k in _JOB_FIELDS}
         values["command"] = json.loads(values["command"])
         values["summary"] = json.loads(values["summary"] or "{}")
         values["connected"] = bool(values["connected"])
@@ -499,14 +392,10 @@ class Spool:
 
     @_reads
     def streams(self) -> dict[int, StreamState]:
-        try:
-            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, written FROM streams ORDER BY id")
-        except sqlite3.OperationalError as e:
-            if "no such column" not in str(e):
-                raise
-            # A spool from before migration 5, opened read-only.
-            rows = self.db.execute("SELECT id, kind, name, appended, acked, eof, NULL FROM streams ORDER BY id")
-        return {r[0]: StreamState(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6]) for r in rows.fetchall()}
+        # (`written` is missing from a spool before migration 5, opened read-only.)
+        return {r["id"]: StreamState(r["id"], r["kind"], r["name"], r["appended"], r["acked"], bool(r["eof"]),
+                                     r.get("written"))
+                for r in self.db["streams"].rows_where(order_by="id")}
 
     # -- the hot path ----------------------------------------------------
 
@@ -523,96 +412,102 @@ class Spool:
         job fields, record what the job `written` to each stream (at the end
         of a run). Group commit: callers batch many pipe reads into one call.
         Raises SpoolError (with the OS reason) when the disk refuses."""
-        conn = self.db.conn
-        segments = self.segments
-        ends: dict[int, int] = {}
-        rows: list[tuple[Any, ...]] = []
-        now = time.time()
-        natural = self.natural
         chunks = list(chunks)
-        if natural:
-            # A byte's place is fixed by its offset: a chunk over bytes already
-            # spooled would write over them before the transaction could fail.
-            floor = {sid: st.appended for sid, st in self.streams().items()}
-            for c in chunks:
-                if c.size and c.start < floor.get(c.stream, 0):
-                    raise SpoolError(
-                        f"spool {self.path}: bytes {c.start}..{c.end} of stream {c.stream} are already spooled"
-                    )
-                floor[c.stream] = max(floor.get(c.stream, 0), c.end)
+        acked = acked or {}
+        if self.natural:
+            self._check_unspooled(chunks)
         try:
-            for c in chunks:
-                if not c.size:
-                    # Nothing to keep, and a row would take (stream, start)
-                    # from the chunk that really holds the bytes there.
-                    continue
-                if isinstance(c, Extent):
-                    # Spliced: the bytes are in place already, at most to a segment's end.
-                    if not natural:
-                        raise ValueError("spliced bytes need a spool of natural layout")
-                    assert segments is not None
-                    seg, pos, room = segments.where(c.start)
-                    if c.size > room:
-                        raise ValueError(f"extent {c.start}..{c.end} crosses the end of segment {seg}")
-                    rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
-                elif natural:
-                    # The bytes first; they count once their row is committed.
-                    assert segments is not None
-                    for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
-                        rows.append((c.stream, start, end, b"", now, seg, pos))
-                elif segments is not None:
-                    # Made by an earlier version: gcwrap only ever delivers it
-                    # (`gcwrap resume`), which appends nothing.
-                    raise ValueError("a spool of the appending layout takes no new bytes")
-                else:
-                    rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
-                ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+            rows, ends = self._place(chunks)
         except OSError as e:
             raise SpoolError(describe_os_error(e, self.path)) from e
         try:
-            with transaction(conn):
-                if rows:
-                    conn.executemany(
-                        'INSERT INTO chunks (stream, start, "end", data, t, seg, pos) VALUES (?, ?, ?, ?, ?, ?, ?)',
-                        rows,
-                    )
-                for sid, end in ends.items():
-                    conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
-                for sid, offset in (acked or {}).items():
-                    conn.execute(
-                        "UPDATE streams SET acked = max(acked, ?), appended = max(appended, ?) WHERE id = ?",
-                        (offset, offset, sid),
-                    )
-                    conn.execute(
-                        'DELETE FROM chunks WHERE stream = ? AND start < ? AND "end" <= ?',
-                        (sid, offset, offset),
-                    )
-                for sid in eof:
-                    conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
-                for sid, end in (written or {}).items():
-                    conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
-                if job:
-                    values = dict(job)
-                    for key in ("command", "summary"):
-                        if key in values:
-                            values[key] = json.dumps(values[key])
-                    for key in ("connected", "delivered"):
-                        if key in values:
-                            values[key] = int(values[key])
-                    bad = set(values) - set(_JOB_FIELDS)
-                    if bad:
-                        raise ValueError(f"unknown job fields {sorted(bad)}")
-                    sets = ", ".join(f"{k} = ?" for k in values)
-                    conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(values.values()))
+            with transaction(self.db.conn):
+                self._record(rows, ends, acked, eof, written or {}, _job_values(job or {}))
         except sqlite3.Error as e:
             raise SpoolError(describe_sqlite_error(e, self.path)) from e
-        if segments is not None:
-            for sid, offset in (acked or {}).items():
-                if natural:
-                    segments.release_below(sid, offset)
-                    continue
-                (oldest,) = conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
-                segments.release(sid, oldest)
+        self._release(acked)
+
+    def _check_unspooled(self, chunks: list[Chunk | Extent]) -> None:
+        """Natural layout: a byte's place is fixed by its offset, so a chunk
+        over bytes already spooled would write over them before the
+        transaction could fail."""
+        floor = {sid: st.appended for sid, st in self.streams().items()}
+        for c in chunks:
+            if c.size and c.start < floor.get(c.stream, 0):
+                raise SpoolError(
+                    f"spool {self.path}: bytes {c.start}..{c.end} of stream {c.stream} are already spooled"
+                )
+            floor[c.stream] = max(floor.get(c.stream, 0), c.end)
+
+    def _place(self, chunks: list[Chunk | Extent]) -> tuple[list[tuple[Any, ...]], dict[int, int]]:
+        """The chunks' bytes put in place (natural layout: in their segments),
+        and the rows that record them; each stream's new end."""
+        segments, natural, now = self.segments, self.natural, time.time()
+        rows: list[tuple[Any, ...]] = []
+        ends: dict[int, int] = {}
+        for c in chunks:
+            if not c.size:
+                # Nothing to keep, and a row would take (stream, start)
+                # from the chunk that really holds the bytes there.
+                continue
+            if isinstance(c, Extent):
+                # Spliced: the bytes are in place already, at most to a segment's end.
+                if not natural:
+                    raise ValueError("spliced bytes need a spool of natural layout")
+                assert segments is not None
+                seg, pos, room = segments.where(c.start)
+                if c.size > room:
+                    raise ValueError(f"extent {c.start}..{c.end} crosses the end of segment {seg}")
+                rows.append((c.stream, c.start, c.end, b"", now, seg, pos))
+            elif natural:
+                # The bytes first; they count once their row is committed.
+                assert segments is not None
+                for seg, pos, start, end in segments.place_at(c.stream, c.start, c.data):
+                    rows.append((c.stream, start, end, b"", now, seg, pos))
+            elif segments is not None:
+                # Made by an earlier version: gcwrap only ever delivers it
+                # (`gcwrap resume`), which appends nothing.
+                raise ValueError("a spool of the appending layout takes no new bytes")
+            else:
+                rows.append((c.stream, c.start, c.end, bytes(c.data), now, None, None))
+            ends[c.stream] = max(ends.get(c.stream, 0), c.end)
+        return rows, ends
+
+    def _record(self, rows: list[tuple[Any, ...]], ends: dict[int, int], acked: dict[int, int], eof: Iterable[int],
+                written: dict[int, int], job: dict[str, Any]) -> None:
+        """The statements of one commit (inside its transaction)."""
+        conn = self.db.conn
+        if rows:
+            conn.executemany(
+                'INSERT INTO chunks (stream, start, "end", data, t, seg, pos) VALUES (?, ?, ?, ?, ?, ?, ?)', rows
+            )
+        for sid, end in ends.items():
+            conn.execute("UPDATE streams SET appended = max(appended, ?) WHERE id = ?", (end, sid))
+        for sid, offset in acked.items():
+            conn.execute(
+                "UPDATE streams SET acked = max(acked, ?), appended = max(appended, ?) WHERE id = ?",
+                (offset, offset, sid),
+            )
+            conn.execute('DELETE FROM chunks WHERE stream = ? AND start < ? AND "end" <= ?', (sid, offset, offset))
+        for sid in eof:
+            conn.execute("UPDATE streams SET eof = 1 WHERE id = ?", (sid,))
+        for sid, end in written.items():
+            conn.execute("UPDATE streams SET written = ? WHERE id = ?", (end, sid))
+        if job:
+            sets = ", ".join(f"{k} = ?" for k in job)
+            conn.execute(f"UPDATE job SET {sets} WHERE id = 1", list(job.values()))
+
+    def _release(self, acked: dict[int, int]) -> None:
+        """Segments whose every byte is acknowledged are given back."""
+        segments = self.segments
+        if segments is None:
+            return
+        for sid, offset in acked.items():
+            if self.natural:
+                segments.release_below(sid, offset)
+                continue
+            (oldest,) = self.db.conn.execute("SELECT min(seg) FROM chunks WHERE stream = ?", (sid,)).fetchone()
+            segments.release(sid, oldest)
 
     def _bytes(self, stream: int, start: int, end: int, data: bytes, seg: int | None, pos: int | None) -> bytes:
         if seg is None or self.segments is None:
@@ -663,23 +558,13 @@ class Spool:
     def file_size(self) -> int:
         if self.path is None:
             return 0
-        total = 0
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                total += os.stat(f"{self.path}{suffix}").st_size
-            except FileNotFoundError:
-                pass
-        return total + (self.segments.size() if self.segments is not None else 0)
+        return sqlitedb.size(self.path) + (self.segments.size() if self.segments is not None else 0)
 
     def remove(self) -> None:
         """Close and delete the spool files (everything was delivered)."""
         self.close()
         if self.path is not None:
-            for suffix in ("", "-wal", "-shm"):
-                try:
-                    os.unlink(f"{self.path}{suffix}")
-                except FileNotFoundError:
-                    pass
+            sqlitedb.remove(self.path)
         if self.segments is not None and self.owns_segments:
             self.segments.remove()
 

@@ -1,11 +1,14 @@
 """The agent's spool writer: the only owner of the spool's write connection.
 
 It creates the spool lazily (a full disk at start must not stop the job),
-decides how many bytes may be spooled now (carrier sense: the spool's size
-limit, and free disk space minus a reserve left for the job itself), and runs
-every transaction in one worker thread. A failure of any kind is described
-in plain words and reported as `SpoolError`; the caller keeps the bytes in
-memory and tries again later.
+says how many bytes may be spooled now (`room`, a query: carrier sense from
+the spool's size limit and the free disk space minus a reserve left for the
+job itself), and runs the transactions one at a time: inline when small,
+else in a worker thread (see INLINE_COMMIT, SLOW_IO). For the sender it is
+the `ByteSource`: bytes read back, and the descriptor and position of bytes
+in place (the sender sends them, and maps the socket's errors). A failure
+of the disk of any kind is described in plain words and reported as
+`SpoolError`; the caller keeps the bytes in memory and tries again later.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
+from . import db
+from .records import Chunk, Extent, JobRecord
+from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
+from .spool import PAGE_SIZE, Spool, SpoolError, os_reason, sqlite_reason
+
 log = logging.getLogger("gcwrap")
 T = TypeVar("T")
-
-from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
-from .spool import PAGE_SIZE, Chunk, Extent, JobRecord, Spool, SpoolError, os_reason, sqlite_reason
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
@@ -53,13 +60,15 @@ ROOM_TTL = 0.05
 ROOM_PLENTY = 1 << 30
 
 
-# A file system or kernel without splice/sendfile for these files: the bytes
-# then take the copying path, and that is no failure of the disk.
-UNSUPPORTED_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
-NETWORK_ERRNOS = {
-    errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBADF,
-}
+
+@dataclass(frozen=True)
+class Room:
+    """What the spool may take now: `bytes` (0: nothing, and `reason` says
+    why in words), and whether a spare segment is worth its blocks."""
+
+    bytes: int
+    reason: str = ""
+    spares: bool = True
 
 
 def lock_spool(path: Path) -> int:
@@ -74,6 +83,10 @@ def lock_spool(path: Path) -> int:
 
 
 class Spooler:
+    """The only writer of one job's spool (and its reader for the sender):
+    creation, carrier sense, commits, reading back, the live status file,
+    the ballast that keeps room for the last commit, and the lock."""
+
     def __init__(
         self,
         path: Path,
@@ -95,7 +108,6 @@ class Spooler:
         self.reader: Spool | None = None
         self.write_limiter = trio.CapacityLimiter(1)
         self.read_limiter = trio.CapacityLimiter(1)
-        self.full_reason = ""
         self.ballast = Path(f"{path}.ballast")
         self.live = Path(f"{path}.live")
         self.live_fd: int | None = None
@@ -110,8 +122,7 @@ class Spooler:
     def _create(self) -> None:
         if self.path.exists():
             # A previous try died half-way (disk full while creating): start over.
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            db.remove(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._make_live()
         self._make_ballast()  # first: the final state matters more than any one byte of output
@@ -152,15 +163,12 @@ class Spooler:
             return self.min_free
         return min(DEFAULT_RESERVE_CAP, int(total * DEFAULT_RESERVE_FRACTION))
 
-    def room(self, pending: int) -> int:
-        """Bytes that may be added to the spool now, given `pending` bytes
-        already there; sets `full_reason` when that is none."""
-        rooms = []
-        if self.limit:
-            rooms.append(self.limit - pending)
-            if rooms[-1] <= 0:
-                self.full_reason = f"spool limit of {self.limit} bytes reached"
-                return 0
+    def room(self, pending: int) -> Room:
+        """What may be added to the spool now, given `pending` bytes already
+        there. A query: it changes nothing (but the remembered statvfs)."""
+        limit_room = self.limit - pending if self.limit else None
+        if limit_room is not None and limit_room <= 0:
+            return Room(0, f"spool limit of {self.limit} bytes reached")
         when = time.monotonic()
         if self._statvfs is not None and when - self._statvfs[0] < ROOM_TTL:
             when, st = self._statvfs
@@ -168,8 +176,7 @@ class Spooler:
             try:
                 st = os.statvfs(self.path.parent)
             except OSError as e:
-                self.full_reason = f"cannot check free space in {self.path.parent}: {e.strerror}"
-                return 0
+                return Room(0, f"cannot check free space in {self.path.parent}: {e.strerror}")
         free = st.f_bavail * st.f_frsize
         keep = self.reserve(st.f_blocks * st.f_frsize)
         # Spool into at most half of what is free above the reserve: the WAL
@@ -178,15 +185,16 @@ class Spooler:
         # (Remembered only while plenty: a tight disk is looked at every time.)
         self._statvfs = (when, st) if disk_room >= ROOM_PLENTY else None
         if disk_room <= 0:
-            self.full_reason = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
-            return 0
-        rooms.append(disk_room)
-        self.full_reason = ""
+            return Room(0, f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job")
         segments = self.spool.segments if self.spool is not None else None
-        if segments is not None:
-            # A spare segment is worth its blocks only while the disk has plenty.
-            segments.keep_spares = disk_room > 8 * segments.segment_size
-        return max(0, min(rooms))
+        # A spare segment is worth its blocks only while the disk has plenty.
+        spares = segments is None or disk_room > 8 * segments.segment_size
+        return Room(max(0, min(disk_room, limit_room if limit_room is not None else disk_room)), "", spares)
+
+    def keep_spares(self, keep: bool) -> None:
+        """Whether delivered segments are kept as spares (see Room.spares)."""
+        if self.spool is not None and self.spool.segments is not None:
+            self.spool.segments.keep_spares = keep
 
     def free_space(self) -> int:
         """Free bytes on the spool's file system, the reserve included (0 if unknown)."""
@@ -342,43 +350,19 @@ class Spooler:
             raise SpoolError(f"spool {self.path}: cannot read bytes {offset}..{offset + size} of stream {stream}: "
                              f"{e.strerror or e}") from None
 
-    async def sendfile(self, sock: int, stream: int, offset: int, size: int) -> int:
-        """Send placed bytes from their segment to the (non-blocking) socket
-        without copying them through user space; the bytes sent, 0 when the
-        socket's buffer is full. A failing socket raises
-        trio.BrokenResourceError, a failing disk SpoolError."""
+    async def with_placed(self, stream: int, offset: int, fn: Callable[[int, int], int]) -> int:
+        """fn(descriptor, position) on the segment holding stream byte
+        `offset` (natural layout), inline or in a worker thread while the
+        disk is slow. fn's OSError propagates as it is: only the caller
+        knows whether it was the disk's or (sending) the network's."""
         segments = self.spool.segments  # type: ignore[union-attr]
         assert segments is not None
 
-        def send() -> int:
+        def run() -> int:
             with segments.opened_at(stream, offset) as (fd, pos, _):
-                try:
-                    if self.no_sendfile:
-                        return copy(fd, pos)
-                    try:
-                        return os.sendfile(sock, fd, pos, size)
-                    except OSError as e:
-                        if e.errno not in UNSUPPORTED_ERRNOS:
-                            raise
-                        log.info("sendfile from the spool is not supported here (%s): copying instead", e.strerror)
-                        self.no_sendfile = True
-                        return copy(fd, pos)
-                except BlockingIOError:
-                    return 0
+                return fn(fd, pos)
 
-        def copy(fd: int, pos: int) -> int:
-            data = os.pread(fd, min(size, 1 << 20), pos)
-            if not data:
-                raise OSError(errno.EIO, f"segment ends before byte {offset} of stream {stream}")
-            return os.write(sock, data)  # a socket: write(2) is send(2) without flags
-
-        try:
-            return await self._io(send, self.read_limiter)
-        except OSError as e:
-            if e.errno in NETWORK_ERRNOS:
-                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
-            raise SpoolError(f"spool {self.path}: cannot send bytes {offset}..{offset + size} of stream {stream}: "
-                             f"{e.strerror or e}") from None
+        return await self._io(run, self.read_limiter)
 
     async def read(self, stream: int, offset: int, limit: int) -> list[Chunk]:
         """Chunks evicted from memory, read back through a second connection

@@ -57,6 +57,8 @@ def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
     info["last_error"] = live.get("last_error") or live.get("disk_error") or info["last_error"]
     info["retries"] = max(int(live.get("retries") or 0), int(info.get("retries") or 0))
     info["live_at"] = live.get("t")
+    if isinstance(live.get("wire"), dict):
+        info["wire"] = live["wire"]  # this run's output on the wire: job bytes, wire bytes, compressed
     by_id = {str(s["id"]): s for s in info["streams"]}
     for sid, ls in (live.get("streams") or {}).items():
         st = by_id.get(sid)

@@ -19,7 +19,7 @@ absolute path.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from .identity import BatchIdentity, short_hostname, username
 

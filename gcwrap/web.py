@@ -434,8 +434,8 @@ class WebView:
             page = self._page("login.html", next=target, message="That is not the token. Try again.")
             await self._respond(http, 401, page, TYPES[".html"])
             return
-        cookie = f"{COOKIE}={_new_session(self.opts.token)}; Path=/; HttpOnly; SameSite=Strict; " \
-                 f"Max-Age={SESSION_DAYS * 86400}" + ("; Secure" if self.opts.tls else "")
+        cookie = (f"{COOKIE}={_new_session(self.opts.token)}; Path=/; HttpOnly; SameSite=Strict; "
+                  f"Max-Age={SESSION_DAYS * 86400}") + ("; Secure" if self.opts.tls else "")
         await self._respond(http, 303, b"", "text/plain", [(b"Location", target.encode()),
                                                             (b"Set-Cookie", cookie.encode())])
 

@@ -137,8 +137,7 @@ def test_slurm_wins_over_condor_wins_over_pbs(tmp_path: Path) -> None:
     everything = {"SLURM_JOB_ID": "1", "_CONDOR_JOB_AD": str(ad), "PBS_JOBID": "3.pbs"}
     assert detect(everything).system == "slurm"
     assert detect({k: v for k, v in everything.items() if k != "SLURM_JOB_ID"}).system == "condor"
-    assert identity.batch_job_id({"PBS_JOBID": "3.pbs"}) == "pbs-3.pbs"
-    assert identity.batch_job_id({}) is None
+    assert (detect({"PBS_JOBID": "3.pbs"}).system, detect({"PBS_JOBID": "3.pbs"}).job_id) == ("pbs", "pbs-3.pbs")
     assert identity.default_job_id({"SLURM_JOB_ID": "8"}) == "slurm-8"
 
 

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import click
 import pytest
 
-from gcwrap.cli import Size
+from gcwrap.clitypes import Size
 from gcwrap.cli import main as gcwrap_main
 from gcwrap.shadow_cli import main as gcshadow_main
 

@@ -296,8 +296,9 @@ def security_problems(inv: Invocation) -> list[str]:
     name, params = parse(inv)
     shown = f"{inv.where}: `{shlex.join([inv.prog, *inv.args])}`"
     if inv.prog == "gcshadow" and name == "serve" and not is_loopback(params["host"]) and not (
-            params["token_file"] or (params["tls_cert"] and params["tls_ca"]) or params["insecure"]):
-        return [(f"{shown}: listens on {params['host']} without --token-file, --tls-cert with --tls-ca, "
+            params["token_file"] or params["token_dir"] or (params["tls_cert"] and params["tls_ca"])
+            or params["insecure"]):
+        return [(f"{shown}: listens on {params['host']} without --token-file, --token-dir, --tls-cert with --tls-ca, "
                  "or --insecure (gcshadow refuses to start)")]
     if inv.prog == "gcwrap" and name == "run":
         shadow = _shadow_of(params, inv.env)

@@ -116,8 +116,8 @@ class SteppedShadow(Shadow):
         self.claimed: list[LiveJob] = []
         self.mine: dict[int, LiveJob] = {}  # each connection's session
 
-    def _claim(self, job_id: str, identity: str) -> LiveJob:
-        job = super()._claim(job_id, identity)
+    def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
+        job = super()._claim(job_id, identity, tenant)
         self.claimed.append(job)
         self.mine[WHO.get()] = job
         return job

@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from gcwrap.outbox import MAX_ROW, OutStream, coalesce
-from gcwrap.spool import Chunk
+from gcwrap.events import Exit, StdinData, StreamSpec
+from gcwrap.outbox import MAX_ROW, Mismatch, Outbox, OutStream, coalesce
+from gcwrap.records import Chunk
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -342,3 +345,66 @@ def test_coalesce_examples() -> None:
     assert coalesce([c1, c2, c3], 1000) == [c1, c2, c3]
     # Empty chunks join their neighbours harmlessly.
     assert coalesce([Chunk(1, 0, b""), Chunk(1, 0, b"ab"), Chunk(1, 2, b"")], 10) == [Chunk(1, 0, b"ab")]
+
+
+# -- Outbox: the one owner of stream progress --------------------------------------
+
+
+def outbox(resuming: bool = False) -> Outbox:
+    specs = [StreamSpec(1, "stdout", "out.log"), StreamSpec(2, "stderr", "err.log"), StreamSpec(0, "stdin", "in")]
+    return Outbox(specs, resuming=resuming)
+
+
+def test_an_ack_past_what_the_session_sent_is_a_mismatch_and_changes_nothing() -> None:
+    box = outbox()
+    box.streams[1].append(b"x" * 100)
+    with pytest.raises(Mismatch, match="acknowledged 60 bytes of stdout, but only 50 were sent"):
+        box.ack(1, 60, sent=50)
+    assert box.streams[1].acked == 0
+    assert box.ack(1, 50, sent=50) and not box.ack(1, 40, sent=50)
+    assert box.streams[1].acked == 50
+
+
+async def test_acks_and_stdin_wake_whoever_waits_on_the_outbox() -> None:
+    box = outbox()
+    box.streams[1].append(b"abc")
+    woken = []
+
+    async def waiter() -> None:
+        await box.changed.wait()
+        woken.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        box.ack(1, 3, sent=3)
+    assert woken
+    assert box.stdin is not None and box.stdin_starved
+    assert box.stdin_data(StdinData(0, 0, b"in", eof=True)) and box.stdin.fetched == 2
+    assert not box.stdin_data(StdinData(5, 0, b"", eof=True)), "not the job's stdin"
+
+
+def test_welcome_acknowledges_and_refuses_what_contradicts_the_streams() -> None:
+    box = outbox()
+    box.streams[1].append(b"x" * 10)
+    box.welcomed([(1, 4), (9, 100)])  # (a stream we do not have: ignored)
+    assert box.streams[1].acked == 4
+    with pytest.raises(Mismatch, match="holds 11 bytes of stdout"):
+        box.welcomed([(1, 11)])
+    with pytest.raises(Mismatch, match="holds 2 bytes of stdout"):
+        box.welcomed([(1, 2)])
+
+
+def test_a_resumed_spool_adopts_what_home_holds_beyond_it_and_the_lengths_follow() -> None:
+    box = outbox(resuming=True)
+    box.streams[1].restore(appended=100, acked=40)
+    box.streams[2].restore(appended=0, acked=0)
+    out = box.streams[1]
+    assert (out.read_end, out.spooled_end, out.acked, out.eof, out.ack_recorded, out.eof_recorded) == (
+        100, 100, 40, True, 40, True)
+    box.exit = Exit(0, None, box.lengths())
+    box.welcomed([(1, 120)])
+    assert (out.read_end, out.acked) == (120, 120)
+    assert box.lengths() == ((1, 120), (2, 0))
+    assert box.exit_frame((("k", "v"),)).lengths == ((1, 120), (2, 0))
+    assert box.all_delivered

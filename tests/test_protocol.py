@@ -11,6 +11,7 @@ loop without consuming bytes.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,6 +40,7 @@ from gcwrap.events import (
     StdinRead,
     StreamSpec,
     Welcome,
+    ZData,
 )
 from gcwrap.protocol import (
     DEFAULT_MAX_FRAME,
@@ -154,9 +156,10 @@ HELLO = Hello(
     user="alice",
     command=("python3", "-c", "print('héllo wörld ✓')"),
     nonce="0123456789abcdef" * 2,
+    features=("zstd", "a-newer-feature-2"),
 )
 WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5,
-                  proof="fe" * 32)
+                  proof="fe" * 32, features=("zstd",))
 EXIT = Exit(
     code=0, signal=None, lengths=((1, 106), (2, 9)), reason="", summary=(("cpu", "1.5 s"), ("rss", "12 MiB"))
 )
@@ -170,6 +173,7 @@ CONVERSATION: list[tuple[Role, Event]] = [
     (A, Data(1, 100, b"hello\n")),
     (A, Data(2, 0, b"\x00\xffbinary")),
     (A, Data(1, 106, b"")),
+    (A, ZData(2, 9, 4096, b"(a zstd frame: the protocol carries it, the codec reads it)")),
     (A, StdinRead(0, 0, 65536)),
     (S, Ack(1, 106)),
     (S, StdinData(0, 0, b"input bytes", False)),
@@ -186,6 +190,7 @@ CONVERSATION: list[tuple[Role, Event]] = [
 
 
 STREAMING_AT = 4  # CONVERSATION[:STREAMING_AT] reaches the streaming state
+EXITING_AT = next(i for i, (_, ev) in enumerate(CONVERSATION) if isinstance(ev, Exit)) + 1
 
 
 def states_after(script: list[tuple[Role, Event]]) -> tuple[State, State]:
@@ -227,8 +232,8 @@ def test_conversation_round_trips_every_event_type() -> None:
         1: (State.AWAIT_AUTH, State.AWAIT_AUTH),
         2: (State.AWAIT_WELCOME, State.AWAIT_WELCOME),
         3: (State.STREAMING, State.STREAMING),
-        15: (State.EXITING, State.EXITING),
-        18: (State.CLOSED, State.CLOSED),
+        EXITING_AT - 1: (State.EXITING, State.EXITING),
+        len(CONVERSATION) - 1: (State.CLOSED, State.CLOSED),
     }
     for i, (role, event) in enumerate(CONVERSATION):
         received = pair.send(role, event)
@@ -254,7 +259,7 @@ def test_conversation_covers_every_event_class() -> None:
 
 
 @pytest.mark.parametrize("refuser", [A, S])
-@pytest.mark.parametrize("after", [0, 1, 2, 3, STREAMING_AT, 16])
+@pytest.mark.parametrize("after", [0, 1, 2, 3, STREAMING_AT, EXITING_AT])
 def test_error_round_trips_and_closes(refuser: Role, after: int) -> None:
     pair = Pair()
     pair.run(CONVERSATION[:after])
@@ -424,6 +429,7 @@ hellos = st.builds(
     command=st.lists(st.text(st.characters(codec="utf-8"), max_size=80), max_size=12).map(tuple),
     versions=st.lists(st.integers(1, 65535), min_size=1, max_size=16).map(tuple),
     nonce=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
+    features=st.lists(st.from_regex(r"[a-z0-9-]{1,32}", fullmatch=True), max_size=16).map(tuple),
 )
 welcomes = st.builds(
     Welcome,
@@ -432,6 +438,7 @@ welcomes = st.builds(
     durable=pairs,
     heartbeat=st.floats(0, 86400, exclude_min=True, exclude_max=True, allow_nan=False),
     proof=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
+    features=st.sampled_from([(), ("zstd",), ("zstd", "later-1")]),
 )
 challenges = st.builds(Challenge, nonce=st.from_regex(r"[0-9a-f]{32,128}", fullmatch=True))
 auths = st.builds(Auth, mac=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True))
@@ -445,6 +452,13 @@ def datas(draw: st.DrawFn) -> Data:
 
 
 acks = st.builds(Ack, stream=u8, offset=offsets)
+
+
+@st.composite
+def zdatas(draw: st.DrawFn) -> ZData:
+    size = draw(st.integers(1, MAX_PAYLOAD))
+    offset = draw(st.integers(0, MAX_OFFSET - size) | st.just(MAX_OFFSET - size))
+    return ZData(draw(u8), offset, size, draw(st.binary(min_size=1, max_size=512)))
 
 
 @st.composite
@@ -474,7 +488,7 @@ pings = st.builds(Ping, nonce=u64)
 pongs = st.builds(Pong, nonce=u64)
 errors = st.builds(Error, code=st.sampled_from(ErrorCode), message=text(2000), retry_after=seconds)
 any_event = st.one_of(
-    hellos, welcomes, datas(), acks, stdin_reads, stdin_datas(), exits, st.just(Done()), pings, pongs, errors
+    hellos, welcomes, datas(), zdatas(), acks, stdin_reads, stdin_datas(), exits, st.just(Done()), pings, pongs, errors
 )
 
 agent_streaming = st.one_of(datas(), stdin_reads, pings, pongs).map(lambda e: (A, e))
@@ -489,8 +503,12 @@ def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
     script: list[tuple[Role, Event]] = [(A, draw(hellos))]
     if draw(st.booleans()):  # token authentication
         script += [(S, draw(challenges)), (A, draw(auths))]
-    script.append((S, draw(welcomes)))
-    script += draw(st.lists(agent_streaming | shadow_streaming, max_size=8))
+    welcome = draw(welcomes)
+    script.append((S, welcome))
+    agent_sends = agent_streaming
+    if "zstd" in welcome.features:
+        agent_sends = agent_streaming | zdatas().map(lambda e: (A, e))
+    script += draw(st.lists(agent_sends | shadow_streaming, max_size=8))
     script.append((A, draw(exits)))
     script += draw(st.lists(agent_exiting | shadow_exiting, max_size=4))
     script.append((S, Done()))
@@ -718,7 +736,7 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tupl
                 if isinstance(ev, Hello) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
                     conn.send(Challenge("ab" * 16))
                 elif isinstance(ev, Auth) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
-                    conn.send(Welcome(PROTOCOL_VERSION, 1, ()))
+                    conn.send(Welcome(PROTOCOL_VERSION, 1, (), features=("zstd",)))
                 elif isinstance(ev, Challenge) and conn.state is State.AWAIT_AUTH:
                     conn.send(Auth("cd" * 32))
                 elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
@@ -1302,7 +1320,7 @@ SAMPLES: list[Event] = [
 # A legal prefix of CONVERSATION that leaves both sides in each state.
 PREFIX = {
     State.AWAIT_HELLO: 0, State.AWAIT_WELCOME: 1, State.AWAIT_AUTH: 2, State.STREAMING: STREAMING_AT,
-    State.EXITING: 16, State.CLOSED: 19,
+    State.EXITING: EXITING_AT, State.CLOSED: len(CONVERSATION),
 }
 
 
@@ -1427,3 +1445,52 @@ def test_error_hierarchy() -> None:
     assert issubclass(LocalProtocolError, ProtocolError)
     assert not issubclass(RemoteProtocolError, LocalProtocolError)
     assert ProtocolError("x").code is ErrorCode.BAD_FRAME
+
+
+# -- the "zstd" feature: ZDATA only where the handshake agreed on it ---------
+
+
+def test_a_handshake_without_features_is_what_older_peers_sent() -> None:
+    for event in (replace(HELLO, features=()), replace(WELCOME, features=())):
+        assert b"features" not in encode(event)
+    older_hello = encode(replace(HELLO, features=()))
+    assert decode(older_hello[4], older_hello[5:]) == replace(HELLO, features=())
+
+
+@pytest.mark.parametrize("features", [(), ("later-1",)])
+def test_zdata_without_the_feature_is_refused_by_both_ends(features: tuple[str, ...]) -> None:
+    pair = Pair()
+    pair.run([(A, HELLO), (S, replace(WELCOME, features=features))])
+    zdata = ZData(1, 100, 10, b"zstd frame")
+    with pytest.raises(LocalProtocolError) as sent:
+        pair.agent.send(zdata)
+    assert sent.value.code is ErrorCode.UNEXPECTED
+    pair.shadow.receive_data(encode(zdata))
+    with pytest.raises(RemoteProtocolError) as received:
+        pair.shadow.next_event()
+    assert received.value.code is ErrorCode.UNEXPECTED
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (struct.pack("!BQI", 1, 0, 0) + b"z", "size 0"),
+        (struct.pack("!BQI", 1, 0, MAX_PAYLOAD + 1) + b"z", "size past the largest payload"),
+        (struct.pack("!BQI", 1, 0, 10), "no zstd frame"),
+        (struct.pack("!BQI", 1, MAX_OFFSET - 5, 10) + b"z", "past the largest offset"),
+        (struct.pack("!BQ", 1, 0), "a short header"),
+    ],
+)
+def test_malformed_zdata_is_a_bad_frame(body: bytes, why: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode(FrameType.ZDATA, body)
+    assert e.value.code is ErrorCode.BAD_FRAME, why
+
+
+@pytest.mark.parametrize("features", [["ZSTD"], ["a b"], "zstd", [1], ["x"] * 17, ["y" * 33]])
+def test_malformed_features_are_a_bad_frame(features: Any) -> None:
+    body = json.loads(encode(HELLO)[5:])
+    body["features"] = features
+    with pytest.raises(RemoteProtocolError) as e:
+        decode(FrameType.HELLO, json.dumps(body).encode())
+    assert e.value.code is ErrorCode.BAD_FRAME

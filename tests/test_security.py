@@ -262,7 +262,7 @@ def test_mutual_tls_and_subject_map(home: Path, tmp_path: Path, shadows: list[Sh
     tls = ["--tls-ca", str(pki["ca"])]
     ok = run(sh, tmp_path, "alice-1", *tls, "--tls-cert", str(pki["alice"]))
     assert ok.wait(30) == 0, ok.err.decode()
-    assert (home / "alice-1.out").read_bytes() == b"hello\n"
+    assert (home / "alice" / "alice-1.out").read_bytes() == b"hello\n", "a certificate's files are under ROOT/CN/"
     cases = {
         "alice-no-cert": [],
         "mallory-1": ["--tls-cert", str(pki["mallory"])],  # a certificate from another CA
@@ -272,7 +272,7 @@ def test_mutual_tls_and_subject_map(home: Path, tmp_path: Path, shadows: list[Sh
     for job_id, extra in cases.items():
         w = run(sh, tmp_path, job_id, *tls, *extra)
         assert w.wait(30) in (122, 123), (job_id, w.err.decode())
-        assert nothing_written(home, f"{job_id}.out"), job_id
+        assert nothing_written(home, f"{job_id}.out") and nothing_written(home, f"alice/{job_id}.out"), job_id
         assert (b"TLS failure" in w.err or b"rejected our client certificate" in w.err
                 or b"may not write job" in w.err), (job_id, w.err.decode())
     log = sh.log()

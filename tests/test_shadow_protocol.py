@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -32,6 +33,7 @@ from gcwrap.events import (
     StdinRead,
     StreamSpec,
     Welcome,
+    ZData,
 )
 from gcwrap.protocol import MAGIC, NEED_DATA, Connection, Role, encode
 
@@ -413,3 +415,62 @@ def _live_jobs(home: Path) -> str:
     import json
 
     return " ".join(j["job_id"] for j in json.loads(res.stdout or b"[]") if j["state"] == "streaming")
+
+
+# -- compressed DATA (the "zstd" feature) ------------------------------------
+
+
+def _acked_to(agent: RawAgent, end: int) -> None:
+    ack = agent.until(Ack)
+    while isinstance(ack, Ack) and ack.offset < end:
+        ack = agent.until(Ack)
+    assert ack == Ack(1, end), ack
+
+
+@pytest.mark.timeout(60)
+def test_zdata_lands_as_the_jobs_bytes_and_overlaps_are_trimmed(shadow: ShadowProc, home: Path) -> None:
+    from gcwrap.compress import Codec
+
+    codec = Codec()
+    text = b"".join(b"step %d loss=0.%06d\n" % (i, i * 7919 % 1000000) for i in range(20000))
+    a = RawAgent(shadow.port)
+    w = welcome(a, replace(hello("zjob", out="z.out"), features=("zstd", "some-later-feature")))
+    assert w.features == ("zstd",)  # what it knows of what was offered
+    half = len(text) // 2
+    a.send(ZData(1, 0, half, codec.compress(text[:half])))
+    a.send(Data(1, half, text[half : half + 10]))  # plain and compressed frames mix
+    # A resend that overlaps what landed: only the new bytes are written.
+    a.send(ZData(1, half - 100, len(text) - half + 100, codec.compress(text[half - 100 :])))
+    _acked_to(a, len(text))
+    assert (home / "z.out").read_bytes() == text
+
+
+@pytest.mark.timeout(60)
+def test_a_zdata_bomb_is_refused_and_nothing_of_it_written(shadow: ShadowProc, home: Path) -> None:
+    import zstandard
+
+    a = RawAgent(shadow.port)
+    welcome(a, replace(hello("zbomb", out="bomb.out"), features=("zstd",)))
+    a.send(Data(1, 0, b"before\n"))
+    _acked_to(a, 7)
+    bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (256 << 20))  # 256 MiB in a few KiB
+    a.send(ZData(1, 7, 1 << 20, bomb))
+    ev = a.until(Error)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.BAD_FRAME and "holds 268435456 bytes" in ev.message
+    assert (home / "bomb.out").read_bytes() == b"before\n"
+    assert int(Path(f"/proc/{shadow.proc.pid}/status").read_text().split("VmHWM:")[1].split()[0]) < 200 << 10  # KiB
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_offers_nothing_gets_the_welcome_older_agents_know(shadow: ShadowProc) -> None:
+    sock = socket.create_connection(("127.0.0.1", shadow.port), timeout=10)
+    _OPEN.append(sock)
+    sock.sendall(MAGIC + encode(hello("plain", out="plain.out")))
+    conn = Connection(Role.SHADOW)  # only to cut the reply into frames
+    raw = b""
+    while len(raw) < 5 or len(raw) < 4 + int.from_bytes(raw[:4], "big"):
+        chunk = sock.recv(65536)
+        assert chunk, "the shadow closed"
+        raw += chunk
+    assert raw[4] == 2 and b'"features"' not in raw[5 : 4 + int.from_bytes(raw[:4], "big")]  # WELCOME
+    del conn

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import Wrapper, spool_status, tool, wait_until
 
-from gcwrap.agent import LAST_TRY, SIGNAL_GRACE, StopClock
+from gcwrap.policy import LAST_TRY, SIGNAL_GRACE, StopClock
 
 MARGIN = 3.0  # seconds for gcwrap's own start-up and exit, on a loaded machine
 

@@ -24,14 +24,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from gcwrap.records import Chunk, JobRecord, StreamState
 from gcwrap.spool import (
     MIGRATIONS,
     SPOOL_SUFFIX,
-    Chunk,
-    JobRecord,
     Spool,
     SpoolError,
-    StreamState,
     describe_sqlite_error,
     safe_filename,
     spool_files,

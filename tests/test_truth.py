@@ -112,7 +112,7 @@ def sessions(log: Path, job: str) -> list[float]:
     """When the shadow began each session of `job` (its log lines' timestamps)."""
     out = []
     for line in log.read_text().splitlines():
-        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) gcshadow: \S+: job (\S+) session \d+", line)
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) gcshadow: \S+(?: \[[^]]*\])?: job (\S+) session \d+", line)
         if m and m.group(3) == job:
             out.append(time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000)
     return out

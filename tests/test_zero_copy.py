@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.outbox import OutStream, coalesce
+from gcwrap.records import Chunk, Extent, JobRecord
 from gcwrap.segments import Segments
-from gcwrap.spool import SPOOL_SUFFIX, Chunk, Extent, JobRecord, Spool, SpoolError
+from gcwrap.sender import sendfile_placed
+from gcwrap.spool import SPOOL_SUFFIX, Spool, SpoolError
 
 OUT, ERR = 1, 2
 STREAMS = [(OUT, "stdout", "out.log"), (ERR, "stderr", "err.log")]
@@ -410,7 +412,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
             monkeypatch.setattr(spooler_mod, "SLOW_IO", 10.0)
         end = len(data) if round_ else 100_000
         while sent < end:
-            sent += await spooler.sendfile(a.fileno(), OUT, sent, end - sent)
+            sent += await sendfile_placed(spooler, a.fileno(), OUT, sent, end - sent)
             got += b.recv(1 << 20)
     while len(got) < len(data):
         got += b.recv(1 << 20)
@@ -425,7 +427,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     got = bytearray()
     sent = 0
     while sent < len(data):
-        sent += await spooler.sendfile(a.fileno(), OUT, sent, len(data) - sent)
+        sent += await sendfile_placed(spooler, a.fileno(), OUT, sent, len(data) - sent)
         got += b.recv(1 << 20)
     while len(got) < len(data):
         got += b.recv(1 << 20)
@@ -435,7 +437,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     b.close()
     with pytest.raises(trio.BrokenResourceError):
         for _ in range(100):
-            await spooler.sendfile(a.fileno(), OUT, 0, 100_000)
+            await sendfile_placed(spooler, a.fileno(), OUT, 0, 100_000)
     a.close()
     # A read of a byte the segments do not hold is the spool's failure.
     with pytest.raises(SpoolError):
@@ -517,8 +519,8 @@ def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS, min_free=0)
     monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)  # (any room is plenty)
     monkeypatch.setattr(spooler_mod, "ROOM_TTL", 3600.0)
-    first = spooler.room(0)
-    assert first > 0 and spooler.room(0) == first and spooler.room(0) == first
+    first = spooler.room(0).bytes
+    assert first > 0 and spooler.room(0).bytes == first and spooler.room(0).bytes == first
     assert len(looked) == 1, "within the TTL: one statvfs"
     looked_at = spooler._statvfs[0] if spooler._statvfs else None
     spooler.room(0)
@@ -536,10 +538,12 @@ def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     assert len(looked) == before + 3
     # A full disk is never remembered either.
     spooler.min_free = 1 << 62
-    assert spooler.room(0) == 0 and "disk nearly full" in spooler.full_reason
+    room = spooler.room(0)
+    assert room.bytes == 0 and "disk nearly full" in room.reason
     spooler.min_free = 0
     monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)
-    assert spooler.room(0) > 0 and spooler.full_reason == ""
+    room = spooler.room(0)
+    assert room.bytes > 0 and room.reason == ""
     spooler.close()
 
 
@@ -666,7 +670,8 @@ async def test_without_splice_support_bulk_output_is_read_into_memory(
 ) -> None:
     """A file system whose files take no splice (EINVAL): gcwrap reads into
     memory instead, says so once, and calls none of it a disk failure."""
-    from gcwrap.agent import AgentOptions, run_job
+    from gcwrap.agent import AgentOptions
+    from gcwrap.run import run_job
 
     calls = []
 

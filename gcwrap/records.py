@@ -1,0 +1,103 @@
+"""The records both the agent's memory and its spool speak of: a chunk of
+output bytes, an extent already in its segment file, a stream's state, the
+job. Plain data: no I/O, no SQLite, no trio, so the pure modules (the
+outbox, the sender's view of the bytes) can use them."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+# A file system or kernel without splice/sendfile for these files: the bytes
+# then take the copying path, and that is no failure of the disk.
+UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
+class SourceError(Exception):
+    """Bytes could not be read from where they are kept (the spool): the
+    message says which and why, in words."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    stream: int
+    start: int
+    data: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Stream bytes [start, end) already in their segment file (spliced from
+    the job's pipe, never in memory); they are spooled once their row is
+    committed. Only with a spool of natural layout (gcwrap.segments)."""
+
+    stream: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class StreamState:
+    id: int
+    kind: str
+    name: str
+    appended: int = 0  # bytes the job wrote (for stdin: bytes fed to the job)
+    acked: int = 0  # bytes durable at home
+    eof: bool = False
+    written: int | None = None  # bytes the job wrote, recorded when the run ended (None: not recorded)
+
+    @property
+    def pending(self) -> int:
+        return self.appended - self.acked
+
+    @property
+    def lost(self) -> int:
+        """Bytes the job wrote that neither the spool nor home holds: the
+        tail [appended, written), held only in memory when the run ended."""
+        return max(0, self.written - self.appended) if self.written is not None else 0
+
+
+def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
+    """In words, what is lost: (stream kind, first lost offset, end) each,
+    e.g. "the last 1,024 bytes of stdout (offsets 4,096 to 5,120)". Lost
+    bytes are always a stream's tail: what was held only in memory."""
+    parts = [f"the last {end - start:,} bytes of {kind} (offsets {start:,} to {end:,})"
+             for kind, start, end in losses if end > start]
+    return ", and ".join(parts)
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    instance: str
+    command: list[str]
+    host: str = ""
+    user: str = ""
+    shadow: str = ""
+    started: float = 0.0
+    wrapper_pid: int | None = None
+    child_pid: int | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    state: str = "starting"
+    reason: str = ""
+    last_error: str = ""
+    retries: int = 0
+    connected: bool = False
+    delivered: bool = False
+    summary: dict[str, Any] = field(default_factory=dict)

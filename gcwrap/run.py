@@ -1,0 +1,442 @@
+"""Running a job under gcwrap: start it with pipes for the named streams,
+run the agent's tasks beside it, forward signals, end it when asked, and
+say what happened (`Outcome`); and `gcwrap resume`, which delivers what a
+spool left behind.
+
+Tasks, all in one nursery: one `Agent.read_pipe` per output stream,
+`Agent.commit_loop` (the only writer of the spool), `Agent.deliver_loop`
+(connect, run a session, back off, repeat), `_write_stdin`, `live_loop`
+and `_forward_signals`. They share state through the agent's `Outbox` and
+wake each other with its one `changed` signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import trio
+
+from . import exitcodes
+from .agent import Agent, AgentOptions, Outcome
+from .events import STDERR, STDIN, STDOUT, Exit, StreamSpec
+from .records import JobRecord
+from .retry import describe
+from .spool import Spool, SpoolError
+from .spooler import Spooler, lock_spool
+from .sync import first_error
+
+log = logging.getLogger("gcwrap")
+
+KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the job; gcwrap ends (StopClock)
+DRAIN_GRACE = 2.0  # seconds to read what a job's pipes still hold after gcwrap ended it
+
+
+def exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
+    specs = []
+    named = ((STDOUT, "stdout", opts.stdout), (STDERR, "stderr", opts.stderr), (STDIN, "stdin", opts.stdin))
+    for sid, kind, name in named:
+        if name is not None:
+            specs.append(StreamSpec(sid, kind, name))
+    return specs
+
+
+def _interactive() -> bool:
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _signal_job(proc: trio.Process, signum: int) -> None:
+    """Signal the job's whole process group when it has its own (a shell
+    script's children must get the batch system's SIGTERM too)."""
+    if proc.returncode is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signum)
+            return
+    except ProcessLookupError:
+        return
+    proc.send_signal(signum)
+
+
+@dataclasses.dataclass
+class JobProcess:
+    """The job's process as the signal forwarder needs it."""
+
+    proc: trio.Process
+    group: int | None = None  # its own process group, if it has one
+    pipes: trio.CancelScope | None = None  # reading its pipes once its process has ended
+
+
+async def _forward_signals(job: JobProcess, agent: Agent, signals: AsyncIterator[int]) -> None:
+    """SIGTERM, SIGINT and SIGHUP go to the job while it runs, and start
+    gcwrap's own end: it delivers for a bounded grace (see StopClock), then
+    keeps the rest in the spool. A batch system signals the job and gcwrap
+    together: the job may well die before gcwrap reads its copy, so the
+    first signal still leaves time to deliver; a second one stops at once."""
+    proc = job.proc
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        agent.stop.signal(trio.current_time(), name)
+        agent.changed.fire()
+        if proc.returncode is None:
+            log.info("forwarding %s to the job", name)
+            _signal_job(proc, signum)
+        elif job.group is not None and agent.outbox.exit is None:
+            # The job's process has ended; what it started in the background holds its pipes: it gets the signal
+            # (as from a batch system), and gcwrap reads them until the stop clock's deadline at most.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.group, signum)
+        if job.pipes is not None:
+            job.pipes.deadline = min(job.pipes.deadline, agent.stop.deadline)
+        if proc.returncode is not None and agent.stop.signals == 1 and agent.delivering:
+            log.warning("%s received: delivering for at most %g s more (again to stop now)", name, agent.stop.grace)
+
+
+async def _obey_signals(agent: Agent, signals: AsyncIterator[int]) -> None:
+    """`gcwrap resume`: each signal moves the end of delivery to the stop clock's deadline."""
+    async for signum in signals:
+        agent.stop.signal(trio.current_time(), signal.Signals(signum).name)
+        if agent.stop.signals == 1:
+            log.warning("%s received: delivering for at most %g s more (again to stop now)", agent.stop.name,
+                        agent.stop.grace)
+        if agent.delivery_scope is not None:
+            agent.delivery_scope.deadline = agent.stop.deadline
+        agent.changed.fire()
+
+
+def stop_signals() -> tuple[int, ...]:
+    """STOP_SIGNALS, less SIGHUP if it was ignored when gcwrap started
+    (`nohup gcwrap ...`): a hangup then ends neither gcwrap nor its job."""
+    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
+
+
+async def _stop_delivery(agent: Agent, delivery_done: trio.Event) -> None:
+    """The stop clock ran out: stop delivering, and say what waits in the spool."""
+    stop = agent.stop
+    how = "a second signal" if stop.signals > 1 else f"the {stop.grace:g} s grace"
+    agent.interrupt(f"{stop.name} received: delivery stopped after {how}")
+    await delivery_done.wait()
+    if agent.give_up is not None and not agent.delivered.is_set():
+        agent.give_up.message += f"; not yet home: {agent.not_home()}"
+
+
+async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
+    feeder = agent.outbox.stdin
+    assert feeder is not None
+    async with pipe:
+        while True:
+            data = feeder.take()
+            if data is None:
+                if feeder.eof:
+                    return
+                await agent.changed.wait()
+                continue
+            try:
+                await pipe.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                feeder.closed = True  # the job closed its stdin: stop fetching
+                return
+            agent.changed.fire()
+
+
+async def _end_job(proc: trio.Process, grace: float) -> None:
+    if proc.returncode is None:
+        _signal_job(proc, signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await proc.wait()
+        if proc.returncode is None:
+            _signal_job(proc, signal.SIGKILL)
+            await proc.wait()
+
+
+async def run_job(
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
+) -> Outcome:
+    # SIGTERM, SIGINT and SIGHUP are ours from before the job starts to
+    # gcwrap's last word: one that came before `_forward_signals` runs would
+    # otherwise end gcwrap at once (and orphan the job), one that comes
+    # during the last commit, before it prints what happened.
+    with trio.open_signal_receiver(*stop_signals()) as signals:
+        return await _run_job(opts, command, job, spool_path, signals)
+
+
+async def _run_job(
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, signals: AsyncIterator[int]
+) -> Outcome:
+    specs = stream_specs(opts)
+    if not specs and opts.shadow is not None:
+        # Nothing to deliver: every stream passes through. No spool, no
+        # session, no retries: the shadow's state cannot hold the job up.
+        log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s:%d, "
+                 "the job's streams pass through", *opts.shadow)
+        opts = dataclasses.replace(opts, shadow=None)
+    spooler = Spooler(
+        spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
+    )
+    spool_error = ""
+    if specs:
+        # The spool exists before the job writes a byte: a wrapper killed in
+        # the first instant must not lose what the job wrote. If the disk
+        # refuses, the job runs anyway and the commit loop keeps trying.
+        try:
+            await spooler.ensure()
+        except SpoolError as e:
+            log.warning("%s; the job runs anyway, its output goes home from memory", e)
+            spool_error = str(e)
+    agent = Agent(opts, spooler, job, specs)
+    if specs and spooler.spool is None:
+        agent.disk.error = spool_error
+    pipe = subprocess.PIPE
+    try:
+        proc = await trio.lowlevel.open_process(
+            command,
+            stdin=pipe if opts.stdin is not None else None,
+            stdout=pipe if opts.stdout is not None else None,
+            stderr=subprocess.STDOUT if opts.merge_stderr else pipe if opts.stderr is not None else None,
+            # Its own process group, so signals reach the whole job; not at an
+            # interactive terminal, where the job must stay in the foreground.
+            process_group=None if _interactive() else 0,
+        )
+    except OSError as e:
+        spooler.close(remove=True)
+        code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
+        why = e.strerror
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            why = "out of file descriptors (raise `ulimit -n`)"
+        return Outcome(code, message=f"cannot run {command[0]}: {why}")
+    agent.note(child_pid=proc.pid, state="running")
+    running = JobProcess(proc, None if _interactive() else proc.pid)
+    log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
+             spool_path if specs else "none (nothing to spool)")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_forward_signals, running, agent, signals)
+        with first_error():
+            status = await _supervise(agent, running)
+        if not agent.delivered.is_set():
+            await agent.final_flush()
+        outcome = _finish(agent, status)
+        outcome.stats = agent.summary()
+        nursery.cancel_scope.cancel()
+    return outcome
+
+
+async def _supervise(agent: Agent, running: JobProcess) -> int:
+    """Run the job's tasks until the job has ended and its output is home
+    (or can never get there); return the job's exit status."""
+    proc = running.proc
+    delivery_done = trio.Event()
+
+    async def deliver() -> None:
+        try:
+            if agent.opts.shadow is not None:
+                with trio.CancelScope() as agent.delivery_scope:
+                    agent.delivering = True
+                    await agent.deliver_loop()
+        finally:
+            agent.delivering = False
+            delivery_done.set()
+            agent.changed.fire()
+            if agent.give_up is not None and agent.outbox.exit is None:
+                # Past the retry limit with nowhere to put the output: end the job, and say why.
+                agent.kill_reason = agent.give_up.message
+                with trio.CancelScope(shield=True):
+                    await _end_job(proc, KILL_GRACE)
+
+    async def end_when_asked() -> None:
+        await agent.must_end.wait()
+        with trio.CancelScope(shield=True):
+            await _end_job(proc, KILL_GRACE)
+
+    async with trio.open_nursery() as nursery:
+        if agent.specs:  # with no stream named there is nothing to spool
+            nursery.start_soon(agent.commit_loop)
+            nursery.start_soon(agent.live_loop)
+        nursery.start_soon(end_when_asked)
+        if proc.stdin is not None:
+            nursery.start_soon(_write_stdin, agent, proc.stdin)
+        nursery.start_soon(deliver)
+        async with trio.open_nursery() as readers:
+            if proc.stdout is not None:
+                readers.start_soon(agent.read_pipe, agent.out[STDOUT], proc.stdout)
+            if proc.stderr is not None:
+                readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
+            await proc.wait()
+            running.pipes = readers.cancel_scope
+            stop = agent.stop  # a signal came while it ran: the pipes are read as long as delivery goes on (StopClock)
+            readers.cancel_scope.deadline = (
+                max(stop.deadline, trio.current_time() + stop.last_try) if stop.signals == 1 else stop.deadline)
+            agent.child_exited = True
+            agent.commit_soon.set()
+            agent.changed.fire()
+            if delivery_done.is_set() and not agent.delivered.is_set():
+                # gcwrap gave up and ended the job. What its pipes still hold
+                # is read (so it is counted: kept if the disk takes it, else
+                # reported lost), but a process that outlived the job and
+                # keeps a pipe open must not hold gcwrap for long.
+                readers.cancel_scope.deadline = trio.current_time() + DRAIN_GRACE
+        returncode = proc.returncode
+        assert returncode is not None
+        log.info("the job ended with %s after %.1f s; %d bytes not yet home",
+                 f"signal {-returncode}" if returncode < 0 else f"status {returncode}",
+                 time.monotonic() - agent.started, sum(o.read_end - o.acked for o in agent.out.values()))
+        ended = agent.outbox.exit = Exit(
+            code=returncode if returncode >= 0 else None,
+            signal=-returncode if returncode < 0 else None,
+            lengths=agent.outbox.lengths(),
+            reason=agent.kill_reason,
+        )
+        agent.note(
+            state="exited", ended=time.time(), exit_code=ended.code, exit_signal=ended.signal,
+            reason=agent.kill_reason,
+        )
+        if agent.opts.shadow is None:
+            agent.delivered.set()
+        agent.stop.job_ended(trio.current_time())
+        while not (agent.delivered.is_set() or delivery_done.is_set()):
+            if trio.current_time() >= agent.stop.deadline:
+                await _stop_delivery(agent, delivery_done)
+                break
+            with trio.move_on_at(agent.stop.deadline):
+                await agent.changed.wait()
+        nursery.cancel_scope.cancel()
+    return exit_status(returncode)
+
+
+async def _report_progress(agent: Agent, progress: Callable[[int, int], None], start: dict[int, int]) -> None:
+    total = sum(o.read_end - start[sid] for sid, o in agent.out.items())
+    try:
+        while True:
+            progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
+            await trio.sleep(0.2)
+    finally:
+        progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
+
+
+def _finish(agent: Agent, job_status: int | None) -> Outcome:
+    """Delete a delivered spool; keep one that still holds output and say
+    why; say what is lost (`agent.lost`), which comes first in the status."""
+    spooler = agent.spooler
+    if agent.delivered.is_set() and not agent.lost:
+        spooler.close(remove=True)
+        return Outcome(job_status if job_status is not None else 0, job_status)
+    path = spooler.path if spooler.spool is not None else None
+    loss = agent.loss()
+    if agent.delivered.is_set():
+        # (A resumed spool whose run lost its tail: what it held is home.)
+        spooler.close(remove=True)
+        where = f"{agent.opts.shadow[0]}:{agent.opts.shadow[1]}" if agent.opts.shadow else "home"
+        return Outcome(exitcodes.LOST, job_status, f"what the spool held is delivered to {where}; lost when the "
+                                                   f"job ran: {loss}")
+    final = dict(agent.job_updates, connected=False, summary=agent.summary())
+    if agent.give_up is not None:
+        final.update(state="gave-up", last_error=agent.give_up.message)
+        if agent.kill_reason:
+            final.update(reason=agent.kill_reason)
+    elif agent.refusal is not None:
+        final.update(state="refused", last_error=describe(agent.refusal))
+    agent.live_fields.update({k: v for k, v in final.items() if k != "summary"})
+    spooler.write_live(agent.live_snapshot())
+    acked = {s: o.acked for s, o in agent.out.items()}
+    # What the job wrote: bytes past what the spool holds are on record as lost.
+    # (A resume knows only what its spool holds, and keeps the record it found.)
+    written = None if agent.outbox.resuming else {s: o.read_end for s, o in agent.out.items()}
+    if not spooler.last_commit(final, acked, written) and path is not None:
+        log.error("could not record the job's final state in %s", path)
+    spooler.close()
+    if agent.refusal is not None:
+        outcome = Outcome(exitcodes.REFUSED, job_status, agent.kill_reason or describe(agent.refusal), path,
+                          refused=True)
+    elif agent.give_up is not None:
+        outcome = agent.give_up
+        outcome.job_status, outcome.spool = job_status, path
+    else:
+        outcome = Outcome(exitcodes.UNDELIVERED, job_status, "output was not delivered", path)
+    outcome.pending = sum(max(0, o.safe_end - o.acked) for o in agent.out.values()) if path is not None else 0
+    if loss:
+        outcome.status = exitcodes.LOST
+        outcome.lost = (f"LOST: {loss}: held only in memory, and neither the disk nor home could take them"
+                        if not agent.outbox.resuming else f"lost when the job ran: {loss}")
+    return outcome
+
+
+async def resume_spool(
+    opts: AgentOptions, path: Path, progress: Callable[[int, int], None] | None = None
+) -> Outcome:
+    """Deliver what a spool left behind (a killed wrapper, an outage at job end).
+    `progress(done, total)` is called as bytes are acknowledged."""
+    try:
+        lock_fd = lock_spool(path)
+    except BlockingIOError:
+        return Outcome(exitcodes.INTERNAL, message=f"spool {path} is in use by a running gcwrap")
+    except OSError as e:
+        return Outcome(exitcodes.INTERNAL, message=f"cannot open spool {path}: {e.strerror}")
+    try:
+        spool = await trio.to_thread.run_sync(Spool.open, path)
+        job = spool.job()
+        states = spool.streams()
+    except SpoolError as e:
+        os.close(lock_fd)
+        return Outcome(exitcodes.INTERNAL, message=str(e))
+    specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
+    spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd)
+    agent = Agent(opts, spooler, job, specs, resuming=True)
+    for sid, out in agent.out.items():
+        st = states[sid]
+        out.restore(st.appended, st.acked)
+        if st.lost:
+            agent.lost[sid] = (st.appended, st.appended + st.lost)
+    lengths = agent.outbox.lengths()
+    # Home is told what the run lost, with why the job ended.
+    loss = f"lost: {agent.loss()}" if agent.lost else ""
+    if job.exit_code is None and job.exit_signal is None:
+        reason = "gcwrap ended before the job did; the job's exit status is unknown"
+        agent.outbox.exit = Exit(None, None, lengths, reason="; ".join(filter(None, (reason, loss))))
+    else:
+        agent.outbox.exit = Exit(job.exit_code, job.exit_signal, lengths,
+                                 reason="; ".join(filter(None, (job.reason, loss))))
+    # SIGTERM, SIGINT and SIGHUP are obeyed as by a run whose job has ended:
+    # delivery goes on for the grace (none after a second one), the rest stays in the spool.
+    with first_error(), trio.open_signal_receiver(*stop_signals()) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent.commit_loop)
+            nursery.start_soon(agent.live_loop)
+            nursery.start_soon(_obey_signals, agent, signals)
+            start = {sid: o.acked for sid, o in agent.out.items()}
+            if progress is not None:
+                nursery.start_soon(_report_progress, agent, progress, start)
+            with trio.CancelScope() as agent.delivery_scope:
+                await agent.deliver_loop()
+            if agent.delivery_scope.cancelled_caught and not agent.delivered.is_set():
+                how = "a second signal" if agent.stop.signals > 1 else f"the {agent.stop.grace:g} s grace"
+                agent.interrupt(f"{agent.stop.name} received: delivery stopped after {how}")
+                assert agent.give_up is not None
+                agent.give_up.message += f"; not yet home: {agent.not_home()}"
+            nursery.cancel_scope.cancel()
+    job_status = None
+    if job.exit_signal is not None:
+        job_status = 128 + job.exit_signal
+    elif job.exit_code is not None:
+        job_status = job.exit_code
+    outcome = _finish(agent, job_status)
+    if agent.delivered.is_set() and not agent.lost:
+        outcome.status = 0
+    outcome.stats = agent.summary()
+    outcome.signalled = agent.stop.name
+    return outcome
