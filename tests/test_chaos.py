@@ -48,7 +48,7 @@ from helpers import (
     wait_until,
 )
 
-from gcwrap.agent import LAST_TRY, SIGNAL_GRACE
+from gcwrap.policy import LAST_TRY, SIGNAL_GRACE
 from gcwrap.render import human_bytes
 
 MB = 1_000_000
