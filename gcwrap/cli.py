@@ -420,16 +420,23 @@ def resume(
         # A bar only for a person watching: not in a log file or a pipe.
         with resume_progress(console, job.job_id, quiet or log_format == "json" or not console.is_terminal) as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
-        if outcome.status == 0:
-            say.say(f"job {job.job_id}: all output delivered to {address[0]}:{address[1]}", "info")
-        elif outcome.status == exitcodes.LOST and outcome.spool is None:
-            say.say(f"job {job.job_id}: {outcome.message}")  # (delivered: the spool is gone)
-        else:
-            say.say(f"job {job.job_id}: {outcome.message} (spool {path})")
-            if outcome.lost and outcome.lost not in outcome.message:
-                say.say(f"job {job.job_id}: {outcome.lost}")
+        _say_resumed(say, job.job_id, address, path, outcome)
         worst = exitcodes.worst(worst, outcome.status)
+        if outcome.signalled:
+            break  # (the batch system's walltime, Ctrl-C: the other spools wait too)
     sys.exit(worst)
+
+
+def _say_resumed(say: Any, job_id: str, address: tuple[str, int], path: Path, outcome: Any) -> None:
+    """What became of one resumed spool, in a line or two."""
+    if outcome.status == 0:
+        say.say(f"job {job_id}: all output delivered to {address[0]}:{address[1]}", "info")
+    elif outcome.status == exitcodes.LOST and outcome.spool is None:
+        say.say(f"job {job_id}: {outcome.message}")  # (delivered: the spool is gone)
+    else:
+        say.say(f"job {job_id}: {outcome.message} (spool {path})")
+        if outcome.lost and outcome.lost not in outcome.message:
+            say.say(f"job {job_id}: {outcome.lost}")
 
 
 def _recorded_job(path: Path) -> Any:

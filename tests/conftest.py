@@ -59,5 +59,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if totals and totals["seeds"]:
         terminalreporter.write_line(
             "chaos schedule: {seeds} seeds, {bytes} bytes moved, {faults} faults injected, "
-            "{lost} bytes lost, {duplicated} bytes duplicated".format(**totals)
+            "{lost} bytes lost, {duplicated} bytes duplicated, {corrupt} bytes corrupt, {hung} hung".format(**totals)
         )
+        kinds = getattr(chaos, "CHAOS_KINDS", None)
+        if kinds:
+            terminalreporter.write_line("chaos faults by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))

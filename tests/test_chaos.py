@@ -8,19 +8,34 @@ byte lost, none duplicated). Needs root; skips with a reason elsewhere.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from faults import NS_IP, VETH_HOST, DelayProxy, NetNS, Relay, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
+from faults import (
+    NS_IP,
+    VETH_HOST,
+    DelayProxy,
+    NetNS,
+    Relay,
+    StallRelay,
+    Tmpfs,
+    need_netns,
+    need_tmpfs,
+    shadow_in_ns,
+)
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -33,6 +48,7 @@ from helpers import (
     wait_until,
 )
 
+from gcwrap.agent.policy import LAST_TRY, SIGNAL_GRACE
 from gcwrap.render import human_bytes
 
 MB = 1_000_000
@@ -514,25 +530,372 @@ def test_sigterm_stops_a_shadow_whose_root_vanished_mid_stream(spool_dir: Path, 
 
 
 # -- 7. a randomized schedule mixing all of the above --------------------------------
+#
+# Each seed draws a world (sizes, rate, heartbeat, retry timeout, memory limit,
+# write-behind, token or TLS, what gcwrap connects through, a stdin from home or
+# not) and a schedule of faults. Each fault is a small context manager below,
+# with what it makes the right outcome beside it. The runner checks every seed
+# for the exit status its schedule allows, for hangs (each process ends within a
+# bound the schedule gives, or it is counted, killed and reported), and, after a
+# `gcwrap resume` where the schedule leaves output in the spool, for what landed
+# against what the job wrote: lost, duplicated and corrupt bytes, counted apart.
 
-CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0}
-FAULT_KINDS = ("kill", "drop", "reset", "loss", "link", "diskfull")
+CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0, "corrupt": 0, "hung": 0}
+CHAOS_KINDS: collections.Counter[str] = collections.Counter()  # faults injected, by kind
+MARGIN = 5.0  # seconds for a process's start-up and exit on a loaded machine (test_signals uses 3)
+SLACK = 20.0  # ...and on top of a whole run's bound
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def lost_and_duplicated(path: Path, want: bytes) -> tuple[int, int]:
+def landed_vs_written(path: Path, want: bytes, at_least: int | None = None) -> tuple[int, int, int]:
+    """(lost, duplicated, corrupt): bytes missing at the end, bytes past the
+    end, and bytes within the common length that differ from what the job
+    wrote at that offset (a zero-filled hole, a chunk written over another).
+    With `at_least`, `want` is all the job could have written and only its
+    first `at_least` bytes must have landed (gcwrap killed -9: what it had
+    spooled; it may have sent more home before spooling it)."""
     got = path.read_bytes() if path.exists() else b""
-    if got == want:
-        return 0, 0
-    common = 0
+    common = min(len(got), len(want))
+    corrupt = 0
     step = 1 << 16
-    while common < min(len(got), len(want)) and got[common : common + step] == want[common : common + step]:
-        common += step
-    common = min(common, len(got), len(want))
-    return len(want) - common, max(0, len(got) - common)
+    for i in range(0, common, step):
+        a, b = got[i : min(i + step, common)], want[i : min(i + step, common)]
+        if a != b:
+            corrupt += sum(x != y for x, y in zip(a, b))
+    lost = len(want) - common if at_least is None else max(0, at_least - len(got))
+    return lost, len(got) - common, corrupt
+
+
+def make_pki(d: Path) -> dict[str, Path]:
+    """A CA and a shadow certificate for both addresses gcwrap may dial (the namespace's, a relay's)."""
+    import trustme
+
+    d.mkdir()
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    ca.issue_cert("127.0.0.1", NS_IP).private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
+    return {"ca": d / "ca.pem", "server": d / "server.pem"}
+
+
+class Chaos:
+    """One seed's world: the shadow in its namespace, what gcwrap connects
+    through (directly, a Relay duplicating attempts, or a StallRelay), the
+    spool on a tmpfs, gcwrap and its job; and what the schedule allows the
+    run to end with (`allowed`, the exit statuses), which faults widen."""
+
+    def __init__(self, seed: int, netns: NetNS, tmp_path: Path, stack: contextlib.ExitStack) -> None:
+        rng = self.rng = random.Random(seed)
+        self.seed, self.netns, self.tmp = seed, netns, tmp_path
+        self.home, self.spool_dir, self.logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
+        self.home.mkdir()
+        self.logs.mkdir()
+        self.out_n, self.err_n = rng.randint(1, 6) * MB, rng.randint(0, 8) * 100_000
+        self.rate = rng.choice((2, 3, 4)) * MB
+        self.heartbeat = rng.choice((0.5, 1.0))
+        self.retry_timeout = rng.choice((0.5, 1.0))
+        self.memory_limit = rng.choice(("2MiB", "2MiB", "256KiB"))
+        self.write_behind = rng.choice((0, 0, 0, 1))
+        self.auth = rng.choice(("none", "none", "token", "tls"))
+        self.front = rng.choice(("direct", "relay", "stall"))
+        self.stdin = rng.choice((None, None, None, "file", "missing", "symlink"))
+        self.world = (f"out={self.out_n} err={self.err_n} rate={self.rate} heartbeat={self.heartbeat} "
+                      f"retry-timeout={self.retry_timeout} memory-limit={self.memory_limit} "
+                      f"write-behind={self.write_behind} auth={self.auth} front={self.front} stdin={self.stdin}")
+        self.allowed = {0}
+        self.events: list[str] = []
+        self.hung: list[str] = []
+        self.signalled: tuple[signal.Signals, float] | None = None
+        self.wrapper_killed: dict[str, int] | None = None  # what the spool held of each stream when kill -9 came
+        self.disk_full = False
+        self.report = tmp_path / "written"  # the job's own count, if a signal ended it (genjob --term-report)
+        self.stdin_copy = tmp_path / "stdin.copy"
+        self.stdin_bytes = b""
+        # The shadow, and how gcwrap and gcshadow authenticate.
+        self.shadow_args: list[str] = []
+        self.auth_args: list[str] = []
+        if self.auth == "token":
+            token = tmp_path / "token"
+            token.write_text(os.urandom(32).hex() + "\n")
+            token.chmod(0o600)
+            self.shadow_args = self.auth_args = ["--token-file", str(token)]
+        elif self.auth == "tls":
+            pki = make_pki(tmp_path / "pki")
+            self.shadow_args, self.auth_args = ["--tls-cert", str(pki["server"])], ["--tls-ca", str(pki["ca"])]
+        self.shadow, self.port = shadow_in_ns(netns, self.home, self.logs, extra=self.shadow_args)
+        stack.callback(self.stop_shadow)
+        self.fs = stack.enter_context(Tmpfs(self.spool_dir, "16m"))
+        # What gcwrap dials.
+        self.relay: Relay | None = None
+        self.stall: StallRelay | None = None
+        address = f"{NS_IP}:{self.port}"
+        if self.front == "relay":
+            self.relay = stack.enter_context(Relay((NS_IP, self.port), duplicate=rng.choice((0.5, 1.0)), seed=seed))
+            address = f"127.0.0.1:{self.relay.port}"
+        elif self.front == "stall":
+            # TLS hides the frames: a middlebox on it can only drop raw bytes.
+            frames = self.auth != "tls" and rng.random() < 0.5
+            self.stall = stack.enter_context(StallRelay((NS_IP, self.port), frames=frames))
+            address = f"127.0.0.1:{self.stall.port}"
+        self.common = ["--shadow", address, "--spool", str(self.spool_dir), "--retry-timeout", str(self.retry_timeout),
+                       "--heartbeat", str(self.heartbeat), *self.auth_args]
+
+    # -- the job ----------------------------------------------------------------------------
+
+    def start(self) -> Wrapper:
+        job = genjob(self.out_n, self.err_n, seed=self.seed, rate=self.rate, term_report=self.report)
+        stdin: list[str] = []
+        if self.stdin is not None:
+            # The job reads its stdin from home at ~1/3 of its size per second while it writes,
+            # and ends only after its end: a refusal of it must end the job.
+            self.stdin_bytes = random.Random(self.seed + 7).randbytes(self.rng.randint(1, 3) * 300_000)
+            (self.home / "in.bin").write_bytes(self.stdin_bytes)
+            job += ["--copy-stdin", str(self.stdin_copy), "--stdin-rate", str(len(self.stdin_bytes) // 3)]
+            name = "in.bin"
+            if self.stdin == "missing":
+                name = "missing.bin"
+                self.expect_refusal("stdin-missing")
+            elif self.stdin == "symlink":
+                (self.home / "link.bin").symlink_to(self.home / "in.bin")  # links are never followed
+                name = "link.bin"
+                self.expect_refusal("stdin-symlink")
+            stdin = ["--stdin", name]
+        self.started = time.monotonic()
+        self.wrapper = Wrapper([*self.common, "--job-id", f"chaos-{self.seed}", "--retry-limit", "0",
+                                "--memory-limit", self.memory_limit, "--write-behind", str(self.write_behind),
+                                "--stdout", "c.out", "--stderr", "c.err", *stdin, "--", *job])
+        return self.wrapper
+
+    def expect_refusal(self, kind: str) -> None:
+        """A stdin refused for good: the job can never be fed, so it must be
+        ended, and gcwrap exits REFUSED (123); `resume --include-refused`
+        delivers what it wrote."""
+        CHAOS_KINDS[kind] += 1
+        self.allowed = {123}
+
+    def stop_shadow(self) -> None:
+        """SIGTERM: a shadow that does not end within 10 s is hung (counted, then killed)."""
+        if self.shadow.poll() is not None:
+            return
+        self.shadow.send_signal(signal.SIGTERM)
+        try:
+            self.shadow.wait(10)
+        except subprocess.TimeoutExpired:
+            self.hung.append("gcshadow did not end within 10 s of SIGTERM")
+            self.shadow.kill()
+            self.shadow.wait(10)
+
+    def restart_shadow(self) -> None:
+        self.shadow, _ = shadow_in_ns(self.netns, self.home, self.logs, port=self.port, extra=self.shadow_args)
+
+    # -- the bound: when gcwrap must have ended ------------------------------------------------
+
+    def deadline(self, schedule_end: float) -> float:
+        """The job's own time (its output at its rate, its stdin at its), the
+        schedule's, then what a last outage may cost: an attempt's backoff
+        and a stalled connection's 3 heartbeats, twice; the grace of a
+        signal. After a signal, the documented grace alone."""
+        job = (self.out_n + self.err_n) / self.rate + (3.0 if self.stdin else 0.0)
+        end = max(schedule_end, self.started + job)
+        bound = end + 2 * (self.retry_timeout + 3 * self.heartbeat) + SIGNAL_GRACE + LAST_TRY + SLACK
+        if self.signalled is not None:
+            bound = min(bound, self.signalled[1] + SIGNAL_GRACE + LAST_TRY + MARGIN)
+        return bound
+
+    def written(self) -> tuple[int, int, int | None, int | None]:
+        """What the job wrote of stdout and stderr, by its own count when a
+        signal ended it; when gcwrap was killed -9, all it could have written,
+        and what gcwrap had spooled of it (what must land)."""
+        if self.wrapper_killed is not None:
+            return self.out_n, self.err_n, self.wrapper_killed["stdout"], self.wrapper_killed.get("stderr", 0)
+        if self.report.exists():
+            out, err = map(int, self.report.read_text().split())
+            return out, err, None, None
+        if self.job_killed():  # before it could block the signal: before its first write
+            return 0, 0, None, None
+        return self.out_n, self.err_n, None, None
+
+    def job_killed(self) -> bool:
+        """Whether a signal ended the job (gcwrap's summary says how the job ended)."""
+        m = re.search(rf"job chaos-{self.seed} ended with status (\d+)", self.wrapper.err.decode(errors="replace"))
+        return self.report.exists() or (m is not None and int(m.group(1)) > 128)
+
+
+# -- the faults: each applies on entry, heals on exit ------------------------------------------
+
+
+@contextlib.contextmanager
+def shadow_kill9(c: Chaos) -> Iterator[None]:
+    """gcshadow killed -9, restarted on its port: nothing changes for the outcome."""
+    os.kill(c.shadow.pid, signal.SIGKILL)
+    c.shadow.wait(10)
+    yield
+    c.restart_shadow()
+
+
+@contextlib.contextmanager
+def shadow_frozen(c: Chaos) -> Iterator[None]:
+    """gcshadow stopped (SIGSTOP): its kernel still takes connections and
+    bytes, nothing answers; on SIGCONT it meets every attempt made meanwhile
+    at once. gcwrap replaces the silent connection; exit 0."""
+    os.kill(c.shadow.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(c.shadow.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def black_hole(c: Chaos) -> Iterator[None]:
+    """Packets to the shadow vanish: gcwrap replaces the connection, spools meanwhile; exit 0."""
+    c.netns.blackhole(c.port)
+    yield
+    c.netns.heal()
+
+
+@contextlib.contextmanager
+def reset(c: Chaos) -> Iterator[None]:
+    c.netns.reset(c.port)
+    yield
+    c.netns.heal()
+
+
+@contextlib.contextmanager
+def loss(c: Chaos) -> Iterator[None]:
+    c.netns.loss(c.port, 0.1)
+    yield
+    c.netns.heal()
+
+
+@contextlib.contextmanager
+def link_down(c: Chaos) -> Iterator[None]:
+    c.netns.link(up=False)
+    yield
+    c.netns.link(up=True)
+
+
+@contextlib.contextmanager
+def spool_disk_full(c: Chaos) -> Iterator[None]:
+    """The spool's disk fills: output goes home from memory, or the job
+    pauses; nothing is lost while the network works or the disk recovers."""
+    filler = c.fs.fill()
+    c.disk_full = True
+    yield
+    filler.unlink()
+    c.disk_full = False
+
+
+@contextlib.contextmanager
+def racing_sessions(c: Chaos) -> Iterator[None]:
+    """The relay black-holes, and at its end delivers abandoned attempts
+    (their HELLO, maybe DATA) late, beside the live one, duplicated: the
+    shadow fences all but one session of the job; exit 0."""
+    assert c.relay is not None
+    c.relay.hole()
+    yield
+    c.relay.heal()
+
+
+@contextlib.contextmanager
+def bytes_vanish(c: Chaos) -> Iterator[None]:
+    """A middlebox keeps reading and forwards nothing (frames or raw bytes)
+    on a live connection: gcwrap replaces it when ACKs stop; exit 0."""
+    assert c.stall is not None
+    c.stall.stall(3600)
+    yield
+    c.stall.stall(0)
+
+
+@contextlib.contextmanager
+def stdin_removed(c: Chaos) -> Iterator[None]:
+    """The job's stdin deleted at home mid-run: either the job already had
+    all of it (exit 0, its copy whole), or a later read is refused for good
+    and the job is ended (123)."""
+    (c.home / "in.bin").unlink(missing_ok=True)
+    c.allowed = {0, 123}
+    yield
+
+
+FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = {
+    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
+    "spool-disk-full": spool_disk_full, "racing-sessions": racing_sessions, "bytes-vanish": bytes_vanish,
+    "stdin-removed": stdin_removed,
+}
+
+
+def fault_kinds(c: Chaos) -> list[str]:
+    """The faults this world can have; those of its front and stdin weigh twice, so they come up."""
+    kinds = ["shadow-kill9", "shadow-frozen", "black-hole", "reset", "loss", "link-down", "spool-disk-full"]
+    kinds += 2 * ["racing-sessions"] if c.relay else []
+    kinds += 2 * ["bytes-vanish"] if c.stall else []
+    kinds += 2 * ["stdin-removed"] if c.stdin == "file" else []
+    return kinds
+
+
+# -- the finales: gcwrap itself ends by a signal or kill -9, at a random moment --------------------
+
+
+def signal_gcwrap(c: Chaos) -> None:
+    """SIGTERM, SIGINT or SIGHUP to gcwrap, maybe during an outage, maybe
+    after the job ended: within the grace it exits 0 (the job had ended,
+    all home), 128+N (the job died of it, all home) or 122 (the rest waits
+    in the spool, named; `gcwrap resume` delivers it)."""
+    sig = c.rng.choice(SIGNALS)
+    CHAOS_KINDS[f"signal-{sig.name}"] += 1
+    if c.wrapper.proc.poll() is None:
+        os.kill(c.wrapper.proc.pid, sig)
+        c.signalled = (sig, time.monotonic())
+        c.allowed = {0, 128 + sig, 122}
+
+
+def wrapper_kill9(c: Chaos) -> None:
+    """gcwrap killed -9: `gcwrap resume` delivers everything it had read (the spool's count)."""
+    CHAOS_KINDS["wrapper-kill9"] += 1
+    if c.wrapper.proc.poll() is None:
+        c.wrapper.kill9()
+        c.allowed = {-signal.SIGKILL}
+        (st,) = spool_status(c.spool_dir)
+        c.wrapper_killed = {s["kind"]: s["appended"] for s in st["streams"]}  # type: ignore[index, union-attr]
+
+
+def finales(c: Chaos, kinds: list[str]) -> list[Callable[[Chaos], None]]:
+    """A stdin refusal decides the outcome alone; write-behind gives kill -9 its documented loss."""
+    if c.stdin in ("missing", "symlink") or "stdin-removed" in kinds:
+        return []
+    return [signal_gcwrap] if c.write_behind else [signal_gcwrap, wrapper_kill9]
+
+
+def run_schedule(c: Chaos) -> None:
+    """2 to 4 faults, one after another, each held 0.2 to 2.5 s; maybe a
+    finale, during one of them (not a full spool disk: there a signal would
+    rightly lose what only memory held) or after it."""
+    rng = c.rng
+    kinds = [rng.choice(fault_kinds(c)) for _ in range(rng.randint(2, 4))]
+    finale = rng.choice([None, *finales(c, kinds)]) if finales(c, kinds) else None
+    finale_at, during = rng.randrange(len(kinds)), rng.random() < 0.5
+    for i, kind in enumerate(kinds):
+        time.sleep(rng.uniform(0.1, 1.0))
+        first, then = rng.uniform(0.1, 1.25), rng.uniform(0.1, 1.25)
+        c.events.append(f"{time.monotonic() - c.started:.2f} s: {kind} for {first + then:.2f} s")
+        CHAOS_KINDS[kind] += 1
+        with FAULTS[kind](c):
+            time.sleep(first)
+            if finale is not None and i == finale_at and during and not c.disk_full:
+                c.events.append(f"{time.monotonic() - c.started:.2f} s: {finale.__name__} (during {kind})")
+                finale(c)
+                finale = None
+                if rng.random() < 0.5:  # an outage that outlasts the grace: what is not home waits in the spool
+                    then = SIGNAL_GRACE + rng.uniform(0.5, 2.0)
+                    c.events.append(f"{kind} held {then:.2f} s more")
+            time.sleep(then)
+        if finale is not None and i == finale_at:
+            c.events.append(f"{time.monotonic() - c.started:.2f} s: {finale.__name__}")
+            finale(c)
+            finale = None
 
 
 def chaos_seeds(config: pytest.Config) -> list[int]:
-    n = config.getoption("--seeds") or 20
+    """8 seeds in the default run; --seeds N (100 with --run-slow alone) for the long one."""
+    n = config.getoption("--seeds") or (100 if config.getoption("--run-slow") else 8)
     return list(range(n))
 
 
@@ -543,63 +906,132 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("relay_seed", list(range(2, 2 + (metafunc.config.getoption("--seeds") or 30))))
 
 
-@pytest.mark.timeout(120)
+def finish(c: Chaos, schedule_end: float) -> tuple[int | None, str]:
+    """Wait for gcwrap within the schedule's bound (a hang is counted, killed, reported)."""
+    w = c.wrapper
+    if c.wrapper_killed is not None:
+        return -signal.SIGKILL, w.err.decode(errors="replace")
+    try:
+        w.out, w.err = w.proc.communicate(timeout=max(0.1, c.deadline(schedule_end) - time.monotonic()))
+        return w.proc.returncode, w.err.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        c.hung.append(f"gcwrap did not end {time.monotonic() - c.started:.1f} s after its start (its bound)")
+        Wrapper.kill_leftovers()
+        w.out, w.err = w.proc.communicate()
+        return None, w.err.decode(errors="replace")
+
+
+def resume(c: Chaos, *extra: str) -> tuple[int | None, str]:
+    try:
+        res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(c.spool_dir), "--retry-timeout", "0.5",
+                              *c.auth_args, *extra], capture_output=True, timeout=60 + SLACK, check=False)
+    except subprocess.TimeoutExpired as e:
+        c.hung.append("gcwrap resume did not end within 80 s")
+        return None, (e.stderr or b"").decode(errors="replace")
+    return res.returncode, res.stderr.decode(errors="replace")
+
+
+def resume_signalled(c: Chaos, *extra: str) -> list[str]:
+    """A `gcwrap resume` at a walltime, home out of reach (the shadow killed
+    -9): SIGTERM, SIGINT or SIGHUP ends it within the grace, exit 122, the
+    spool named; the spool stays whole for the next resume."""
+    sig = c.rng.choice(SIGNALS)
+    CHAOS_KINDS[f"resume-signal-{sig.name}"] += 1
+    c.events.append(f"resume, home down, {sig.name}")
+    os.kill(c.shadow.pid, signal.SIGKILL)
+    c.shadow.wait(10)
+    proc = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(c.spool_dir), "--retry-timeout", "0.5",
+                             "--retry-limit", "0", *c.auth_args, *extra], stderr=subprocess.PIPE)
+    # (Once it holds the spool: a signal while Python starts up ends it before it has done anything.)
+    wait_until(lambda: proc.poll() is not None or any(s["active"] for s in spool_status(c.spool_dir)), 30,
+               "the resume to hold the spool")
+    time.sleep(c.rng.uniform(0.0, 2.0))
+    if proc.poll() is not None:
+        c.restart_shadow()
+        said = proc.communicate()[1].decode(errors="replace")
+        return [f"a resume with home down ended before any signal: {proc.returncode}, {said}"]
+    signalled = time.monotonic()
+    proc.send_signal(sig)
+    problems = []
+    try:
+        _, err = proc.communicate(timeout=SIGNAL_GRACE + MARGIN)
+        text = err.decode(errors="replace")
+        if proc.returncode != 122 or f"{sig.name} received" not in text or "(spool " not in text:
+            problems.append(f"a resume signalled with home down exited {proc.returncode}: {text}")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        c.hung.append(f"gcwrap resume did not end {time.monotonic() - signalled:.1f} s after {sig.name}: "
+                      f"{err.decode(errors='replace')}")
+    c.restart_shadow()
+    return problems
+
+
+def check_outcome(c: Chaos, rc: int | None, text: str) -> list[str]:
+    """What the schedule's exit status must come with; then `gcwrap resume`
+    where output may wait in the spool. Returns the problems found."""
+    problems: list[str] = []
+    if rc not in c.allowed:
+        problems.append(f"gcwrap exited {rc}; this schedule allows {sorted(c.allowed)}")
+    if "Traceback" in text:
+        problems.append("a traceback")
+    spools = sorted(c.spool_dir.glob("*.spool"))
+    if rc in (0, *(128 + s for s in SIGNALS)) and spools:
+        problems.append(f"gcwrap exited {rc} with output left in {spools}")
+    if rc == 122:
+        if not spools or f"undelivered output is kept in {spools[0]}" not in text:
+            problems.append("exit 122 without naming the spool")
+        if c.signalled is not None and f"{c.signalled[0].name} received" not in text:
+            problems.append(f"exit 122 without saying {c.signalled[0].name} was received")
+    had_all_stdin = bool(c.stdin_bytes) and c.stdin_copy.exists() and c.stdin_copy.read_bytes() == c.stdin_bytes
+    if rc == 123 and not had_all_stdin:  # (refused after the job had all its stdin: it ran on, as test_stdin says)
+        if "can never be fed" not in text:
+            problems.append("exit 123 without the stdin refusal's line")
+        if not c.job_killed():
+            problems.append("exit 123 and the job was not ended")
+    if rc in (122, 123, -signal.SIGKILL):
+        if c.rng.random() < 0.4:
+            problems += resume_signalled(c, *(["--include-refused"] if rc == 123 else []))
+        again, said = resume(c, *(["--include-refused"] if rc == 123 else []))
+        if again != 0:
+            problems.append(f"gcwrap resume exited {again}: {said}")
+        elif list(c.spool_dir.glob("*.spool")):
+            problems.append("gcwrap resume exited 0 with a spool left")
+    return problems
+
+
+@pytest.mark.timeout(240)
 def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) -> None:
     need_tmpfs()
-    rng = random.Random(chaos_seed)
-    home, spool_dir, logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
-    home.mkdir()
-    logs.mkdir()
-    out_n, err_n = rng.randint(1, 6) * MB, rng.randint(0, 8) * 100_000
-    rate = rng.choice((2, 3, 4)) * MB
-    out_b, err_b = random.Random(chaos_seed).randbytes(out_n), random.Random(chaos_seed + 1).randbytes(err_n)
-    proc, port = shadow_in_ns(netns, home, logs)
-    faults = 0
-    with Tmpfs(spool_dir, "4m") as fs:
-        try:
-            w = Wrapper(["--shadow", f"{NS_IP}:{port}", "--spool", str(spool_dir), "--job-id", f"chaos-{chaos_seed}",
-                         "--retry-timeout", "0.5", "--retry-limit", "0", "--heartbeat", "0.5",
-                         "--memory-limit", "2MiB", "--stdout", "c.out", "--stderr", "c.err", "--",
-                         *genjob(out_n, err_n, seed=chaos_seed, rate=rate)])
-            for _ in range(rng.randint(2, 4)):
-                time.sleep(rng.uniform(0.1, 1.0))
-                kind = rng.choice(FAULT_KINDS)
-                faults += 1
-                filler = None
-                if kind == "kill":
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
-                elif kind == "drop":
-                    netns.blackhole(port)
-                elif kind == "reset":
-                    netns.reset(port)
-                elif kind == "loss":
-                    netns.loss(port, 0.1)
-                elif kind == "link":
-                    netns.link(up=False)
-                else:
-                    filler = fs.fill()
-                time.sleep(rng.uniform(0.2, 2.5))
-                if kind == "kill":
-                    proc, _ = shadow_in_ns(netns, home, logs, port=port)
-                elif kind == "link":
-                    netns.link(up=True)
-                elif filler is not None:
-                    filler.unlink()
-                else:
-                    netns.heal()
-            rc = w.wait(90)
-        finally:
-            stop(proc)
-    lost_o, dup_o = lost_and_duplicated(home / "c.out", out_b)
-    lost_e, dup_e = lost_and_duplicated(home / "c.err", err_b)
+    with contextlib.ExitStack() as stack:
+        c = Chaos(chaos_seed, netns, tmp_path, stack)
+        stack.callback(Wrapper.kill_leftovers)
+        c.start()
+        run_schedule(c)
+        rc, text = finish(c, time.monotonic())
+        problems = check_outcome(c, rc, text)
+    out_n, err_n, out_least, err_least = c.written()
+    lost_o, dup_o, bad_o = landed_vs_written(c.home / "c.out", random.Random(chaos_seed).randbytes(c.out_n)[:out_n],
+                                             out_least)
+    lost_e, dup_e, bad_e = landed_vs_written(c.home / "c.err",
+                                             random.Random(chaos_seed + 1).randbytes(c.err_n)[:err_n], err_least)
+    lost, dup, bad = lost_o + lost_e, dup_o + dup_e, bad_o + bad_e
+    if c.stdin_bytes and c.stdin_copy.exists():  # what the job read of its stdin: a byte-exact prefix, whole on exit 0
+        s_lost, s_dup, s_bad = landed_vs_written(c.stdin_copy, c.stdin_bytes)
+        lost += s_lost if rc == 0 else 0
+        dup, bad = dup + s_dup, bad + s_bad
     CHAOS_TOTALS["seeds"] += 1
-    CHAOS_TOTALS["bytes"] += out_n + err_n
-    CHAOS_TOTALS["faults"] += faults
-    CHAOS_TOTALS["lost"] += lost_o + lost_e
-    CHAOS_TOTALS["duplicated"] += dup_o + dup_e
-    assert rc == 0, w.err.decode()
-    assert (lost_o, dup_o, lost_e, dup_e) == (0, 0, 0, 0)
+    CHAOS_TOTALS["bytes"] += file_size(c.home / "c.out") + file_size(c.home / "c.err") + file_size(c.stdin_copy)
+    CHAOS_TOTALS["faults"] += len(c.events) + (c.stdin in ("missing", "symlink"))
+    CHAOS_TOTALS["lost"] += lost
+    CHAOS_TOTALS["duplicated"] += dup
+    CHAOS_TOTALS["corrupt"] += bad
+    CHAOS_TOTALS["hung"] += len(c.hung)
+    story = f"seed {chaos_seed}: {c.world}; " + "; ".join(c.events) + f"; exit {rc}"
+    print(story)
+    assert not c.hung, f"{story}\nhung: {c.hung}\n{text}"
+    assert not problems, f"{story}\n{problems}\n{text}"
+    assert (lost, dup, bad) == (0, 0, 0), f"{story}\nlost {lost}, duplicated {dup}, corrupt {bad}\n{text}"
 
 
 # -- 8. a relay that duplicates connection attempts -----------------------------------------

@@ -619,3 +619,45 @@ def test_stopping_with_a_batch_in_flight_closes_the_files_and_ends(tmp_path: Pat
         store.close()
     assert ended
     assert not shadow.sessions and len(shadow.files) == 0
+
+
+# -- a stale attempt of the job (end to end) ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_attempt_does_not_take_the_job_from_the_newer_one(tmp_path: Path) -> None:
+    """Two attempts of one job at once (a requeued job whose first run still
+    lives): the newer one takes the job, the older is refused STALE_ATTEMPT
+    and, refused for good, keeps trying every --retry-timeout. Each of those
+    tries must be refused without taking the job from the newer attempt.
+    Before: each fenced the newer attempt's live session first, then was
+    refused (21 sessions of the newer attempt in 10 s)."""
+    import re
+
+    from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, wait_until
+
+    home, logs = tmp_path / "home", tmp_path / "logs"
+    home.mkdir()
+    logs.mkdir()
+    sh = ShadowProc(home, logs)
+    sh.start()
+    n = 8_000_000
+
+    def attempt(i: int, seed: int) -> Wrapper:
+        return Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / f"spool{i}"), "--job-id", "twice",
+                        "--retry-limit", "0", "--retry-timeout", "0.2", "--heartbeat", "1", "--stdout", "t.out", "--",
+                        *genjob(n, 0, seed=seed, rate=1_000_000)])
+
+    try:
+        older = attempt(0, 11)
+        wait_until(lambda: "job twice session 1" in sh.log(), 30, "the first attempt's session")
+        newer = attempt(1, 12)
+        assert newer.wait(60) == 0, newer.err.decode()
+        older_rc = older.wait(60)
+    finally:
+        sh.stop()
+    assert older_rc == 123, older.err.decode()
+    assert b"STALE_ATTEMPT" in older.err
+    assert sha256_file(home / "t.out") == expected(n, 12), "the newer attempt's output, whole"
+    reconnects = int(re.search(rb"(\d+) reconnect\(s\)", newer.err).group(1))  # type: ignore[union-attr]
+    assert reconnects <= 1, f"the stale attempt took the job from the newer one {reconnects} times"

@@ -165,3 +165,112 @@ def test_stop_clock() -> None:
     clock.signal(21.0, "SIGHUP")
     clock.job_ended(40.0)
     assert clock.deadline == 21.0  # after a second signal, no last try
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_resume_obeys_a_signal_within_the_grace(spool_dir: Path, sig: signal.Signals) -> None:
+    """`gcwrap resume` at a walltime, home still down: it ends within the
+    grace, exits 122 naming what is left and the spool, and a later resume
+    delivers it. Before: SIGTERM and SIGHUP killed it without a word (no
+    exit status of its own), SIGINT printed "Aborted!" and exited 1."""
+    args = home_down(spool_dir, f"resume-{sig.name}")
+    w = Wrapper([*args, "--stdout", "s.out", "--stderr", "s.err", "--", "sh", "-c", "echo hello; echo oops >&2"])
+    wait_until(lambda: job_ended(spool_dir), 30, "the job's end in the spool")
+    os.kill(w.proc.pid, signal.SIGKILL)  # (its spool is left behind, as a killed wrapper's would be)
+    w.wait(10)
+    resume = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-limit", "0",
+                               "--retry-timeout", "60", "--shadow", args[1]], stderr=subprocess.PIPE)
+    wait_until(lambda: bool(spool_status(spool_dir)[0]["active"]), 30, "the resume to hold the spool")
+    time.sleep(0.5)  # (its first attempt has failed: it waits to retry)
+    started = time.monotonic()
+    resume.send_signal(sig)
+    try:
+        _, err = resume.communicate(timeout=SIGNAL_GRACE + 4 * MARGIN)
+    finally:
+        resume.kill()
+    took = time.monotonic() - started
+    assert resume.returncode == 122, err.decode()
+    assert took < SIGNAL_GRACE + MARGIN, took
+    (spool,) = spool_dir.glob("*.spool")
+    text = err.decode()
+    assert f"{sig.name} received: delivery stopped after the {SIGNAL_GRACE:g} s grace; not yet home: 6 bytes of " \
+           f"stdout (s.out), 5 bytes of stderr (s.err) (spool {spool})" in text, text
+    (st,) = spool_status(spool_dir)
+    assert {s["kind"]: s["pending"] for s in st["streams"]} == {"stdout": 6, "stderr": 5}  # type: ignore[index]
+
+
+@pytest.mark.timeout(90)
+def test_resume_of_several_spools_stops_at_the_signal(spool_dir: Path) -> None:
+    """The signal ends the whole resume: the next spool is not begun (it would wait out the retry limit)."""
+    for name in ("first", "second"):
+        args = home_down(spool_dir, name)
+        w = Wrapper([*args, "--stdout", f"{name}.out", "--", "echo", name])
+        wait_until(lambda: any(str(s["state"]).startswith("exited") and s["job_id"] == name  # noqa: B023
+                               for s in spool_status(spool_dir)), 30, f"{name}'s end in the spool")
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.wait(10)
+    resume = subprocess.Popen([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--retry-limit", "0",
+                               "--retry-timeout", "60", "--shadow", args[1]], stderr=subprocess.PIPE)
+    wait_until(lambda: any(s["active"] for s in spool_status(spool_dir)), 30, "the resume to hold a spool")
+    started = time.monotonic()
+    resume.send_signal(signal.SIGTERM)
+    try:
+        _, err = resume.communicate(timeout=SIGNAL_GRACE + 4 * MARGIN)
+    finally:
+        resume.kill()
+    assert resume.returncode == 122, err.decode()
+    assert time.monotonic() - started < SIGNAL_GRACE + MARGIN
+    assert err.decode().count("SIGTERM received: delivery stopped") == 1, err.decode()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("obeys", [True, False], ids=["left-child-obeys", "left-child-ignores-it"])
+def test_signal_after_the_job_ended_while_what_it_left_holds_its_output(spool_dir: Path, tmp_path: Path,
+                                                                        obeys: bool) -> None:
+    """The job's process has ended, but something it started in the
+    background still holds its stdout (`cmd &` in a batch script). A signal
+    must still end gcwrap within the grace: it reaches the job's process
+    group (the background process gets it, as it would from a batch
+    system), and gcwrap stops waiting for the pipe at the grace. Before:
+    "delivering for at most 5 s more", then gcwrap waited for the
+    background process to end (20 s here; forever for a daemon)."""
+    ended = tmp_path / "ended"
+    trap = "" if obeys else "trap '' TERM; "
+    w = Wrapper([*home_down(spool_dir, "left-behind"), "--stdout", "lb.out", "--", "sh", "-c",
+                 f"echo hi; ({trap}sleep 20; echo late) 2>/dev/null & touch {ended}; exit 0"])  # (not our stderr)
+    wait_until(ended.exists, 30, "the job's process to end")
+    time.sleep(0.5)
+    started = time.monotonic()
+    os.kill(w.proc.pid, signal.SIGTERM)
+    rc = w.wait(SIGNAL_GRACE + 30)
+    took = time.monotonic() - started
+    assert rc == 122, w.err.decode()
+    assert took < SIGNAL_GRACE + LAST_TRY + MARGIN, took
+    check_message(w.err, spool_dir, "3 bytes of stdout (lb.out)", "SIGTERM")
+
+
+@pytest.mark.timeout(60)
+def test_a_hangup_is_ignored_under_nohup(shadow: object, home: Path, spool_dir: Path, tmp_path: Path) -> None:
+    """`nohup gcwrap ... &`, then the terminal hangs up: SIGHUP was ignored
+    when gcwrap started, so it stays ignored, for gcwrap and for its job
+    (which inherits that, as it would without gcwrap). Before: gcwrap
+    caught it, forwarded it to the job (which nohup was meant to protect:
+    it died of it, status 129) and stopped delivering after the grace."""
+    started_file = tmp_path / "started"
+    w = subprocess.Popen(
+        [*tool("gcwrap"), "--shadow", shadow.address, "--spool", str(spool_dir),  # type: ignore[attr-defined]
+         "--job-id", "nohup", "--retry-timeout", "1", "--stdout", "n.out", "--",
+         "sh", "-c", f"echo hi; touch {started_file}; sleep 2; echo bye"],
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # noqa: PLW1509 - as nohup does
+    try:
+        wait_until(started_file.exists, 30, "the job to start")
+        os.killpg(w.pid, signal.SIGHUP)  # (the hangup reaches the whole session: gcwrap and its job)
+        os.kill(w.pid, signal.SIGHUP)
+        _, err = w.communicate(timeout=30)
+    finally:
+        w.kill()
+    assert w.returncode == 0, err.decode()
+    assert b"SIGHUP" not in err, err.decode()
+    assert (home / "n.out").read_bytes() == b"hi\nbye\n"

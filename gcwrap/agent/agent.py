@@ -97,6 +97,7 @@ class Outcome:
     lost: str = ""  # what output is lost, in words (then status is LOST)
     pending: int = 0  # bytes of output the spool keeps for `gcwrap resume`
     refused: bool = False  # the shadow refused the job for good
+    signalled: str = ""  # the signal that stopped a resume ("SIGTERM"): resume no further spool
 
 
 class Agent:
@@ -480,11 +481,8 @@ class Agent:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(tcp)
                 if isinstance(e.__cause__, ssl.SSLCertVerificationError):
-                    raise ShadowRefused(
-                        ErrorCode.AUTH_FAILED,
-                        f"the shadow's certificate failed verification: {e.__cause__.verify_message}",
-                        permanent=True,
-                    ) from None
+                    why = f"the shadow's certificate failed verification: {e.__cause__.verify_message}"
+                    raise ShadowRefused(ErrorCode.AUTH_FAILED, why, permanent=True) from None
                 raise
             return tls, tcp
 

@@ -12,6 +12,7 @@ wake each other with its one `changed` signal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -74,12 +75,22 @@ def _signal_job(proc: trio.Process, signum: int) -> None:
     proc.send_signal(signum)
 
 
-async def _forward_signals(proc: trio.Process, agent: Agent, signals: AsyncIterator[int]) -> None:
+@dataclasses.dataclass
+class JobProcess:
+    """The job's process as the signal forwarder needs it."""
+
+    proc: trio.Process
+    group: int | None = None  # its own process group, if it has one
+    pipes: trio.CancelScope | None = None  # reading its pipes once its process has ended
+
+
+async def _forward_signals(job: JobProcess, agent: Agent, signals: AsyncIterator[int]) -> None:
     """SIGTERM, SIGINT and SIGHUP go to the job while it runs, and start
     gcwrap's own end: it delivers for a bounded grace (see StopClock), then
     keeps the rest in the spool. A batch system signals the job and gcwrap
     together: the job may well die before gcwrap reads its copy, so the
     first signal still leaves time to deliver; a second one stops at once."""
+    proc = job.proc
     async for signum in signals:
         name = signal.Signals(signum).name
         agent.stop.signal(trio.current_time(), name)
@@ -87,8 +98,33 @@ async def _forward_signals(proc: trio.Process, agent: Agent, signals: AsyncItera
         if proc.returncode is None:
             log.info("forwarding %s to the job", name)
             _signal_job(proc, signum)
-        elif agent.stop.signals == 1 and agent.delivering:
+        elif job.group is not None and agent.outbox.exit is None:
+            # The job's process has ended; what it started in the background holds its pipes: it gets the signal
+            # (as from a batch system), and gcwrap reads them until the stop clock's deadline at most.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.group, signum)
+        if job.pipes is not None:
+            job.pipes.deadline = min(job.pipes.deadline, agent.stop.deadline)
+        if proc.returncode is not None and agent.stop.signals == 1 and agent.delivering:
             log.warning("%s received: delivering for at most %g s more (again to stop now)", name, agent.stop.grace)
+
+
+async def _obey_signals(agent: Agent, signals: AsyncIterator[int]) -> None:
+    """`gcwrap resume`: each signal moves the end of delivery to the stop clock's deadline."""
+    async for signum in signals:
+        agent.stop.signal(trio.current_time(), signal.Signals(signum).name)
+        if agent.stop.signals == 1:
+            log.warning("%s received: delivering for at most %g s more (again to stop now)", agent.stop.name,
+                        agent.stop.grace)
+        if agent.delivery_scope is not None:
+            agent.delivery_scope.deadline = agent.stop.deadline
+        agent.changed.fire()
+
+
+def stop_signals() -> tuple[int, ...]:
+    """STOP_SIGNALS, less SIGHUP if it was ignored when gcwrap started
+    (`nohup gcwrap ...`): a hangup then ends neither gcwrap nor its job."""
+    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
 
 
 async def _stop_delivery(agent: Agent, delivery_done: trio.Event) -> None:
@@ -137,7 +173,7 @@ async def run_job(
     # gcwrap's last word: one that came before `_forward_signals` runs would
     # otherwise end gcwrap at once (and orphan the job), one that comes
     # during the last commit, before it prints what happened.
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         return await _run_job(opts, command, job, spool_path, signals)
 
 
@@ -186,12 +222,13 @@ async def _run_job(
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
     agent.note(child_pid=proc.pid, state="running")
+    running = JobProcess(proc, None if _interactive() else proc.pid)
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
              spool_path if specs else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_forward_signals, proc, agent, signals)
+        nursery.start_soon(_forward_signals, running, agent, signals)
         with first_error():
-            status = await _supervise(agent, proc)
+            status = await _supervise(agent, running)
         if not agent.delivered.is_set():
             await agent.final_flush()
         outcome = _finish(agent, status)
@@ -200,9 +237,10 @@ async def _run_job(
     return outcome
 
 
-async def _supervise(agent: Agent, proc: trio.Process) -> int:
+async def _supervise(agent: Agent, running: JobProcess) -> int:
     """Run the job's tasks until the job has ended and its output is home
     (or can never get there); return the job's exit status."""
+    proc = running.proc
     delivery_done = trio.Event()
 
     async def deliver() -> None:
@@ -240,6 +278,10 @@ async def _supervise(agent: Agent, proc: trio.Process) -> int:
             if proc.stderr is not None:
                 readers.start_soon(agent.read_pipe, agent.out[STDERR], proc.stderr)
             await proc.wait()
+            running.pipes = readers.cancel_scope
+            stop = agent.stop  # a signal came while it ran: the pipes are read as long as delivery goes on (StopClock)
+            readers.cancel_scope.deadline = (
+                max(stop.deadline, trio.current_time() + stop.last_try) if stop.signals == 1 else stop.deadline)
             agent.child_exited = True
             agent.commit_soon.set()
             agent.changed.fire()
@@ -369,14 +411,23 @@ async def resume_spool(
     else:
         agent.outbox.exit = Exit(job.exit_code, job.exit_signal, lengths,
                                  reason="; ".join(filter(None, (job.reason, loss))))
-    with first_error():
+    # SIGTERM, SIGINT and SIGHUP are obeyed as by a run whose job has ended:
+    # delivery goes on for the grace (none after a second one), the rest stays in the spool.
+    with first_error(), trio.open_signal_receiver(*stop_signals()) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
+            nursery.start_soon(_obey_signals, agent, signals)
             start = {sid: o.acked for sid, o in agent.out.items()}
             if progress is not None:
                 nursery.start_soon(_report_progress, agent, progress, start)
-            await agent.deliver_loop()
+            with trio.CancelScope() as agent.delivery_scope:
+                await agent.deliver_loop()
+            if agent.delivery_scope.cancelled_caught and not agent.delivered.is_set():
+                how = "a second signal" if agent.stop.signals > 1 else f"the {agent.stop.grace:g} s grace"
+                agent.interrupt(f"{agent.stop.name} received: delivery stopped after {how}")
+                assert agent.give_up is not None
+                agent.give_up.message += f"; not yet home: {agent.not_home()}"
             nursery.cancel_scope.cancel()
     job_status = None
     if job.exit_signal is not None:
@@ -387,4 +438,5 @@ async def resume_spool(
     if agent.delivered.is_set() and not agent.lost:
         outcome.status = 0
     outcome.stats = agent.summary()
+    outcome.signalled = agent.stop.name
     return outcome

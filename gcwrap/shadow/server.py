@@ -122,6 +122,7 @@ class Shadow:
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
+        self.stale: dict[str, set[str]] = {}  # attempts (instances) of each job the state refused as replaced
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
         self.stopping = ""  # why the shadow stops, once it does (see `stop`)
@@ -348,6 +349,10 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
+        if hello.instance in self.stale.get(hello.job_id, ()):
+            # Refused before the claim: a replaced attempt must not take the job from the newer one's session.
+            raise StoreError(Problem.STALE_ATTEMPT,
+                             f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
         if tenant:
             # Whose the job id is, before claiming it: a claim fences the
             # session holding the job, and no identity may do that to another's.
@@ -432,18 +437,23 @@ class Shadow:
         job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
-        files = await self._worker(
-            lambda: self.store.open_job(
-                job_id=hello.job_id,
-                instance=hello.instance,
-                streams=hello.streams,
-                host=hello.host,
-                user=hello.user,
-                command=list(hello.command),
-                peer=peer,
-                tenant=tenant,
+        try:
+            files = await self._worker(
+                lambda: self.store.open_job(
+                    job_id=hello.job_id,
+                    instance=hello.instance,
+                    streams=hello.streams,
+                    host=hello.host,
+                    user=hello.user,
+                    command=list(hello.command),
+                    peer=peer,
+                    tenant=tenant,
+                )
             )
-        )
+        except StoreError as e:
+            if e.problem is Problem.STALE_ATTEMPT:
+                self.stale.setdefault(hello.job_id, set()).add(hello.instance)
+            raise
         job.files = files  # before any other await: whatever happens next, _release closes them
         for sf in files.all():
             self.files.add(sf)
