@@ -936,6 +936,12 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
     -9): SIGTERM, SIGINT or SIGHUP ends it within the grace, exit 122, the
     spool named; the spool stays whole for the next resume."""
     sig = c.rng.choice(SIGNALS)
+    if not list(c.spool_dir.glob("*.spool")):
+        # Nothing left to resume: the run made no spool (its disk was full when
+        # it started) and ended with everything it read home, as the checks of
+        # what landed confirm. `gcwrap resume` would rightly say "no spools".
+        c.events.append("resume: no spool left")
+        return []
     CHAOS_KINDS[f"resume-signal-{sig.name}"] += 1
     c.events.append(f"resume, home down, {sig.name}")
     os.kill(c.shadow.pid, signal.SIGKILL)
