@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,19 +125,24 @@ def serve(
       umask 077; openssl rand -hex 32 > ~/.gcshadow-token     # a token for the agents (copy it to them)
       gcshadow serve --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
     """
-    import trio
-
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
-    from .shadow.files import StoreError, check_root
-    from .shadow.server import ListenError, run_shadow
 
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
-    opts = ShadowOptions(
+    _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
-        max_jobs_per_identity=max_jobs_per_identity, **security)
+        max_jobs_per_identity=max_jobs_per_identity, **security))
+
+
+def _serve(opts: Any) -> None:
+    """Run the shadow until it stops; its failures as one line each."""
+    import trio
+
+    from .shadow.files import StoreError, check_root
+    from .shadow.server import ListenError, run_shadow
+
     try:
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
         trio.run(run_shadow, opts)
@@ -258,15 +264,23 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
         last, last_t = {j["job_id"]: job_bytes(j) for j in found}, now_t
         return view(rates)
 
+    _watch(console, view, refresh)
+
+
+def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -> None:
+    """Show `first()`, then each `refresh()`, until Ctrl-C: live on a
+    terminal, one view after another through a pipe (like `top -b`)."""
+    from .render import print_view
+
     try:
         if console.is_terminal:
             from rich.live import Live
 
-            with Live(view(), console=console, auto_refresh=False) as live:
+            with Live(first(), console=console, auto_refresh=False) as live:
                 while True:
                     live.update(refresh(), refresh=True)
-        else:  # through a pipe: one view after another, like `top -b`
-            print_view(console, view())
+        else:
+            print_view(console, first())
             while True:
                 print_view(console, refresh())
                 sys.stdout.flush()
@@ -360,12 +374,31 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
     import trio
 
     from .render import setup_logging
-    from .shadow.web import WebOptions, run_web
-    from .wire.auth import AuthError, is_loopback, load_token, server_context
+    from .shadow.web import run_web
 
     setup_logging("gcshadow", verbose + 1, "text")
     if not root.is_dir():
         raise click.ClickException(f"{root} is not a directory: give the root a gcshadow serves (--root)")
+    opts = _web_options(root, host, port, port_file, tail_kib, token_file, tls_cert, tls_key, tls_ca, insecure)
+    try:
+        os.nice(10)  # a viewer, best effort: a shadow on the same machine wins every contention for the CPU
+    except OSError:
+        pass
+    try:
+        trio.run(run_web, opts)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve the web view on {host}:{port}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _web_options(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int, token_file: Path | None,
+                 tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool) -> Any:
+    """The web view's options, and its security posture: loopback only
+    unless authenticated or --insecure, and a warning for plain HTTP."""
+    from .shadow.web import WebOptions
+    from .wire.auth import AuthError, is_loopback, load_token, server_context
+
     try:
         token = load_token(token_file, private=True) if token_file else None
         if (tls_key or tls_ca) and not tls_cert:
@@ -390,13 +423,4 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
         elif tls is None:
             log.warning("serving %s over plain HTTP: the token and the output cross the network in clear "
                         "(add --tls-cert)", host)
-    try:
-        os.nice(10)  # a viewer, best effort: a shadow on the same machine wins every contention for the CPU
-    except OSError:
-        pass
-    try:
-        trio.run(run_web, opts)
-    except OSError as e:
-        raise click.ClickException(f"cannot serve the web view on {host}:{port}: {e.strerror or e}") from None
-    except KeyboardInterrupt:
-        sys.exit(130)
+    return opts
