@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +168,8 @@ class Policy:
     _bound: bool = False
     _last_probe: float = float("-inf")
     _fits_since: float | None = None
-    history: list[tuple[float, bool]] = field(default_factory=list)  # (when, active): the decisions, for logs
+    # (when, active): the latest decisions, for logs and tests (bounded: a long job may switch often)
+    history: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))
 
     def __post_init__(self) -> None:
         self._window_start = self.now

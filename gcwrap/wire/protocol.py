@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 
+from .compress import FEATURE
 from .events import (
     PROTOCOL_VERSION,
     Ack,
@@ -139,7 +140,11 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
 _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
-def _next_state(state: State, role: Role, event: Event) -> State | None:
+def _next_state(state: State, role: Role, event: Event, features: frozenset[str]) -> State | None:
+    """The state `event` from `role` leads to, or None where it is illegal
+    (ZDATA too, unless the handshake accepted compression)."""
+    if isinstance(event, ZData) and FEATURE not in features:
+        return None
     if state is not State.CLOSED:
         if isinstance(event, (Ping, Pong)):
             return state
@@ -172,8 +177,8 @@ class Connection:
 
     def send(self, event: Event) -> bytes:
         """Bytes that put `event` on the wire; LocalProtocolError if illegal now."""
-        new_state = _next_state(self.state, self.role, event)
-        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
+        new_state = _next_state(self.state, self.role, event, self.features)
+        if new_state is None:
             raise LocalProtocolError(
                 f"{self.role.value} may not send {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
@@ -306,8 +311,8 @@ class Connection:
         if ftype == DATA_TYPE and self.state is State.STREAMING and self.role is Role.SHADOW:
             return decode_data(body)  # the hot path: legal here, and the state stays
         event = decode(ftype, body)
-        new_state = _next_state(self.state, self.peer_role, event)
-        if new_state is None or (isinstance(event, ZData) and "zstd" not in self.features):
+        new_state = _next_state(self.state, self.peer_role, event, self.features)
+        if new_state is None:
             raise RemoteProtocolError(
                 f"{self.peer_role.value} sent {type(event).__name__} in state {self.state.value}",
                 ErrorCode.UNEXPECTED,
