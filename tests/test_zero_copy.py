@@ -4,6 +4,7 @@ commands moving bulk output that way, byte-exact, over TCP and TLS."""
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import json
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from gcwrap.agent.outbox import OutStream, coalesce
 from gcwrap.agent.records import Chunk, Extent, JobRecord
 from gcwrap.agent.segments import Segments
-from gcwrap.agent.sender import sendfile_placed
+from gcwrap.agent.sender import send_queue, sendfile_placed
 from gcwrap.agent.spool import SPOOL_SUFFIX, Spool, SpoolError
 
 OUT, ERR = 1, 2
@@ -442,6 +443,85 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     # A read of a byte the segments do not hold is the spool's failure.
     with pytest.raises(SpoolError):
         await spooler.read_placed(OUT, 50 << 20, 1000)
+    spooler.close(remove=True)
+
+
+def unsent(sock: socket.socket | int) -> int:
+    """Bytes in the socket's send queue the kernel has not sent yet (SIOCOUTQNSD)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(sock if isinstance(sock, int) else sock.fileno(), 0x894B, buf)
+    return buf[0]
+
+
+@pytest.mark.timeout(30)
+async def test_a_sendfile_cut_short_holds_nothing_back_on_an_idle_connection(tmp_path: Path) -> None:
+    """DATA frames from the segment file on a connection with nothing in
+    flight, as line output sends them once it has caught up with the job:
+    the header goes with MSG_MORE, then sendfile, which the send queue cuts
+    short (trio's TCP_NOTSENT_LOWAT of 16 KiB). What it queued must go out
+    at once: held back for "more to come" (less than a segment, from a
+    position that is not page-aligned), nothing in flight would bring an ACK
+    to release it, and the socket does not become writable while it waits:
+    the sender would stall until the kernel's probe timer, 200 ms."""
+    import trio
+
+    from gcwrap.agent.spooler import Spooler
+
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
+    await spooler.ensure()
+    segments = spooler.spool.segments  # type: ignore[union-attr]
+    assert segments is not None
+    data = os.urandom(4 << 20)
+    segments.place_at(OUT, 0, data)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    client = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])  # (as the agent's)
+    server = await listeners[0].accept()
+    sock = client.socket
+    raw = socket.socket(fileno=os.dup(sock.fileno()))
+    got = bytearray()
+
+    async def receive() -> None:
+        while True:
+            got.extend(await server.receive_some(1 << 20))
+
+    async def send_frame(offset: int, size: int) -> tuple[int, int, int]:
+        """Header and payload as the sender sends them; what the first
+        sendfile took, and the send queue's unsent and unacknowledged bytes then."""
+        header = b"H" * 14
+        assert raw.send(header, socket.MSG_MORE) == len(header)
+        first = await sendfile_placed(spooler, sock.fileno(), OUT, offset, size)
+        held = (first, unsent(sock), send_queue(sock))
+        done = first
+        while done < size:
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_writable(sock)
+            done += await sendfile_placed(spooler, sock.fileno(), OUT, offset + done, size - done)
+        expect.extend(header + data[offset : offset + size])
+        return held
+
+    expect = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await send_frame(0, 1 << 20)
+        # Positions that are not page-aligned: the first piece sendfile
+        # queues is then less than a segment (65 483 bytes on loopback).
+        for offset in (2328, (1 << 20) + 100, (2 << 20) + 4095):
+            with trio.fail_after(5):
+                while len(got) < len(expect) or send_queue(sock):
+                    await trio.sleep(0.001)
+            first, left, queued = await send_frame(offset, 1 << 20)
+            assert 0 < first < 1 << 20, "the send queue cut the sendfile short (the case under test)"
+            assert not (left and left == queued), f"{left} bytes held back with nothing in flight to release them"
+        with trio.fail_after(5):
+            while len(got) < len(expect):
+                await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    assert bytes(got) == bytes(expect)
+    raw.close()
+    for listener in listeners:
+        await listener.aclose()
+    await client.aclose()
+    await server.aclose()
     spooler.close(remove=True)
 
 

@@ -516,9 +516,11 @@ class Session:
 async def sendfile_placed(source: ByteSource, sock: int, stream: int, offset: int, size: int) -> int:
     """Send placed bytes from their file to the (non-blocking) socket
     without copying them through user space (where sendfile is not
-    supported: pread and write); the bytes sent, 0 when the socket's buffer
-    is full. A failing socket raises trio.BrokenResourceError, a failing
-    disk SourceError: the error's errno says whose it is."""
+    supported: pread and write); the bytes sent, fewer (0 too) when the
+    socket's buffer is full: then nothing queued is held back for more to
+    come (see `push_held`). A failing socket raises
+    trio.BrokenResourceError, a failing disk SourceError: the error's errno
+    says whose it is."""
 
     def send(fd: int, pos: int) -> int:
         try:
@@ -542,12 +544,38 @@ async def sendfile_placed(source: ByteSource, sock: int, stream: int, offset: in
         return os.write(sock, data)  # a socket: write(2) is send(2) without flags
 
     try:
-        return await source.with_placed(stream, offset, send)
+        sent = await source.with_placed(stream, offset, send)
     except OSError as e:
         if e.errno in NETWORK_ERRNOS:
             raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
         raise SourceError(f"spool {source.path}: cannot send bytes {offset}..{offset + size} of stream {stream}: "
                           f"{e.strerror or e}") from None
+    if sent < size:
+        push_held(sock)  # (the caller now waits for room: what was queued must not wait with it)
+    return sent
+
+
+def push_held(sock: int) -> None:
+    """Send at once what the kernel holds back for more to come.
+
+    sendfile(2) queues every piece but its last with MSG_MORE (so does our
+    DATA header): one cut short by a full send queue leaves a tail of less
+    than a segment held back. With nothing else in flight no ACK comes to
+    release it, and unsent bytes over TCP_NOTSENT_LOWAT (trio sets 16 KiB)
+    keep the socket from becoming writable: the sender would wait for the
+    kernel's probe timer, 200 ms, with the bytes it wants sent in its own
+    queue. (Line output met this at nearly every frame once it caught up
+    with the job.) Setting TCP_NODELAY pushes the pending frames now."""
+    try:
+        s = socket.socket(fileno=sock)
+    except OSError:
+        return  # (not a socket: nothing is held back)
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+    except OSError:
+        pass  # (not TCP, or the connection is gone: the next send says so)
+    finally:
+        s.detach()
 
 
 def send_queue(sock: socket.socket | trio.socket.SocketType) -> int:
