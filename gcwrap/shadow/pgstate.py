@@ -60,6 +60,7 @@ CONNECT = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 5, "keepali
            "keepalives_count": 3, "tcp_user_timeout": 10000}  # a dead server is noticed in seconds, not hours
 RETRY_MIN = 0.2  # seconds between reconnection attempts, doubling up to RETRY_MAX
 RETRY_MAX = 5.0
+IDLE_PING = 1.0  # seconds: a connection idle longer is pinged before use
 
 
 class StateUnavailable(StoreError):
@@ -158,6 +159,7 @@ class PgConnection:
         self.delay = 0.0
         self.next_try = 0.0
         self.why = ""
+        self.used = 0.0  # when the connection last answered
         self.password = str(psycopg.conninfo.conninfo_to_dict(url).get("password") or "")
 
     def _say(self, e: BaseException) -> str:
@@ -168,7 +170,18 @@ class PgConnection:
     def _connected(self) -> psycopg.Connection[Any]:
         conn = self.conn
         if conn is not None and not conn.closed and not conn.broken:
-            return conn
+            if time.monotonic() - self.used < IDLE_PING:
+                return conn
+            # Idle a while: the server may have restarted meanwhile. A ping
+            # finds out (then one new connection, at once), rather than the
+            # next record failing and its sessions being stopped for nothing.
+            try:
+                conn.execute("SELECT 1")
+                return conn
+            except psycopg.Error:
+                with contextlib.suppress(Exception):
+                    conn.close()
+                self.next_try = 0.0
         self.conn = None
         now = time.monotonic()
         if now < self.next_try:
@@ -180,6 +193,7 @@ class PgConnection:
             raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}") from None
         self.delay = 0.0
         self.conn = conn
+        self.used = time.monotonic()
         return conn
 
     def _failed(self, e: BaseException) -> None:
@@ -204,6 +218,7 @@ class PgConnection:
             except psycopg.Error as e:
                 self._failed(e)
                 raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}") from None
+            self.used = time.monotonic()
             self.health.ok()
 
     def close(self) -> None:

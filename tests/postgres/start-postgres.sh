@@ -23,8 +23,15 @@ as() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 rm -rf "$PG_DIR"; mkdir -p "$PG_DIR"
 [ "$(id -u)" = 0 ] && chown postgres: "$PG_DIR"
 as "$bin/initdb" -D "$PG_DIR/data" -U gcwrap --auth=trust -E UTF8 >"$PG_DIR/initdb.log" 2>&1
-if ! as "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 \
-   -o "-p $PORT -k $PG_DIR -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200" start >/dev/null; then
+# In its configuration, not on pg_ctl's command line: ctl-postgres.sh starts it again as it was.
+cat >>"$PG_DIR/data/postgresql.conf" <<CONF
+port = $PORT
+unix_socket_directories = '$PG_DIR'
+listen_addresses = '127.0.0.1'
+fsync = on
+max_connections = 200
+CONF
+if ! as "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 start >/dev/null; then
   tail -5 "$PG_DIR/server.log" >&2 || true
   exit 1
 fi
