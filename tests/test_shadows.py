@@ -148,6 +148,22 @@ def test_a_second_shadow_takes_a_job_only_once_the_holder_let_go(
 
 
 @pytest.mark.timeout(120)
+def test_an_idle_holder_lets_go_when_another_shadow_takes_its_job(shadows: tuple[ShadowProc, ShadowProc]) -> None:
+    a, b = shadows
+    first, _ = _hold(a)  # then silent: no batch of its own would tell it (its idle timeout is 30 s)
+    started = time.monotonic()
+    second, welcome, refusals = _claim_within(b, 10)
+    assert refusals and time.monotonic() - started < 10
+    assert dict(welcome.durable) == {1: len(FIRST)}
+    got = _quiet(first, 5)
+    assert got and isinstance(got[-1], (Error, ConnectionClosed)) and not any(isinstance(e, Ack) for e in got), got
+    assert "another shadow took this job over" in a.log()
+    content = FIRST + b"f" * 10
+    _finish(second, len(FIRST), content)
+    assert (a.root / "o").read_bytes() == content
+
+
+@pytest.mark.timeout(120)
 def test_two_connections_racing_for_one_job_at_two_shadows_one_holds_it(
     shadows: tuple[ShadowProc, ShadowProc],
 ) -> None:
