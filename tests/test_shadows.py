@@ -311,3 +311,29 @@ def test_without_psycopg_a_shared_state_is_refused_in_one_line(tmp_path: Path) -
         "Error: --state postgresql:// needs psycopg: pip install 'gcwrap[postgresql]'")
     assert "Traceback" not in out.stderr
     assert "s3cret" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_web_view_shows_the_jobs_of_every_shadow_sharing_the_state(
+    shadows: tuple[ShadowProc, ShadowProc], pg_url: str, tmp_path: Path,
+) -> None:
+    pytest.importorskip("h11")
+    from test_web import WebProc
+
+    a, b = shadows
+    for shadow, job in ((a, "at-a"), (b, "at-b")):
+        agent = _agent(shadow)
+        agent.send(hello(job, out=job))
+        assert isinstance(agent.next(), Welcome)
+        _finish(agent, 0, job.encode() * 10)
+    web = WebProc(a.root, tmp_path, ["--state", pg_url])
+    try:
+        def listed() -> bool:
+            jobs = {j["job_id"]: j for j in web.json("/api/jobs")["jobs"]}
+            return set(jobs) == {"at-a", "at-b"} and all(j["state"] == "finished" for j in jobs.values())
+
+        wait_until(listed, 20, "both shadows' jobs in the web view")
+        status, _, body = web.get("/api/jobs/at-b/files/stdout")
+        assert status == 200 and body == b"at-b" * 10
+    finally:
+        web.stop()
