@@ -326,6 +326,8 @@ def test_the_web_view_shows_the_jobs_of_every_shadow_sharing_the_state(
         agent.send(hello(job, out=job))
         assert isinstance(agent.next(), Welcome)
         _finish(agent, 0, job.encode() * 10)
+    listed_jobs = {j["job_id"]: (j["state"], j["exit_code"]) for j in _jobs(pg_url, b.root)}
+    assert listed_jobs == {"at-a": ("finished", 0), "at-b": ("finished", 0)}
     web = WebProc(a.root, tmp_path, ["--state", pg_url])
     try:
         def listed() -> bool:
