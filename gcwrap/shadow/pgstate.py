@@ -131,9 +131,11 @@ class Health:
         self.name = name
         self.lock = threading.Lock()
         self.down = ""
+        self.failures = 0  # how many times a connection failed: the others' may be broken too
 
     def failed(self, why: str) -> None:
         with self.lock:
+            self.failures += 1
             if not self.down:
                 log.error("lost the state database %s: %s; acknowledging nothing and refusing sessions "
                           "until it is back", self.name, why)
@@ -160,6 +162,7 @@ class PgConnection:
         self.next_try = 0.0
         self.why = ""
         self.used = 0.0  # when the connection last answered
+        self.seen = 0  # health.failures then
         self.password = str(psycopg.conninfo.conninfo_to_dict(url).get("password") or "")
 
     def _say(self, e: BaseException) -> str:
@@ -170,13 +173,15 @@ class PgConnection:
     def _connected(self) -> psycopg.Connection[Any]:
         conn = self.conn
         if conn is not None and not conn.closed and not conn.broken:
-            if time.monotonic() - self.used < IDLE_PING:
+            if time.monotonic() - self.used < IDLE_PING and self.seen == self.health.failures:
                 return conn
-            # Idle a while: the server may have restarted meanwhile. A ping
-            # finds out (then one new connection, at once), rather than the
-            # next record failing and its sessions being stopped for nothing.
+            # Idle a while, or another connection failed since this one was
+            # last used: the server may have restarted meanwhile. A ping finds
+            # out (then one new connection, at once), rather than the next
+            # record failing and its sessions being stopped for nothing.
             try:
                 conn.execute("SELECT 1")
+                self.used, self.seen = time.monotonic(), self.health.failures
                 return conn
             except psycopg.Error:
                 with contextlib.suppress(Exception):
@@ -193,7 +198,7 @@ class PgConnection:
             raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}") from None
         self.delay = 0.0
         self.conn = conn
-        self.used = time.monotonic()
+        self.used, self.seen = time.monotonic(), self.health.failures
         return conn
 
     def _failed(self, e: BaseException) -> None:
@@ -218,7 +223,7 @@ class PgConnection:
             except psycopg.Error as e:
                 self._failed(e)
                 raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}") from None
-            self.used = time.monotonic()
+            self.used, self.seen = time.monotonic(), self.health.failures
             self.health.ok()
 
     def close(self) -> None:
