@@ -126,6 +126,13 @@ def test_order_is_shuffled_per_agent() -> None:
         ShadowList.shuffled([])
 
 
+def test_a_jobs_order_follows_its_id_and_jobs_spread() -> None:
+    addresses = [(f"h{i}", 1) for i in range(3)]
+    assert ShadowList.for_job(addresses, "job-1").order == ShadowList.for_job(addresses, "job-1").order
+    firsts = [ShadowList.for_job(addresses, f"job-{i}").current for i in range(300)]
+    assert all(60 < firsts.count(a) < 140 for a in addresses), "jobs do not spread over the shadows"
+
+
 def test_one_address_every_failure_is_a_round() -> None:
     shadows = ShadowList([("a", 1)])
     for n in range(1, 5):

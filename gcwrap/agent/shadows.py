@@ -3,8 +3,8 @@
 An agent may be given several shadows (`--shadow a:50000,b:50000`) that
 serve one root and share their state: any of them can take the job at any
 moment. They are tried as the seed's `forany` tries a list, the Ethernet
-way: in an order shuffled once per agent (so a thousand agents do not all
-start on the first), the one that works kept while it works, the next one
+way: in an order shuffled once per job (by its id, so a thousand agents do
+not all start on the first), the one that works kept while it works, the next one
 tried at once when it fails, and only after a whole ROUND (every address
 tried once, none of them moving a byte) a backoff with jitter. The retry
 limit counts rounds, so a list of one behaves exactly as one shadow always
@@ -115,6 +115,13 @@ class ShadowList:
         order = list(addresses)
         (rng or random.Random()).shuffle(order)
         return cls(order)
+
+    @classmethod
+    def for_job(cls, addresses: Sequence[Address], job_id: str) -> ShadowList:
+        """The order of one job: shuffled by its job id, so the jobs of a
+        cluster spread over the shadows, and a job resumed later (or a test)
+        meets them in the same order."""
+        return cls.shuffled(addresses, random.Random(job_id))
 
     @property
     def current(self) -> Address:
