@@ -158,3 +158,38 @@ def test_shadow_killed_and_restarted_on_the_other_address(home: Path, spool_dir:
     assert f"shadow in use: {show(a)};" in err, err
     failovers = int(err.split(f"shadow in use: {show(a)}; ")[1].split()[0])
     assert failovers >= 2, err
+
+
+@pytest.mark.timeout(120)
+def test_wrong_token_is_not_tried_on_every_shadow_forever(tmp_path: Path, spool_dir: Path) -> None:
+    """A refusal for good (here a wrong token, the same for every shadow of
+    the list) is paced as with one shadow (every --retry-timeout, a last try
+    at the job's end), not carried from shadow to shadow at once; the exit
+    status is today's (123)."""
+    secret = tmp_path / "token"
+    secret.write_text("a" * 64 + "\n")
+    secret.chmod(0o600)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("b" * 64 + "\n")
+    wrong.chmod(0o600)
+    shadows = []
+    for i in range(2):
+        home = tmp_path / f"home{i}"
+        home.mkdir()
+        logs = tmp_path / f"logs{i}"
+        logs.mkdir()
+        shadows.append(ShadowProc(home, logs, extra=["--token-file", str(secret)]))
+    try:
+        addresses: list[Address] = [("127.0.0.1", sh.start()) for sh in shadows]
+        w = Wrapper(["--shadow", listed(addresses), "--spool", str(spool_dir), "--job-id", "badtoken",
+                     "--token-file", str(wrong), "--retry-timeout", "30", "--stdout", "t.out", "--",
+                     "sh", "-c", "sleep 2; echo hi"])
+        assert w.wait(60) == 123, w.err.decode()
+    finally:
+        for sh in shadows:
+            sh.stop()
+    assert b"authentication failed: wrong token" in w.err
+    refusals = sum(sh.log().count("authentication failed: wrong token") for sh in shadows)
+    assert 1 <= refusals <= 3, f"{refusals} refusals in 2 s: the shadows were hammered"
+    (st,) = spool_status(spool_dir)
+    assert st["retries"] <= 3
