@@ -618,12 +618,13 @@ class Agent:
             reconnects=max(0, int(self.stats["connects"]) - 1),
             # Attempts that never got a session; a session lost later is a reconnect.
             failed_attempts=int(self.stats["attempts"] - self.stats["connects"]),
-            shadow=show(self.shadows.in_use) if self.shadows.in_use else "",
-            failovers=self.shadows.failovers,
             zero_copy_pct=round(100 * self.stats["spliced"] / total, 1) if total else 0.0,
             **self.wire.summary(total),
             job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
+        if len(self.shadows.order) > 1:  # (of several: which one took the output last)
+            in_use = self.shadows.in_use
+            out.update(shadow=show(in_use) if in_use else "", failovers=self.shadows.failovers)
         if self.lost:
             out["lost"] = sum(end - start for start, end in self.lost.values())
         if ended := self.live_fields.get("ended") or self.job.ended:
