@@ -44,9 +44,9 @@ _gcshadow() {
             continue
         fi
         case $cmd:$w in
-            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity) skip=1; lastopt=$w ;;
-            jobs:--root|jobs:--interval) skip=1; lastopt=$w ;;
-            tail:--root) skip=1; lastopt=$w ;;
+            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity|serve:--state) skip=1; lastopt=$w ;;
+            jobs:--root|jobs:--state|jobs:--interval) skip=1; lastopt=$w ;;
+            tail:--root|tail:--state) skip=1; lastopt=$w ;;
             web:--root|web:--host|web:--port|web:--port-file|web:--tail|web:--token-file|web:--tls-cert|web:--tls-key|web:--tls-ca) skip=1; lastopt=$w ;;
             *:-*) ;;
             *) operands=$((operands + 1)) ;;
@@ -76,13 +76,13 @@ _gcshadow() {
     fi
     if [[ $cur == -* ]]; then
         if (( COMP_CWORD == 1 )); then
-            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure -h --help --version"
+            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help --version"
             return 0
         fi
         case $cmd in
-            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure -h --help" ;;
-            jobs) _gcshadow_words "--root --json -w --watch --interval -h --help" ;;
-            tail) _gcshadow_words "--root -f --follow --all -h --help" ;;
+            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help" ;;
+            jobs) _gcshadow_words "--root --state --json -w --watch --interval -h --help" ;;
+            tail) _gcshadow_words "--root --state -f --follow --all -h --help" ;;
             web) _gcshadow_words "--root --host --port --port-file --tail --token-file --tls-cert --tls-key --tls-ca --insecure -v --verbose -h --help" ;;
         esac
         return 0

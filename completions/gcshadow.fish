@@ -53,10 +53,12 @@ complete -c gcshadow -n '__gcshadow_using serve' -l allow -x -d 'Hosts, .domain 
 complete -c gcshadow -n '__gcshadow_using serve' -l quota -x -d 'Bytes one job may write in all (0: no limit)'
 complete -c gcshadow -n '__gcshadow_using serve' -l max-jobs-per-identity -x -d 'Jobs streaming at once per certificate CN (or per host without one)...'
 complete -c gcshadow -n '__gcshadow_using serve' -l insecure -d 'Listen on a non-loopback address without authentication (anyone who...'
+complete -c gcshadow -n '__gcshadow_using serve' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using serve; and not __gcshadow_at_subcommand' -s h -l help -d 'Show this message and exit'
 
 # gcshadow jobs
 complete -c gcshadow -n '__gcshadow_using jobs' -l root -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory under which every job\'s files land'
+complete -c gcshadow -n '__gcshadow_using jobs' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using jobs' -l json -d 'Print JSON for scripts instead of a table'
 complete -c gcshadow -n '__gcshadow_using jobs' -s w -l watch -d 'Refresh the table live, like top (Ctrl-C to stop)'
 complete -c gcshadow -n '__gcshadow_using jobs' -l interval -x -d 'Seconds between refreshes with --watch'
@@ -64,6 +66,7 @@ complete -c gcshadow -n '__gcshadow_using jobs' -s h -l help -d 'Show this messa
 
 # gcshadow tail
 complete -c gcshadow -n '__gcshadow_using tail' -l root -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory under which every job\'s files land'
+complete -c gcshadow -n '__gcshadow_using tail' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using tail' -s f -l follow -d 'Keep printing as the output grows, until the job ends'
 complete -c gcshadow -n '__gcshadow_using tail' -l all -d 'Every job, each line prefixed with [JOB STREAM]'
 complete -c gcshadow -n '__gcshadow_using tail' -s h -l help -d 'Show this message and exit'

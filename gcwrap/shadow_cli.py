@@ -43,6 +43,12 @@ root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
 )
+state_option = click.option(
+    "--state", metavar="URL", default="", envvar="GCSHADOW_STATE", show_envvar=True,
+    help="Where the state is (jobs, durable lengths, exit statuses): postgresql://USER@HOST[:PORT]/DATABASE "
+         "for several shadows serving one root (password: PGPASSFILE or PGPASSWORD, never in the URL); "
+         "default: the root's own embedded database.",
+)
 
 
 @click.group(cls=DefaultServeGroup, context_settings=CONTEXT)
@@ -111,11 +117,13 @@ def main() -> None:
               help="Jobs streaming at once per certificate CN (or per host without one); 0: no limit.")
 @click.option("--insecure", is_flag=True,
               help="Listen on a non-loopback address without authentication (anyone who can connect may write).")
+@state_option
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
     max_connections: int, min_free: int, verbose: int, log_format: str, token_file: Path | None,
     tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, allow_subjects: tuple[str, ...],
     allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool, token_dir: Path | None,
+    state: str,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -124,6 +132,7 @@ def serve(
       gcshadow serve --port 50000 --root ~/results            # loopback only
       umask 077; openssl rand -hex 32 > ~/.gcshadow-token     # a token for the agents (copy it to them)
       gcshadow serve --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
+      gcshadow serve --port 50000 --root /shared/results --state postgresql://gcshadow@db.example.org/gcshadow
     """
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
@@ -133,19 +142,23 @@ def serve(
     _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
-        max_jobs_per_identity=max_jobs_per_identity, **security))
+        max_jobs_per_identity=max_jobs_per_identity, **security), state)
 
 
-def _serve(opts: Any) -> None:
+def _serve(opts: Any, state: str = "") -> None:
     """Run the shadow until it stops; its failures as one line each."""
+    import functools
+
     import trio
 
     from .shadow.files import StoreError, check_root
     from .shadow.server import ListenError, run_shadow
+    from .shadow.stateurl import check_state
 
     try:
+        state = check_state(state)  # before anything else: a --state it cannot use, in one line
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
-        trio.run(run_shadow, opts)
+        trio.run(functools.partial(run_shadow, opts, state=state))
     except (StoreError, ListenError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
@@ -199,12 +212,13 @@ def _security(
 
 @main.command(context_settings=CONTEXT)
 @root_option
+@state_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of a table.")
 @click.option("-w", "--watch", is_flag=True, help="Refresh the table live, like top (Ctrl-C to stop).")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between refreshes with --watch.")
 @click.argument("job", required=False)
-def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
+def jobs(root: Path, state: str, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
     """List the jobs the shadow at ROOT knows: host, state, exit status, bytes, rate.
 
     With JOB, show everything known of that job, including its I/O summary;
@@ -215,19 +229,23 @@ def jobs(root: Path, as_json: bool, watch: bool, interval: float, job: str | Non
       gcshadow jobs --root ~/results
       gcshadow jobs --root ~/results --watch
       gcshadow jobs --root ~/results slurm-4242
+      gcshadow jobs --state postgresql://gcshadow@db.example.org/gcshadow
     """
     import json
     import sqlite3
     import time
 
     from .render import job_bytes, job_detail, job_figures, jobs_view, output_width, print_view, stdout_console
-    from .shadow.state import list_jobs
+    from .shadow.backends import read_jobs
+    from .shadow.files import StoreError
 
     def load() -> list[dict[str, Any]]:
         try:
-            found = list_jobs(root)
+            found = read_jobs(state, root)
         except sqlite3.Error as e:
             raise click.ClickException(f"no shadow state under {root}: {e}") from None
+        except StoreError as e:
+            raise click.ClickException(str(e)) from None
         if job is None:
             return found
         match = [j for j in found if j["job_id"] == job]
@@ -290,11 +308,12 @@ def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -
 
 @main.command(context_settings=CONTEXT)
 @root_option
+@state_option
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the output grows, until the job ends.")
 @click.option("--all", "all_jobs", is_flag=True, help="Every job, each line prefixed with [JOB STREAM].")
 @click.argument("job", required=False)
 @click.argument("stream", required=False, metavar="[STREAM]", type=click.Choice(["stdout", "stderr", "all"]))
-def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str | None) -> None:
+def tail(root: Path, state: str, follow: bool, all_jobs: bool, job: str | None, stream: str | None) -> None:
     """Print the output a job has delivered so far; with -f, follow it live.
 
     STREAM is stdout (the default), stderr, or all. Following ends when the
@@ -308,6 +327,7 @@ def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str 
     """
     import sqlite3
 
+    from .shadow.files import StoreError
     from .shadow.tail import tail as run_tail
 
     if job is None and not all_jobs:
@@ -317,9 +337,11 @@ def tail(root: Path, follow: bool, all_jobs: bool, job: str | None, stream: str 
     stream = stream or ("all" if all_jobs else "stdout")
     prefix = all_jobs or stream == "all"
     try:
-        run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix)
+        run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix, state_url=state)
     except sqlite3.Error as e:
         raise click.ClickException(f"no shadow state under {root}: {e}") from None
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
     except LookupError as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ from typing import Iterator
 
 import pytest
 from helpers import ShadowProc, Wrapper
+from pgserver import pg_url, postgres, postgres_url  # noqa: F401 - fixtures
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -21,8 +21,9 @@ from typing import Any
 import trio
 
 from ..sync import Signal
+from .backends import StateBackend
 from .files import JobFiles, StreamFile
-from .state import Store, Superseded
+from .state import Superseded
 
 log = logging.getLogger("gcshadow")
 
@@ -84,7 +85,7 @@ class Durability:
     batch of a fenced session that lands late records and acknowledges
     nothing, and cuts nothing back."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StateBackend) -> None:
         self.store = store
         self.mutex = threading.Lock()
         self.cond = threading.Condition(self.mutex)

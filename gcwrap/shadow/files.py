@@ -20,6 +20,7 @@ import fcntl
 import os
 import random
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class Problem(enum.Enum):
     NOT_OWNER = "the job belongs to another identity"
     STALE_ATTEMPT = "a newer attempt of the job replaced this one"
     OTHER_STREAMS = "the job resumed with different streams"
+    HELD = "another shadow's session still holds the job's files"
+    STATE = "the shadow cannot reach its state database"
 
 
 class StoreError(Exception):
@@ -131,19 +134,73 @@ def _user() -> str:
         return f"uid {uid}"
 
 
-def lock_root(root: Path) -> int:
-    """One shadow per root: an exclusive flock held for the shadow's life."""
+def lock_root(root: Path, *, shared: bool = False) -> int:
+    """One shadow per root (an exclusive flock held for the shadow's life),
+    or, with `shared` (several shadows keeping their state in one shared
+    database), a shared one: a shadow of the other kind is refused."""
     path = root / STATE_DIR / "lock"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        if shared:
+            raise StoreError(Problem.ROOT, f"a gcshadow with the embedded state is serving {root}: "
+                                           "shadows with a shared --state cannot serve it beside that one") from None
         raise StoreError(Problem.ROOT, f"another gcshadow is already serving {root}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    if not shared:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+ROOT_STATE = "state-of-root"  # under STATE_DIR: which state the root belongs to
+
+
+def claim_root(root: Path, state_id: str, shown: str) -> None:
+    """Record which state the root's files belong to (`state_id`: "sqlite",
+    or "postgresql <the database's id>"), or refuse a root that belongs to
+    another: a durable length is only true of the files it was recorded for.
+    `shown` names the state in the message (never with a password). A root
+    without the record that has an embedded state database belongs to it."""
+    path = root / STATE_DIR / ROOT_STATE
+    try:
+        recorded = path.read_text().split("\n")[0]
+    except FileNotFoundError:
+        recorded = "sqlite" if (root / STATE_DIR / "state.db").exists() else ""
+    except OSError as e:
+        raise StoreError(Problem.ROOT, f"cannot read {path}: {e.strerror}") from None
+    if recorded and recorded != state_id:
+        theirs = "the embedded state (ROOT/.gcshadow/state.db)" if recorded == "sqlite" else (
+            "another shared state database" if state_id != "sqlite" else f"a shared state database ({recorded})")
+        raise StoreError(Problem.ROOT, f"{root} belongs to {theirs}, not to {shown}: "
+                                       "serve it with the state it was served with")
+    if not recorded or not path.exists():
+        tmp = path.with_name(f"{ROOT_STATE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(f"{state_id}\n")
+            tmp.replace(path)
+        except OSError as e:
+            raise StoreError(Problem.ROOT, f"cannot write {path}: {e.strerror}") from None
+
+
+_OFD_LOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid
+
+
+def lock_file(fd: int) -> bool:
+    """Take an exclusive lock on the whole file, held by this open file
+    description until its last descriptor is closed (an OFD lock: it
+    conflicts with another description's lock in this process too, the
+    kernel drops it when the process dies, and NFS, Lustre and CephFS honour
+    it across machines). False if another description holds one."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_LOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 # -- confined file access -------------------------------------------------------
@@ -237,6 +294,7 @@ class StreamFile:
     sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
     wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
+    locked: bool = False  # holds the file's lock (lock_file): kept open until its session closes it
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -247,7 +305,7 @@ class StreamFile:
     @property
     def closable(self) -> bool:
         """Open, clean (everything written is durable) and not being synced."""
-        return self.fd >= 0 and not self.pins and self.written == self.durable
+        return self.fd >= 0 and not self.pins and self.written == self.durable and not self.locked
 
     def reopen(self, root_fd: int) -> None:
         """Open the file again after the cache closed it: confined as the

@@ -65,11 +65,12 @@ from ..wire.events import (
 )
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
+from .backends import StateBackend, open_store
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
-from .state import Store
+from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
 T = TypeVar("T")
@@ -92,6 +93,8 @@ WIRE_CODES: dict[Problem, ErrorCode] = {
     Problem.NOT_OWNER: ErrorCode.AUTH_FAILED,
     Problem.STALE_ATTEMPT: ErrorCode.STALE_ATTEMPT,
     Problem.OTHER_STREAMS: ErrorCode.UNEXPECTED,
+    Problem.HELD: ErrorCode.BUSY,  # another shadow's session lets go of the files: come back
+    Problem.STATE: ErrorCode.BUSY,  # the state database is lost for now: try another shadow, or later
 }
 
 
@@ -112,7 +115,7 @@ class Shadow:
     what `Durability` made durable, serves stdin, and stops in order
     (`stop`, on SIGTERM or SIGINT)."""
 
-    def __init__(self, opts: ShadowOptions, store: Store) -> None:
+    def __init__(self, opts: ShadowOptions, store: StateBackend) -> None:
         self.opts = opts
         self.store = store
         self.limiter = trio.CapacityLimiter(1)  # job handshakes and state records
@@ -154,6 +157,8 @@ class Shadow:
         async with trio.open_nursery() as nursery:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
+            if self.store.shared:
+                nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
             port = listeners[0].socket.getsockname()[1]
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
@@ -656,12 +661,9 @@ class Shadow:
             await stream.send_all(conn.send(Done()))
 
 
-
-
-
-async def run_shadow(opts: ShadowOptions, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     try:
-        store = await trio.to_thread.run_sync(Store, opts.root)
+        store = await trio.to_thread.run_sync(open_store, state, opts.root)
     except OSError as e:
         raise StoreError(Problem.ROOT, f"cannot use the root {opts.root}: {e.strerror or e}") from None
     shadow = Shadow(opts, store)

@@ -33,7 +33,17 @@ from ..db import migrate as db_migrate
 from ..db import transaction, uri
 from ..wire.events import StreamSpec
 from ..wire.names import STATE_DIR, NameError_, split_name
-from .files import JobFiles, Problem, StoreError, StreamFile, Syncer, lock_root, open_confined, open_dir
+from .files import (
+    JobFiles,
+    Problem,
+    StoreError,
+    StreamFile,
+    Syncer,
+    claim_root,
+    lock_root,
+    open_confined,
+    open_dir,
+)
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -125,10 +135,17 @@ class Store:
     other makes bytes durable. `db_lock` keeps their transactions apart on
     the one state connection; each holds it only for its own transaction."""
 
+    shared = False  # one shadow per root: no other process changes who holds a job
+
     def __init__(self, root: Path, *, use_syncfs: bool = True) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.lock_fd = lock_root(root)
+        try:
+            claim_root(root, "sqlite", "the embedded state")
+        except BaseException:
+            os.close(self.lock_fd)
+            raise
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.db = open_state(root)
         self.db_lock = threading.Lock()
@@ -245,15 +262,19 @@ class Store:
                 if norm in names:
                     raise StoreError(Problem.FORBIDDEN_NAME, f"two streams of the job name {norm!r}")
                 names[norm] = spec.id
-                owner = next(self.db.query(
-                    """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
-                       WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
-                    [norm, job_id],
-                ), None)
-                if owner:
-                    raise StoreError(Problem.NAME_IN_USE,
-                                     f"{norm!r} belongs to job {owner['job_id']}, which is still active")
+                holder = self._name_holder(norm, job_id)
+                if holder:
+                    raise StoreError(Problem.NAME_IN_USE, f"{norm!r} belongs to job {holder}, which is still active")
         return named
+
+    def _name_holder(self, name: str, job_id: str) -> str | None:
+        """The other job still active that writes `name`, if any."""
+        row = next(self.db.query(
+            """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
+               WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
+            [name, job_id],
+        ), None)
+        return None if row is None else str(row["job_id"])
 
     def _open_fd(self, spec: StreamSpec, norm: str, made: list[str]) -> int:
         try:
@@ -401,6 +422,11 @@ class Store:
                 [now, now, code, signal, reason, json.dumps(summary), job_id, session],
             )
             return cur.rowcount > 0
+
+    def superseded(self, held: dict[str, int]) -> set[str]:
+        """Which of the jobs held here (job -> session) another shadow has
+        taken since: none, with the root's state this shadow's alone."""
+        return set()
 
     def mark_disconnected(self) -> None:
         """At start-up: no job is connected to a shadow that just started."""

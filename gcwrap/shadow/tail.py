@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .state import list_jobs
+from .backends import read_jobs
 
 POLL = 0.02
 STATE_POLL = 0.25
@@ -87,10 +87,12 @@ def tail(
     follow: bool,
     prefix: bool,
     timeout: float | None = None,
+    state_url: str = "",
 ) -> int:
-    """Print (and with `follow`, follow) the selected streams. Returns the
+    """Print (and with `follow`, follow) the selected streams (`state_url`: the
+    --state URL, "" for the root's own). Returns the
     number of streams printed; raises LookupError when nothing matches."""
-    state = {j["job_id"]: j for j in list_jobs(root)}
+    state = {j["job_id"]: j for j in read_jobs(state_url, root)}
     selected = _select(list(state.values()), job, stream)
     if not selected and not (follow and job is None):
         raise LookupError(f"no job {job!r} with a {stream} stream at this shadow" if job else "no jobs at this shadow")
@@ -132,7 +134,7 @@ def tail(
             if deadline is not None and now > deadline:
                 break
             if now >= next_state:
-                refresh({j["job_id"]: j for j in list_jobs(root)})
+                refresh({j["job_id"]: j for j in read_jobs(state_url, root)})
                 next_state = now + STATE_POLL
             time.sleep(POLL)
     finally:

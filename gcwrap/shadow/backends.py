@@ -1,0 +1,80 @@
+"""Where the shadow keeps its state: what the server needs of it, and how
+a `--state` option (environment GCSHADOW_STATE) names it.
+
+The default is the embedded SQLite database of the root (`state.Store`,
+one shadow per root). `postgresql://...` keeps jobs, fencing epochs,
+durable lengths and exit statuses in PostgreSQL (`pgstate.PgStore`), shared
+by any number of shadows serving one root on a shared file system.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..wire.events import StreamSpec
+from .files import JobFiles, StreamFile, Syncer
+from .stateurl import check_state, is_shared, shown
+
+log = logging.getLogger("gcshadow")
+
+
+class StateBackend(Protocol):
+    """What the server and the durability thread need of the state.
+
+    Synchronous: called from the shadow's worker thread (claims, records)
+    and its durability thread (`make_durable`). Every record that a later
+    claim must not be overtaken by is conditional on the session (the
+    fencing epoch) still holding the job, checked in the same transaction."""
+
+    root: Path
+    root_fd: int
+    syncer: Syncer
+    shared: bool  # other processes may claim jobs of this root (several shadows)
+
+    def open_job(self, *, job_id: str, instance: str, streams: Iterable[StreamSpec], host: str, user: str,
+                 command: list[str], peer: str, tenant: str = "") -> JobFiles: ...
+
+    def owner(self, job_id: str) -> str | None: ...
+
+    def make_durable(
+        self, files: list[tuple[StreamFile, int]]
+    ) -> tuple[list[tuple[StreamFile, int, OSError | None]], str]: ...
+
+    def record_disconnected(self, job_id: str, session: int) -> bool: ...
+
+    def record_finished(self, job_id: str, session: int, *, code: int | None, signal: int | None, reason: str,
+                        summary: dict[str, Any]) -> bool: ...
+
+    def superseded(self, held: dict[str, int]) -> set[str]: ...
+
+    def mark_disconnected(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_store(state: str, root: Path) -> StateBackend:
+    """The state of the shadow serving `root` (blocking: from a worker thread)."""
+    if is_shared(state):
+        from .pgstate import PgStore
+
+        store = PgStore(root, check_state(state))
+        log.info("state in %s, shared with the other shadows serving %s", shown(state), root)
+        return store
+    from .state import Store
+
+    return Store(root)
+
+
+def read_jobs(state: str, root: Path) -> list[dict[str, Any]]:
+    """Every job the state knows, with its streams (`gcshadow jobs`, `tail`)."""
+    if is_shared(state):
+        from .pgstate import list_jobs as list_pg
+
+        return list_pg(check_state(state))
+    from .state import list_jobs
+
+    return list_jobs(root)
+
