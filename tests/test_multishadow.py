@@ -253,7 +253,7 @@ def test_postgresql_restarted_under_two_shadows(cluster2: Cluster, tmp_path: Pat
 def test_three_shadows_many_kills_and_freezes(cluster3: Cluster, tmp_path: Path) -> None:
     """The long variant: four jobs (bulk and lines) through three shadows,
     the shadow in use killed or frozen every few seconds, ten times."""
-    size, n = 150 * MB, 300_000
+    size, n = 150 * MB, 500_000
     jobs = {
         "long-b1": (agent(cluster3, tmp_path / "s1", "long-b1", "long/b1", genjob(size, 0, seed=61, rate=6 * MB)), 0),
         "long-b2": (agent(cluster3, tmp_path / "s2", "long-b2", "long/b2", genjob(size, 0, seed=63, rate=6 * MB,
@@ -261,9 +261,13 @@ def test_three_shadows_many_kills_and_freezes(cluster3: Cluster, tmp_path: Path)
         "long-l1": (agent(cluster3, tmp_path / "s3", "long-l1", "long/l1", line_job(n, 10_000)), 0),
         "long-l2": (agent(cluster3, tmp_path / "s4", "long-l2", "long/l2", line_job(n, 10_000, status=9)), 9),
     }
+    spools = [tmp_path / s for s in ("s3", "s1", "s4", "s2")]
     for round_ in range(10):
         grows(cluster3.root / "long/b1", (round_ + 1) * 12 * MB, timeout=120)
-        victim = in_use(cluster3, tmp_path / ("s1" if round_ % 2 else "s3"))
+        busy = [sp for sp in spools[round_ % 4:] + spools[: round_ % 4] if spool_status(sp)]
+        if not busy:
+            break  # (every job is home)
+        victim = in_use(cluster3, busy[0])
         assert victim.proc is not None
         if round_ % 3 == 2:
             os.kill(victim.proc.pid, signal.SIGSTOP)
