@@ -47,7 +47,7 @@ _gcshadow() {
             serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity|serve:--state) skip=1; lastopt=$w ;;
             jobs:--root|jobs:--state|jobs:--interval) skip=1; lastopt=$w ;;
             tail:--root|tail:--state) skip=1; lastopt=$w ;;
-            web:--root|web:--host|web:--port|web:--port-file|web:--tail|web:--token-file|web:--tls-cert|web:--tls-key|web:--tls-ca) skip=1; lastopt=$w ;;
+            web:--root|web:--host|web:--port|web:--port-file|web:--tail|web:--token-file|web:--tls-cert|web:--tls-key|web:--tls-ca|web:--state) skip=1; lastopt=$w ;;
             *:-*) ;;
             *) operands=$((operands + 1)) ;;
         esac
@@ -83,7 +83,7 @@ _gcshadow() {
             serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help" ;;
             jobs) _gcshadow_words "--root --state --json -w --watch --interval -h --help" ;;
             tail) _gcshadow_words "--root --state -f --follow --all -h --help" ;;
-            web) _gcshadow_words "--root --host --port --port-file --tail --token-file --tls-cert --tls-key --tls-ca --insecure -v --verbose -h --help" ;;
+            web) _gcshadow_words "--root --host --port --port-file --tail --token-file --tls-cert --tls-key --tls-ca --insecure -v --verbose --state -h --help" ;;
         esac
         return 0
     fi

@@ -84,4 +84,5 @@ complete -c gcshadow -n '__gcshadow_using web' -l tls-key -r -F -d 'Private key 
 complete -c gcshadow -n '__gcshadow_using web' -l tls-ca -r -F -d 'Require client certificates signed by this CA'
 complete -c gcshadow -n '__gcshadow_using web' -l insecure -d 'Serve a non-loopback address without authentication (anyone who can...'
 complete -c gcshadow -n '__gcshadow_using web' -s v -l verbose -d 'More messages on stderr'
+complete -c gcshadow -n '__gcshadow_using web' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using web' -s h -l help -d 'Show this message and exit'

@@ -371,8 +371,10 @@ def tail(root: Path, state: str, follow: bool, all_jobs: bool, job: str | None, 
 @click.option("--insecure", is_flag=True,
               help="Serve a non-loopback address without authentication (anyone who can connect reads every job).")
 @click.option("-v", "--verbose", count=True, help="More messages on stderr.")
+@state_option
 def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int, token_file: Path | None,
-        tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, verbose: int) -> None:
+        tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, insecure: bool, verbose: int,
+        state: str) -> None:
     """Serve a live view of the jobs at ROOT to a browser, and the same as JSON.
 
     A reader of the shadow's state and files, apart from the shadow: run it
@@ -402,6 +404,7 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
     if not root.is_dir():
         raise click.ClickException(f"{root} is not a directory: give the root a gcshadow serves (--root)")
     opts = _web_options(root, host, port, port_file, tail_kib, token_file, tls_cert, tls_key, tls_ca, insecure)
+    opts.state = _state(state)
     try:
         os.nice(10)  # a viewer, best effort: a shadow on the same machine wins every contention for the CPU
     except OSError:
@@ -412,6 +415,17 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
         raise click.ClickException(f"cannot serve the web view on {host}:{port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _state(state: str) -> str:
+    """The --state to read, checked (a URL it cannot use: one line)."""
+    from .shadow.files import StoreError
+    from .shadow.stateurl import check_state
+
+    try:
+        return check_state(state)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _web_options(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int, token_file: Path | None,

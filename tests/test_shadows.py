@@ -148,6 +148,22 @@ def test_a_second_shadow_takes_a_job_only_once_the_holder_let_go(
 
 
 @pytest.mark.timeout(120)
+def test_an_idle_holder_lets_go_when_another_shadow_takes_its_job(shadows: tuple[ShadowProc, ShadowProc]) -> None:
+    a, b = shadows
+    first, _ = _hold(a)  # then silent: no batch of its own would tell it (its idle timeout is 30 s)
+    started = time.monotonic()
+    second, welcome, refusals = _claim_within(b, 10)
+    assert refusals and time.monotonic() - started < 10
+    assert dict(welcome.durable) == {1: len(FIRST)}
+    got = _quiet(first, 5)
+    assert got and isinstance(got[-1], (Error, ConnectionClosed)) and not any(isinstance(e, Ack) for e in got), got
+    assert "another shadow took this job over" in a.log()
+    content = FIRST + b"f" * 10
+    _finish(second, len(FIRST), content)
+    assert (a.root / "o").read_bytes() == content
+
+
+@pytest.mark.timeout(120)
 def test_two_connections_racing_for_one_job_at_two_shadows_one_holds_it(
     shadows: tuple[ShadowProc, ShadowProc],
 ) -> None:
@@ -295,3 +311,29 @@ def test_without_psycopg_a_shared_state_is_refused_in_one_line(tmp_path: Path) -
         "Error: --state postgresql:// needs psycopg: pip install 'gcwrap[postgresql]'")
     assert "Traceback" not in out.stderr
     assert "s3cret" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_web_view_shows_the_jobs_of_every_shadow_sharing_the_state(
+    shadows: tuple[ShadowProc, ShadowProc], pg_url: str, tmp_path: Path,
+) -> None:
+    pytest.importorskip("h11")
+    from test_web import WebProc
+
+    a, b = shadows
+    for shadow, job in ((a, "at-a"), (b, "at-b")):
+        agent = _agent(shadow)
+        agent.send(hello(job, out=job))
+        assert isinstance(agent.next(), Welcome)
+        _finish(agent, 0, job.encode() * 10)
+    web = WebProc(a.root, tmp_path, ["--state", pg_url])
+    try:
+        def listed() -> bool:
+            jobs = {j["job_id"]: j for j in web.json("/api/jobs")["jobs"]}
+            return set(jobs) == {"at-a", "at-b"} and all(j["state"] == "finished" for j in jobs.values())
+
+        wait_until(listed, 20, "both shadows' jobs in the web view")
+        status, _, body = web.get("/api/jobs/at-b/files/stdout")
+        assert status == 200 and body == b"at-b" * 10
+    finally:
+        web.stop()

@@ -520,17 +520,11 @@ class PgStore(Store):
         shadow held stays 'streaming' until its agent reconnects somewhere."""
 
 
-def list_jobs(url: str) -> list[dict[str, Any]]:
-    """Every job the state at `url` knows, with its streams (for `gcshadow jobs`)."""
-    try:
-        with psycopg.connect(url, **CONNECT) as conn:  # type: ignore[arg-type]
-            cur = conn.cursor(row_factory=dict_row)
-            jobs = cur.execute("SELECT * FROM gcshadow.jobs WHERE state != 'new' ORDER BY first_seen").fetchall()
-            streams = cur.execute("SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
-                                  "ORDER BY job_id, stream").fetchall()
-    except psycopg.Error as e:
-        why = PgConnection(url, Health(shown(url)))._say(e)
-        raise StateUnavailable(f"cannot read the state database {shown(url)}: {why}") from None
+def _jobs(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    jobs = cur.execute("SELECT * FROM gcshadow.jobs WHERE state != 'new' ORDER BY first_seen").fetchall()
+    streams = cur.execute("SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
+                          "ORDER BY job_id, stream").fetchall()
     by_job: dict[str, list[dict[str, Any]]] = {}
     for s in streams:
         by_job.setdefault(s.pop("job_id"), []).append(s)
@@ -540,3 +534,28 @@ def list_jobs(url: str) -> list[dict[str, Any]]:
         job["command"] = json.loads(job["command"] or "[]")
         job["summary"] = json.loads(job["summary"] or "{}")
     return jobs
+
+
+def list_jobs(url: str) -> list[dict[str, Any]]:
+    """Every job the state at `url` knows, with its streams (for `gcshadow jobs`)."""
+    return JobsReader(url).read(close=True)
+
+
+class JobsReader:
+    """Reads every job of a shared state again and again (the web view), on one connection."""
+
+    def __init__(self, url: str) -> None:
+        self.pg = PgConnection(url, Health(shown(url)))
+        self.pg.health.failed = lambda why: None  # type: ignore[method-assign]  # a reader logs nothing
+
+    def read(self, *, close: bool = False) -> list[dict[str, Any]]:
+        """The jobs, with their streams; StateUnavailable if the state cannot be read."""
+        try:
+            with self.pg.transaction() as conn:
+                return _jobs(conn)
+        finally:
+            if close:
+                self.pg.close()
+
+    def close(self) -> None:
+        self.pg.close()

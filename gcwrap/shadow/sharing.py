@@ -24,14 +24,20 @@ async def watch_state(store: StateBackend, live: dict[str, LiveJob],
     can prove it still holds its job (nothing is acknowledged meanwhile)."""
     while True:
         await trio.sleep(WATCH_EVERY)
-        held = {j: job.files.session for j, job in live.items() if job.files.session}
-        try:
-            taken = await worker(functools.partial(store.superseded, held))
-        except StoreError as e:
-            taken, why = set(held), f"the shadow lost its state database: {e}"
-        else:
-            why = "another shadow took this job over"
-        for job_id in taken:
-            job = live.get(job_id)
-            if job is not None and job.files.session == held[job_id]:
-                job.fence(why)
+        await check_holders(store, live, worker)
+
+
+async def check_holders(store: StateBackend, live: dict[str, LiveJob],
+                        worker: Callable[[Callable[[], set[str]]], Awaitable[set[str]]]) -> None:
+    """One look at the state (see `watch_state`)."""
+    held = {j: job.files.session for j, job in live.items() if job.files.session}
+    try:
+        taken = await worker(functools.partial(store.superseded, held))
+    except StoreError as e:
+        taken, why = set(held), f"the shadow lost its state database: {e}"
+    else:
+        why = "another shadow took this job over"
+    for job_id in taken:
+        job = live.get(job_id)
+        if job is not None and job.files.session == held[job_id]:
+            job.fence(why)

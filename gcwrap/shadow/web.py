@@ -87,6 +87,7 @@ class WebOptions:
     client_certs: bool = False  # `tls` requires a client certificate: that authenticates
     insecure: bool = False  # a non-loopback address without authentication, on purpose
     tail: int = 64 * 1024  # bytes of each output a job page shows on open
+    state: str = ""  # a shared state to read (--state), instead of the root's own
 
     @property
     def authenticated(self) -> bool:
@@ -202,7 +203,7 @@ class WebView:
     def __init__(self, opts: WebOptions) -> None:
         self.opts = opts
         self.root_fd = os.open(opts.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.state = StateReader(opts.root, self.root_fd)
+        self.state = StateReader(opts.root, self.root_fd, opts.state)
         self.changed = trio.Event()
         self.static = _static()
         self.clients = 0

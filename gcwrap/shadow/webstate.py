@@ -88,9 +88,14 @@ class StateReader:
     poll shares one list and one encoding of it.
     """
 
-    def __init__(self, root: Path, root_fd: int) -> None:
+    SHARED_EVERY = 1.0  # seconds between reads of a shared state (--state): a full query each time
+
+    def __init__(self, root: Path, root_fd: int, state_url: str = "") -> None:
         self.root = root
         self.root_fd = root_fd
+        self.state_url = state_url  # a shared state (--state), read instead of the root's own
+        self.shared: Any = None  # its reader (pgstate.JobsReader), once opened
+        self.shared_at = 0.0
         self.path = root / STATE_DIR / "state.db"
         self.conn: sqlite3.Connection | None = None
         self.data_version: int | None = None
@@ -102,6 +107,9 @@ class StateReader:
         self._encoded: dict[str, bytes] = {}
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -118,6 +126,8 @@ class StateReader:
 
     def read(self) -> bool:
         """Read the state again if the shadow committed since the last read."""
+        if self.state_url:
+            return self._read_shared()
         try:
             conn = self._connect()
             version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -143,6 +153,33 @@ class StateReader:
             return changed
         self.error, self.data_version = "", version
         self.jobs = jobs
+        self.generation += 1
+        self._sample()
+        return True
+
+    def _read_shared(self) -> bool:
+        """Read a shared state (at most every SHARED_EVERY seconds): whether it changed."""
+        from .files import StoreError
+        from .pgstate import JobsReader
+
+        if time.monotonic() - self.shared_at < self.SHARED_EVERY:
+            self._sample()
+            return False
+        self.shared_at = time.monotonic()
+        try:
+            if self.shared is None:
+                self.shared = JobsReader(self.state_url)
+            jobs = {row["job_id"]: row for row in self.shared.read()}
+        except StoreError as e:
+            changed = str(e) != self.error
+            self.error = str(e)
+            if changed:
+                self.generation += 1
+            return changed
+        if jobs == self.jobs and not self.error:
+            self._sample()
+            return False
+        self.error, self.jobs = "", jobs
         self.generation += 1
         self._sample()
         return True
