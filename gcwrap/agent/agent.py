@@ -125,7 +125,7 @@ class Agent:
         self.commit_soon = trio.Event()  # set: the commit loop stops gathering (see COMMIT_PACE)
         self.plan = CommitPlan(mem_limit=opts.mem_limit, cache_limit=opts.cache_limit, write_behind=opts.write_behind)
         self.retry = RetryPolicy(limit=opts.retry_limit, retry_timeout=opts.retry_timeout)
-        self.shadows = ShadowList.for_job(opts.shadows, job.job_id) if opts.shadows else ShadowList([("", 0)])
+        self.shadows = ShadowList.for_job(opts.shadows, job.job_id)
         self.disk = DiskHealth()
         self.blocked_since: float | None = None  # when the job's current pause began (None: not paused)
         self.readers_paused = 0  # pipe readers held by backpressure now: the job is paused while any is
