@@ -123,3 +123,46 @@ def test_a_password_in_the_url_is_never_shown() -> None:
     with pytest.raises(StoreError, match="not a state this shadow knows") as e:
         check_state("mysql://gc:s3cret@db/x")
     assert "s3cret" not in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_durable_record_waits_for_a_claim_in_progress_and_then_records_nothing(tmp_path: Path, pg_url: str) -> None:
+    """A claim reads the durable lengths after locking the job's row: a
+    record that slipped in between (and was acknowledged) would be below
+    what the new session cuts the file back to. So a record locks the row
+    too, and one that waited for a claim finds its session superseded."""
+    import threading
+    import time
+
+    import psycopg
+
+    store = _pg(tmp_path, pg_url)
+    try:
+        files = _open(store)
+        sf = files.outputs[1]
+        _write(sf, b"0123456789")
+        assert store.make_durable([(sf, 4)])[0][0][2] is None
+        claim = psycopg.connect(pg_url)  # another shadow's claim, in its transaction
+        claim.execute("SELECT session FROM gcshadow.jobs WHERE job_id = 'j1' FOR UPDATE")
+        result: dict[str, object] = {}
+        recording = threading.Thread(target=lambda: result.update(
+            refused=store.record_durable([("j1", 1, 10, files.session, 10)])))
+        recording.start()
+        with psycopg.connect(pg_url, autocommit=True) as watch:
+            deadline = time.monotonic() + 20
+            while watch.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                "AND datname = current_database()").fetchone() != (1,):
+                assert time.monotonic() < deadline and recording.is_alive(), "the record did not wait"
+                time.sleep(0.01)
+        claim.execute("UPDATE gcshadow.jobs SET session = session + 1 WHERE job_id = 'j1'")
+        durable_seen = claim.execute("SELECT durable FROM gcshadow.streams WHERE job_id = 'j1'").fetchone()
+        claim.commit()
+        claim.close()
+        recording.join(20)
+        assert result["refused"] == {("j1", 1)}
+        assert durable_seen == (4,)
+        with psycopg.connect(pg_url) as conn:
+            assert conn.execute("SELECT durable FROM gcshadow.streams WHERE job_id = 'j1'").fetchone() == (4,)
+        files.close()
+    finally:
+        store.close()

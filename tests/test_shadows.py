@@ -326,6 +326,8 @@ def test_the_web_view_shows_the_jobs_of_every_shadow_sharing_the_state(
         agent.send(hello(job, out=job))
         assert isinstance(agent.next(), Welcome)
         _finish(agent, 0, job.encode() * 10)
+    listed_jobs = {j["job_id"]: (j["state"], j["exit_code"]) for j in _jobs(pg_url, b.root)}
+    assert listed_jobs == {"at-a": ("finished", 0), "at-b": ("finished", 0)}
     web = WebProc(a.root, tmp_path, ["--state", pg_url])
     try:
         def listed() -> bool:
@@ -337,3 +339,19 @@ def test_the_web_view_shows_the_jobs_of_every_shadow_sharing_the_state(
         assert status == 200 and body == b"at-b" * 10
     finally:
         web.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_shadow_restarted_after_kill_9_marks_its_jobs_disconnected_not_the_others(
+    shadows: tuple[ShadowProc, ShadowProc], pg_url: str,
+) -> None:
+    a, b = shadows
+    first, _ = _hold(a)
+    other = _agent(b)
+    other.send(hello("at-b", out="at-b"))
+    assert isinstance(other.next(), Welcome)
+    a.kill9()
+    first.close()
+    assert {j["job_id"]: j["state"] for j in _jobs(pg_url, a.root)} == {JOB: "streaming", "at-b": "streaming"}
+    a.start(port=0)
+    assert {j["job_id"]: j["state"] for j in _jobs(pg_url, a.root)} == {JOB: "disconnected", "at-b": "streaming"}

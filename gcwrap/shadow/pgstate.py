@@ -516,8 +516,28 @@ class PgStore(Store):
         return {j for j, s in held.items() if current.get(j) != s}
 
     def mark_disconnected(self) -> None:
-        """Nothing: other shadows serve jobs of this state; a job a killed
-        shadow held stays 'streaming' until its agent reconnects somewhere."""
+        """At start-up: the jobs that shadows of this machine held when they
+        died (their process is gone) are no longer connected. Other shadows'
+        jobs are theirs to record (a job a shadow elsewhere held when it died
+        is 'streaming' until its agent reconnects somewhere)."""
+        host = self.holder.rsplit(":", 1)[0]
+        with self.pg.transaction() as conn:
+            rows = conn.execute("SELECT job_id, shadow FROM gcshadow.jobs WHERE state = 'streaming' AND shadow LIKE %s",
+                                [host.replace("%", r"\%").replace("_", r"\_") + ":%"]).fetchall()
+            dead = [(job_id, shadow) for job_id, shadow in rows if not _alive(int(shadow.rsplit(":", 1)[1]))]
+            for job_id, shadow in dead:
+                conn.execute("UPDATE gcshadow.jobs SET state = 'disconnected' "
+                             "WHERE job_id = %s AND shadow = %s AND state = 'streaming'", [job_id, shadow])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's: alive
+    return pid != os.getpid()
 
 
 def _jobs(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
