@@ -111,7 +111,8 @@ def _finish(agent: RawAgent, durable: int, content: bytes) -> None:
     """Send what the shadow lacks from `durable` on, then EXIT; DONE."""
     agent.send(Data(1, durable, content[durable:]))
     agent.send(Exit(code=0, signal=None, lengths=((1, len(content)),)))
-    assert isinstance(agent.until(Done), Done)
+    ev = agent.until(Done)
+    assert isinstance(ev, Done), ev
 
 
 def _jobs(state: str, root: Path) -> list[dict[str, object]]:
@@ -239,6 +240,13 @@ def test_losing_postgresql_stops_acks_and_nothing_is_lost_after_it_returns(
     shadows: tuple[ShadowProc, ShadowProc], postgres: PgServer,
 ) -> None:
     a, _ = shadows
+    try:
+        _lose_postgresql(a, postgres)
+    except AssertionError as e:  # what the shadow said, to tell why
+        raise AssertionError(f"{e}\nshadow log:\n{a.log()}") from None
+
+
+def _lose_postgresql(a: ShadowProc, postgres: PgServer) -> None:
     first, _ = _hold(a)
     postgres.ctl("stop")
     try:

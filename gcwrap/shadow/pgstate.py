@@ -184,7 +184,7 @@ class PgConnection:
                 self.next_try = 0.0
         self.conn = None
         now = time.monotonic()
-        if now < self.next_try:
+        if now < self.next_try and self.health.down:  # (once another connection is back, at once)
             raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}")
         try:
             conn = psycopg.connect(self.url, autocommit=True, **CONNECT)  # type: ignore[arg-type]
