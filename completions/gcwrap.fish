@@ -111,7 +111,7 @@ complete -c gcwrap -n '__gcwrap_using status' -s h -l help -d 'Show this message
 
 # gcwrap resume
 complete -c gcwrap -n '__gcwrap_using resume' -l spool -x -a '(__fish_complete_directories (commandline -ct))' -d 'Spool directory'
-complete -c gcwrap -n '__gcwrap_using resume' -l shadow -x -d 'Deliver to this shadow instead of the one recorded in the spool'
+complete -c gcwrap -n '__gcwrap_using resume' -l shadow -x -d 'Deliver to this shadow (or these: a comma-separated list, or...'
 complete -c gcwrap -n '__gcwrap_using resume' -l include-refused -d 'Also retry spools the shadow refused for good (e.g'
 complete -c gcwrap -n '__gcwrap_using resume' -l retry-limit -x -d 'Consecutive failed attempts, while the output can go nowhere, before...'
 complete -c gcwrap -n '__gcwrap_using resume' -l retry-timeout -x -d 'Longest wait in seconds between two attempts (exponential backoff...'

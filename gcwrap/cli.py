@@ -36,14 +36,9 @@ class DefaultRunGroup(click.Group):
 
 def parse_hostport(value: str) -> tuple[str, int]:
     """HOST:PORT, [IPV6]:PORT."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{value!r} is not HOST:PORT")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{value!r} is not HOST:PORT: the port must be a number, 1-65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+    from .agent.shadows import parse_address
+
+    return parse_address(value)
 
 
 def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None,
@@ -61,20 +56,27 @@ def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cer
     return {"token": token, "tls": tls}
 
 
-def shadow_address(value: str | None) -> tuple[str, int] | None:
-    if value:
-        try:
-            return parse_hostport(value)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--shadow") from None
+def shadow_addresses(values: tuple[str, ...] | str | None) -> tuple[tuple[str, int], ...]:
+    """The shadows of --shadow (repeated, or a comma-separated list), else of
+    $BYPASS_SHADOW_HOST (one or a list) and $BYPASS_SHADOW_PORT; () for none."""
+    from .agent.shadows import AddressError, env_addresses, parse_addresses
+
+    if isinstance(values, str):
+        values = (values,)
+    try:
+        if values:
+            return tuple(parse_addresses(values))
+    except AddressError as e:
+        raise click.BadParameter(str(e), param_hint="--shadow") from None
     host, port = os.environ.get("BYPASS_SHADOW_HOST"), os.environ.get("BYPASS_SHADOW_PORT")
-    if host and port:
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise click.BadParameter(f"BYPASS_SHADOW_PORT={port!r} is not a port number (1-65535)")
-        return host, int(port)
-    if host or port:
+    if host:
+        try:
+            return tuple(env_addresses(host, port))
+        except AddressError as e:
+            raise click.UsageError(str(e)) from None
+    if port:
         raise click.UsageError("set both BYPASS_SHADOW_HOST and BYPASS_SHADOW_PORT, or use --shadow HOST:PORT")
-    return None
+    return ()
 
 
 def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | None], str | None]:
@@ -179,8 +181,10 @@ def main() -> None:
 
 
 @main.command(context_settings={**CONTEXT, "allow_interspersed_args": False}, epilog=EXIT_HELP)
-@click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
-              help="Where gcshadow listens. Default: $BYPASS_SHADOW_HOST:$BYPASS_SHADOW_PORT.")
+@click.option("--shadow", metavar="HOST:PORT", multiple=True, envvar="GCWRAP_SHADOW", show_envvar=True,
+              help="Where gcshadow listens. Several shadows serving one root (a comma-separated list, or "
+                   "--shadow repeated): tried in a random order, the one that works kept, the next tried at once "
+                   "when it fails. Default: $BYPASS_SHADOW_HOST (one or a list):$BYPASS_SHADOW_PORT.")
 @click.option("--stdout", "stdout_name", metavar="NAME", envvar=["GCWRAP_STDOUT", "GRID_CONSOLE_STDOUT"],
               show_envvar=True, callback=check_name("--stdout"),
               help="File (relative to the shadow's root) that receives the job's stdout. Unset: pass through. "
@@ -214,7 +218,7 @@ def main() -> None:
 @common_delivery_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
-    shadow: str | None, stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
+    shadow: tuple[str, ...], stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
     write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
     log_format: str, compress: Any,
@@ -237,20 +241,20 @@ def run(
     from .render import setup_logging
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
-    address = shadow_address(shadow)
-    if address is None and (stdout_name or stderr_name or stdin_name):
+    addresses = shadow_addresses(shadow)
+    if not addresses and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
     job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
     from .agent.agent import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
     opts = AgentOptions(
-        shadow=address, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
+        shadows=addresses, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
-    sys.exit(_run(opts, address, job_id, spool_dir, list(command), quiet, log_format))
+    sys.exit(_run(opts, addresses, job_id, spool_dir, list(command), quiet, log_format))
 
 
 def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, list[str | None]]:
@@ -271,7 +275,7 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
 
 
 def _run(
-    opts: Any, address: tuple[str, int] | None, job_id: str | None, spool_dir: Path | None, command: list[str],
+    opts: Any, addresses: tuple[tuple[str, int], ...], job_id: str | None, spool_dir: Path | None, command: list[str],
     quiet: bool = False, log_format: str = "text",
 ) -> int:
     import time
@@ -281,6 +285,7 @@ def _run(
     from .agent.identity import default_job_id, hostname, username
     from .agent.records import JobRecord
     from .agent.run import run_job, stream_specs
+    from .agent.shadows import show_all
     from .agent.spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
     from .render import Reporter
 
@@ -292,11 +297,11 @@ def _run(
     shown = [a.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for a in command]
     job = JobRecord(
         job_id=job_id, instance=instance, command=shown, host=hostname(), user=username(),
-        shadow=f"{address[0]}:{address[1]}" if address else "", started=time.time(), wrapper_pid=os.getpid(),
+        shadow=show_all(addresses), started=time.time(), wrapper_pid=os.getpid(),
     )
     outcome = trio.run(run_job, opts, command, job, spool_path)
     say = Reporter(fmt=log_format)
-    delivering = address is not None and bool(stream_specs(opts))  # (else a plain pass-through)
+    delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:
         say.summary(job_id, outcome.job_status, outcome.stats)
     if outcome.message:
@@ -352,14 +357,15 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
 @click.option("--spool", "spool_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
               envvar="GCWRAP_SPOOL", show_envvar=True,
               help="Spool directory. Default: as for run, gcwrap-UID in the scratch directory or /tmp.")
-@click.option("--shadow", metavar="HOST:PORT", envvar="GCWRAP_SHADOW", show_envvar=True,
-              help="Deliver to this shadow instead of the one recorded in the spool.")
+@click.option("--shadow", metavar="HOST:PORT", multiple=True, envvar="GCWRAP_SHADOW", show_envvar=True,
+              help="Deliver to this shadow (or these: a comma-separated list, or --shadow repeated) instead of "
+                   "the one(s) recorded in the spool.")
 @click.option("--include-refused", is_flag=True,
               help="Also retry spools the shadow refused for good (e.g. a file owned by another job).")
 @common_delivery_options
 @click.argument("spools", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 def resume(
-    spool_dir: Path | None, shadow: str | None, include_refused: bool, retry_limit: int, retry_timeout: float,
+    spool_dir: Path | None, shadow: tuple[str, ...], include_refused: bool, retry_limit: int, retry_timeout: float,
     heartbeat: float, verbose: int, quiet: bool, log_format: str, compress: Any, token_file: Path | None, tls_on: bool,
     tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, spools: tuple[Path, ...],
 ) -> None:
@@ -379,6 +385,7 @@ def resume(
 
     from .agent.agent import AgentOptions
     from .agent.run import resume_spool
+    from .agent.shadows import recorded_addresses
     from .agent.spool import SpoolError, default_spool_dir, spool_files
     from .render import Reporter, setup_logging, stderr_console
     from .status import in_use
@@ -406,31 +413,35 @@ def resume(
                     "(--include-refused to try again)", "warning")
             worst = exitcodes.worst(worst, exitcodes.REFUSED)
             continue
-        address = shadow_address(shadow) if shadow else None
-        if address is None:
+        addresses = shadow_addresses(shadow) if shadow else ()
+        if not addresses:
             try:
-                address = parse_hostport(job.shadow)
+                addresses = tuple(recorded_addresses(job.shadow))
             except ValueError:
                 say.say(f"{path}: no shadow recorded; use --shadow HOST:PORT")
                 worst = exitcodes.worst(worst, exitcodes.USAGE)
                 continue
-        opts = AgentOptions(shadow=address, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
-                            compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
+        opts = AgentOptions(shadows=addresses, retry_limit=retry_limit, retry_timeout=retry_timeout,
+                            heartbeat=heartbeat, compress=compress,
+                            **security(token_file, tls_on, tls_ca, tls_cert, tls_key))
         console = stderr_console()
         # A bar only for a person watching: not in a log file or a pipe.
         with resume_progress(console, job.job_id, quiet or log_format == "json" or not console.is_terminal) as progress:
             outcome = trio.run(resume_spool, opts, path, progress)
-        _say_resumed(say, job.job_id, address, path, outcome)
+        _say_resumed(say, job.job_id, addresses, path, outcome)
         worst = exitcodes.worst(worst, outcome.status)
         if outcome.signalled:
             break  # (the batch system's walltime, Ctrl-C: the other spools wait too)
     sys.exit(worst)
 
 
-def _say_resumed(say: Any, job_id: str, address: tuple[str, int], path: Path, outcome: Any) -> None:
+def _say_resumed(say: Any, job_id: str, addresses: tuple[tuple[str, int], ...], path: Path, outcome: Any) -> None:
     """What became of one resumed spool, in a line or two."""
+    from .agent.shadows import show_all
+
     if outcome.status == 0:
-        say.say(f"job {job_id}: all output delivered to {address[0]}:{address[1]}", "info")
+        shadow = outcome.stats.get("shadow") or show_all(addresses)
+        say.say(f"job {job_id}: all output delivered to {shadow}", "info")
     elif outcome.status == exitcodes.LOST and outcome.spool is None:
         say.say(f"job {job_id}: {outcome.message}")  # (delivered: the spool is gone)
     else:

@@ -248,6 +248,10 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
     lines = []
     for sp in spools:
         conn = "connected" if sp.get("connected") else "not connected"
+        if (in_use := sp.get("shadow_in_use")) and in_use != sp.get("shadow"):  # (one of several)
+            conn = f"{conn} {'to' if sp.get('connected') else '; last on'} {in_use}"
+        if failovers := sp.get("failovers"):
+            conn += f", {failovers} failover(s)"
         free = sp.get("disk_free")
         size = human_bytes(sp.get("spool_bytes") or 0) + (f", {human_bytes(free)} free" if free is not None else "")
         fields = [f"{sp['job_id']}:", "shadow", sp.get("shadow") or "-", f"({conn}),",
@@ -413,6 +417,7 @@ SUMMARY_LABELS: dict[str, tuple[str, Callable[[float], str]]] = {
     "connections": ("connections", lambda v: f"{v:.0f}"),
     "reconnects": ("reconnects", lambda v: f"{v:.0f}"),
     "failed_attempts": ("failed connection attempts", lambda v: f"{v:.0f}"),
+    "failovers": ("failovers to another shadow", lambda v: f"{v:.0f}"),
     "zero_copy_pct": ("spliced (zero-copy)", lambda v: f"{v:.0f}% of the output"),
     "wire_bytes": ("on the wire", lambda v: f"{human_bytes(v)} ({v:,.0f} bytes)"),
     "compressed_pct": ("sent compressed", lambda v: f"{v:.0f}% of the output"),
@@ -511,8 +516,16 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
          f"job paused {summary.get('paused_s', 0):.1f} s"),
         (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
          f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
-    ] + _on_the_wire(summary) + (
+    ] + _shadow_in_use(summary) + _on_the_wire(summary) + (
         [f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
+
+
+def _shadow_in_use(summary: dict[str, Any]) -> list[str]:
+    """The shadow that took the output last, and how often gcwrap moved to another."""
+    if not summary.get("shadow"):
+        return []
+    failovers = int(number(summary.get("failovers")) or 0)
+    return [f"  shadow in use: {summary['shadow']}; {failovers} failover(s) to another shadow"]
 
 
 class Reporter:

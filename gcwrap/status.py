@@ -57,6 +57,8 @@ def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
     info["last_error"] = live.get("last_error") or live.get("disk_error") or info["last_error"]
     info["retries"] = max(int(live.get("retries") or 0), int(info.get("retries") or 0))
     info["live_at"] = live.get("t")
+    info["shadow_in_use"] = live.get("shadow") or info["shadow_in_use"]
+    info["failovers"] = max(int(live.get("failovers") or 0), int(info["failovers"]))
     if isinstance(live.get("wire"), dict):
         info["wire"] = live["wire"]  # this run's output on the wire: job bytes, wire bytes, compressed
     by_id = {str(s["id"]): s for s in info["streams"]}
@@ -109,6 +111,9 @@ def read_spool(path: Path) -> dict[str, Any]:
         "command": job.command,
         "host": job.host,
         "shadow": job.shadow,
+        # Of several shadows, the one that took the output last, and how often gcwrap moved to another.
+        "shadow_in_use": str(job.summary.get("shadow") or ""),
+        "failovers": int(job.summary.get("failovers") or 0),
         "state": state,
         "active": active,
         "wrapper_pid": job.wrapper_pid,

@@ -35,6 +35,7 @@ from typing import Any
 import click
 import pytest
 
+from gcwrap.agent.shadows import env_addresses, parse_addresses, show
 from gcwrap.cli import main as gcwrap_main
 from gcwrap.cli import parse_hostport
 from gcwrap.shadow_cli import main as gcshadow_main
@@ -283,12 +284,13 @@ def test_every_documented_command_parses() -> None:
     assert not failures, "documented commands that do not parse:\n" + "\n".join(failures)
 
 
-def _shadow_of(params: dict[str, Any], env: dict[str, str]) -> str | None:
+def _shadows_of(params: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """Every shadow an invocation names (--shadow repeated or a list; the seed's variables)."""
     if params.get("shadow"):
-        return str(params["shadow"])
-    if env.get("BYPASS_SHADOW_HOST") and env.get("BYPASS_SHADOW_PORT"):
-        return f"{env['BYPASS_SHADOW_HOST']}:{env['BYPASS_SHADOW_PORT']}"
-    return None
+        return [show(a) for a in parse_addresses(params["shadow"])]
+    if env.get("BYPASS_SHADOW_HOST"):
+        return [show(a) for a in env_addresses(env["BYPASS_SHADOW_HOST"], env.get("BYPASS_SHADOW_PORT"))]
+    return []
 
 
 def security_problems(inv: Invocation) -> list[str]:
@@ -301,9 +303,10 @@ def security_problems(inv: Invocation) -> list[str]:
         return [(f"{shown}: listens on {params['host']} without --token-file, --token-dir, --tls-cert with --tls-ca, "
                  "or --insecure (gcshadow refuses to start)")]
     if inv.prog == "gcwrap" and name == "run":
-        shadow = _shadow_of(params, inv.env)
-        host = parse_hostport(shadow)[0] if shadow else "127.0.0.1"
-        if not is_loopback(host) and not (params["token_file"] or params["tls_on"] or params["tls_ca"]
+        shadows = _shadows_of(params, inv.env)
+        shadow = ",".join(shadows)
+        beyond = not all(is_loopback(parse_hostport(s)[0]) for s in shadows)
+        if beyond and not (params["token_file"] or params["tls_on"] or params["tls_ca"]
                                           or params["tls_cert"]):
             return [(f"{shown}: talks to the shadow {shadow} with neither a token nor TLS (such a shadow "
                      "requires one: give --token-file, as the shadow's examples do)")]

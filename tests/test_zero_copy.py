@@ -761,7 +761,7 @@ async def test_without_splice_support_bulk_output_is_read_into_memory(
 
     monkeypatch.setattr(Segments, "splice_in", unsupported)
     host, port = shadow.address.rsplit(":", 1)
-    opts = AgentOptions(shadow=(host, int(port)), stdout="nosplice.out", retry_timeout=0.5)
+    opts = AgentOptions(shadows=((host, int(port)),), stdout="nosplice.out", retry_timeout=0.5)
     record = JobRecord(job_id="nosplice", instance="00112233445566ff", command=["genjob"])
     outcome = await run_job(opts, genjob(20 * MB, 0, seed=44), record, tmp_path / f"nosplice{SPOOL_SUFFIX}")
     assert outcome.status == 0, outcome.message

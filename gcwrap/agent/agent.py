@@ -39,6 +39,7 @@ from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
+from .shadows import Address, ShadowList, connect, given_up, local_address, show
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
 
@@ -66,7 +67,7 @@ FLUSH_MIN = 4 << 10
 class AgentOptions:
     """How the agent runs a job and delivers it (the command line's options)."""
 
-    shadow: tuple[str, int] | None
+    shadows: tuple[Address, ...]  # where to deliver, in the order given (empty: nowhere, the streams pass through)
     stdout: str | None = None
     stderr: str | None = None
     stdin: str | None = None
@@ -124,6 +125,7 @@ class Agent:
         self.commit_soon = trio.Event()  # set: the commit loop stops gathering (see COMMIT_PACE)
         self.plan = CommitPlan(mem_limit=opts.mem_limit, cache_limit=opts.cache_limit, write_behind=opts.write_behind)
         self.retry = RetryPolicy(limit=opts.retry_limit, retry_timeout=opts.retry_timeout)
+        self.shadows = ShadowList.for_job(opts.shadows, job.job_id)
         self.disk = DiskHealth()
         self.blocked_since: float | None = None  # when the job's current pause began (None: not paused)
         self.readers_paused = 0  # pipe readers held by backpressure now: the job is paused while any is
@@ -148,6 +150,10 @@ class Agent:
 
     # -- shared state helpers ---------------------------------------------
 
+    def note_live(self, **fields: Any) -> None:
+        """Fields only the live view shows (the spool's job record has no place for them)."""
+        self.live_fields.update(fields)
+
     def note(self, **fields: Any) -> None:
         """Record job fields in the spool with the next commit (and the live view)."""
         self.job_updates.update(fields)
@@ -162,6 +168,8 @@ class Agent:
             "connected": bool(f.get("connected", False)),
             "last_error": f.get("last_error", ""),
             "retries": f.get("retries", 0),
+            "shadow": f.get("shadow", ""),  # the shadow in use (the last to welcome the agent)
+            "failovers": f.get("failovers", 0),
             "disk_error": self.disk.error,
             "exit_code": f.get("exit_code"),
             "exit_signal": f.get("exit_signal"),
@@ -468,24 +476,6 @@ class Agent:
 
     # -- delivery --------------------------------------------------------
 
-    async def _connect(self, host: str, port: int) -> tuple[trio.abc.Stream, trio.SocketStream]:
-        """A connection to the shadow: TCP, and TLS over it when configured."""
-        with trio.fail_after(self.opts.connect_timeout or 3 * self.opts.heartbeat):
-            tcp = await trio.open_tcp_stream(host, port)
-            if self.opts.tls is None:
-                return tcp, tcp
-            tls = trio.SSLStream(tcp, self.opts.tls, server_hostname=host)
-            try:
-                await tls.do_handshake()
-            except BaseException as e:
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(tcp)
-                if isinstance(e.__cause__, ssl.SSLCertVerificationError):
-                    why = f"the shadow's certificate failed verification: {e.__cause__.verify_message}"
-                    raise ShadowRefused(ErrorCode.AUTH_FAILED, why, permanent=True) from None
-                raise
-            return tls, tcp
-
     def _session(self, where: str) -> Session:
         """A session that speaks for this job, through the outbox and the spool."""
         job, opts = self.job, self.opts
@@ -495,13 +485,13 @@ class Agent:
         return Session(self.outbox, self.spooler, hello, config, where, on_welcome=self.on_welcome,
                        exit_frame=self.exit_frame, wire=self.wire)
 
-    async def _attempt(self, session: Session, host: str, port: int) -> None:
+    async def _attempt(self, session: Session, address: Address) -> None:
         """Connect and run one session until it ends (SessionEnd: all is home) or fails."""
         where = session.where
         dialled = time.monotonic()
-        stream, tcp = await self._connect(host, port)
+        stream, tcp = await connect(address, self.opts.connect_timeout or 3 * self.opts.heartbeat, self.opts.tls)
         self.connected_since = time.monotonic()
-        log.info("connected to %s from %s in %.3f s (attempt %d)", where, _local_address(tcp),
+        log.info("connected to %s from %s in %.3f s (attempt %d)", where, local_address(tcp),
                  self.connected_since - dialled, int(self.stats["attempts"]))
         try:
             await session.run(stream, tcp.socket)
@@ -518,15 +508,15 @@ class Agent:
     async def deliver_loop(self) -> None:
         """Connect, run a session, back off, repeat, until the shadow said DONE,
         the retry limit is reached, or the job ended while the shadow refuses it."""
-        assert self.opts.shadow is not None
-        host, port = self.opts.shadow
-        where = f"{host}:{port}"
+        shadows = self.shadows
         while True:
+            address = shadows.current
+            where = show(address)
             self.stats["attempts"] += 1
             seen = (self.stop.signals, self.outbox.exit is not None)
             session = self._session(where)
             try:
-                await self._attempt(session, host, port)
+                await self._attempt(session, address)
             except SessionEnd:
                 log.info("the shadow holds every byte and the exit status: %s",
                          ", ".join(f"{o.kind} {o.acked} bytes" for o in self.out.values()) or "no output")
@@ -540,6 +530,7 @@ class Agent:
                 # Only a session that moved bytes counts as success: one that is
                 # welcomed and then fails every time must not retry forever.
                 self.retry.succeeded()
+                shadows.succeeded()
             delay = self._failed(error, where)
             if delay is None:
                 return
@@ -586,18 +577,21 @@ class Agent:
         else:
             log.info("%s (attempt %d)", reason, int(self.stats["attempts"]))
         retry_after = error.retry_after if isinstance(error, ShadowRefused) else 0.0
+        if refused:
+            self.shadows.failed_for_good()  # (paced as ever: another shadow would refuse it too)
+        elif (ended_round := self.shadows.failed(retry_after, shutting_down)) is None:
+            log.info("trying the shadow %s now (failover %d)", show(self.shadows.current), self.shadows.failovers)
+            self.note_live(failovers=self.shadows.failovers)
+            return 0.0
+        else:
+            retry_after, shutting_down = ended_round.retry_after, ended_round.shutting_down
         nxt = self.retry.failed(blocked=self.blocked, refused=refused, retry_after=retry_after,
                                 shutting_down=shutting_down)
+        self.note_live(failovers=self.shadows.failovers)
         if nxt.give_up:
             ended = self.outbox.exit is not None
-            self.give_up = Outcome(
-                exitcodes.UNDELIVERED if ended else exitcodes.RETRY_LIMIT,
-                message=(
-                    f"retry limit reached: {self.retry.failures_blocked} consecutive failed attempts "
-                    + ("after the job ended" if ended else "while the job's output could go nowhere")
-                    + f" (last: {reason})"
-                ),
-            )
+            self.give_up = Outcome(exitcodes.UNDELIVERED if ended else exitcodes.RETRY_LIMIT,
+                                   message=given_up(self.retry.failures_blocked, self.shadows.order, ended, reason))
             return None
         if self.blocked and (limit := self.retry.limit) and nxt.counted:
             log.info("next attempt in %.1f s (%d of --retry-limit %d used)", nxt.delay, self.retry.failures_blocked,
@@ -628,6 +622,9 @@ class Agent:
             **self.wire.summary(total),
             job_started=round(self.job.started, 3),  # (a resume's summary tells the job's times, not its own)
         )
+        if len(self.shadows.order) > 1:  # (of several: which one took the output last)
+            in_use = self.shadows.in_use
+            out.update(shadow=show(in_use) if in_use else "", failovers=self.shadows.failovers)
         if self.lost:
             out["lost"] = sum(end - start for start, end in self.lost.values())
         if ended := self.live_fields.get("ended") or self.job.ended:
@@ -670,6 +667,8 @@ class Agent:
         self.net_error = ""
         self.refusal = None
         self.streaming = True
+        self.shadows.welcomed()
+        self.note_live(shadow=show(self.shadows.current), failovers=self.shadows.failovers)
         self.note(connected=True, last_error="")
 
 
@@ -690,9 +689,3 @@ def _fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
         out.append(c)
         budget -= c.size
     return out
-def _local_address(tcp: trio.SocketStream) -> str:
-    try:
-        host, port = tcp.socket.getsockname()[:2]
-    except OSError:
-        return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -31,6 +31,7 @@ from ..wire.events import STDERR, STDIN, STDOUT, Exit, StreamSpec
 from .agent import Agent, AgentOptions, Outcome
 from .records import JobRecord
 from .retry import describe
+from .shadows import show, show_all
 from .spool import Spool, SpoolError
 from .spooler import Spooler, lock_spool
 
@@ -181,12 +182,12 @@ async def _run_job(
     opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, signals: AsyncIterator[int]
 ) -> Outcome:
     specs = stream_specs(opts)
-    if not specs and opts.shadow is not None:
+    if not specs and opts.shadows:
         # Nothing to deliver: every stream passes through. No spool, no
         # session, no retries: the shadow's state cannot hold the job up.
-        log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s:%d, "
-                 "the job's streams pass through", *opts.shadow)
-        opts = dataclasses.replace(opts, shadow=None)
+        log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s, "
+                 "the job's streams pass through", show_all(opts.shadows))
+        opts = dataclasses.replace(opts, shadows=())
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )
@@ -245,7 +246,7 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
 
     async def deliver() -> None:
         try:
-            if agent.opts.shadow is not None:
+            if agent.opts.shadows:
                 with trio.CancelScope() as agent.delivery_scope:
                     agent.delivering = True
                     await agent.deliver_loop()
@@ -306,7 +307,7 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
             state="exited", ended=time.time(), exit_code=ended.code, exit_signal=ended.signal,
             reason=agent.kill_reason,
         )
-        if agent.opts.shadow is None:
+        if not agent.opts.shadows:
             agent.delivered.set()
         agent.stop.job_ended(trio.current_time())
         while not (agent.delivered.is_set() or delivery_done.is_set()):
@@ -341,7 +342,7 @@ def _finish(agent: Agent, job_status: int | None) -> Outcome:
     if agent.delivered.is_set():
         # (A resumed spool whose run lost its tail: what it held is home.)
         spooler.close(remove=True)
-        where = f"{agent.opts.shadow[0]}:{agent.opts.shadow[1]}" if agent.opts.shadow else "home"
+        where = show(agent.shadows.in_use) if agent.shadows.in_use else show_all(agent.opts.shadows) or "home"
         return Outcome(exitcodes.LOST, job_status, f"what the spool held is delivered to {where}; lost when the "
                                                    f"job ran: {loss}")
     final = dict(agent.job_updates, connected=False, summary=agent.summary())
