@@ -64,7 +64,7 @@ from ..wire.events import (
     ZData,
 )
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
+from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
@@ -134,6 +134,8 @@ class Shadow:
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
         self.handshakes = HandshakeMemory(opts.handshake_memory)  # what unauthenticated connections hold
+        # Job handshakes opened in groups, one state transaction each (`Store.open_jobs`).
+        self.admissions = GroupCommit(store.open_jobs, self._worker)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -181,6 +183,7 @@ class Shadow:
         to this shadow restarted); then end, within STOP_GRACE."""
         self.stopping = why
         log.info("%s: stopping; %d connection(s) told to come back", why, self.connections)
+        log.info("%d job handshakes in %d state transactions", self.admissions.requests, self.admissions.groups)
         if self.accepting is not None:
             self.accepting.cancel()
         for job in list(self.live.values()):
@@ -438,18 +441,10 @@ class Shadow:
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
         try:
-            files = await self._worker(
-                lambda: self.store.open_job(
-                    job_id=hello.job_id,
-                    instance=hello.instance,
-                    streams=hello.streams,
-                    host=hello.host,
-                    user=hello.user,
-                    command=list(hello.command),
-                    peer=peer,
-                    tenant=tenant,
-                )
-            )
+            files = await self.admissions.submit({
+                "job_id": hello.job_id, "instance": hello.instance, "streams": hello.streams, "host": hello.host,
+                "user": hello.user, "command": list(hello.command), "peer": peer, "tenant": tenant,
+            })
         except StoreError as e:
             if e.problem is Problem.STALE_ATTEMPT:
                 self.stale.setdefault(hello.job_id, set()).add(hello.instance)

@@ -18,6 +18,7 @@ commit their new lengths to the state database.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -25,7 +26,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,7 @@ class Store:
         self.db_lock = threading.Lock()
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self.last_seen: dict[str, float] = {}  # job -> when its last_seen was last stamped (record_durable)
+        self._grouped = False  # inside `open_jobs`' transaction: each job opens in a savepoint
 
     def close(self) -> None:
         self.syncer.close()
@@ -161,6 +163,60 @@ class Store:
         and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
             return self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
+
+    def open_jobs(self, requests: list[dict[str, Any]]) -> list[JobFiles | Exception]:
+        """`open_job` for several jobs in one state transaction (group
+        commit: one sync of the database for all of them). Each job is still
+        atomic on its own, in a savepoint: a refused one changes nothing and
+        gets its exception in its place. If the commit fails, every job does
+        (their files are closed)."""
+        results: list[JobFiles | Exception] = []
+        with self.db_lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            self._grouped = True
+            try:
+                for req in requests:
+                    try:
+                        results.append(self._open_job(**{**req, "streams": list(req["streams"])}))
+                    except Exception as e:  # noqa: BLE001 - this job's refusal: the others go on
+                        results.append(e)
+                conn.execute("COMMIT")
+            except Exception as e:  # noqa: BLE001 - the state database failed: no job of the group is open
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                for r in results:
+                    if isinstance(r, JobFiles):
+                        r.close()
+                why = f"cannot record the job in the state database: {e}"
+                results = [StoreError(Problem.IO, why) for _ in requests]
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                for r in results:
+                    if isinstance(r, JobFiles):
+                        r.close()
+                raise
+            finally:
+                self._grouped = False
+        return results
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """One job's changes: a transaction of its own, or a savepoint inside `open_jobs`' group."""
+        if not self._grouped:
+            with transaction(self.db.conn):
+                yield
+            return
+        conn = self.db.conn
+        conn.execute("SAVEPOINT open_job")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK TO open_job")
+            conn.execute("RELEASE open_job")
+            raise
+        conn.execute("RELEASE open_job")
 
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
@@ -202,7 +258,7 @@ class Store:
             raise
         files = JobFiles(job_id, instance, session=(row["session"] if row else 0) + 1)
         try:
-            with transaction(db.conn):
+            with self._atomic():
                 if fresh:
                     db.execute("DELETE FROM streams WHERE job_id = ?", [job_id])
                     db.execute(
@@ -295,8 +351,9 @@ class Store:
             return
         try:
             if fresh:
-                os.ftruncate(fd, 0)
-                os.fsync(fd)
+                if os.fstat(fd).st_size:  # (a new, empty file has no old bytes whose removal must be durable)
+                    os.ftruncate(fd, 0)
+                    os.fsync(fd)
                 durable = wire = 0
                 db.execute(
                     "INSERT INTO streams (job_id, stream, kind, name, durable, wire) VALUES (?, ?, ?, ?, 0, 0)",
