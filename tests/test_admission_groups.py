@@ -246,6 +246,28 @@ def test_a_failed_commit_opens_no_job_of_the_group(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.timeout(30)
+def test_exits_and_handshakes_share_a_group_and_a_stale_exit_records_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    try:
+        (a,) = store.open_jobs([_request("a", "a.out")])
+        assert isinstance(a, JobFiles)
+        results = store.grouped([
+            lambda: store.record_finished("a", a.session + 1, code=0, signal=None, reason="", summary={}),
+            lambda: store.open_job(**_request("b", "../b.out")),
+            lambda: store.record_finished("a", a.session, code=3, signal=None, reason="", summary={}),
+            lambda: store.open_job(**_request("c", "c.out")),
+        ])
+        assert results[0] is False and results[2] is True, results  # only the session that holds it records
+        assert isinstance(results[1], StoreError) and isinstance(results[3], JobFiles), results
+        row = store.db.execute("SELECT state, exit_code FROM jobs WHERE job_id = 'a'").fetchone()
+        assert tuple(row) == ("finished", 3)
+        for r in (a, results[3]):
+            r.close()
+    finally:
+        store.close()
+
+
 # -- a real gcshadow admitting a few hundred connections at once ------------------------------------------
 
 
@@ -276,8 +298,8 @@ def test_hundreds_of_connections_at_once_land_byte_exact_in_few_state_transactio
     text = shadow.log()
     no_descriptor_trouble(text)
     assert sum(a.busy for a in agents) == 0
-    m = re.search(r"(\d+) job handshakes in (\d+) state transactions", text)
+    m = re.search(r"(\d+) job handshakes, exits and disconnections in (\d+) state transactions", text)
     assert m, text[-2000:]
-    handshakes, groups = int(m[1]), int(m[2])
-    assert handshakes == jobs, text[-2000:]
-    assert groups <= jobs // 3, f"{handshakes} handshakes took {groups} state transactions: they were not grouped"
+    records, groups = int(m[1]), int(m[2])
+    assert records == 2 * jobs, text[-2000:]  # a handshake and an exit each
+    assert groups <= jobs // 2, f"{records} state changes took {groups} state transactions: they were not grouped"

@@ -134,8 +134,8 @@ class Shadow:
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
         self.handshakes = HandshakeMemory(opts.handshake_memory)  # what unauthenticated connections hold
-        # Job handshakes opened in groups, one state transaction each (`Store.open_jobs`).
-        self.admissions = GroupCommit(store.open_jobs, self._worker)
+        # Job handshakes, exits and disconnections recorded in groups, one state transaction each.
+        self.records = GroupCommit(store.grouped, self._worker)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -183,7 +183,8 @@ class Shadow:
         to this shadow restarted); then end, within STOP_GRACE."""
         self.stopping = why
         log.info("%s: stopping; %d connection(s) told to come back", why, self.connections)
-        log.info("%d job handshakes in %d state transactions", self.admissions.requests, self.admissions.groups)
+        log.info("%d job handshakes, exits and disconnections in %d state transactions", self.records.requests,
+                 self.records.groups)
         if self.accepting is not None:
             self.accepting.cancel()
         for job in list(self.live.values()):
@@ -441,10 +442,10 @@ class Shadow:
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
         try:
-            files = await self.admissions.submit({
-                "job_id": hello.job_id, "instance": hello.instance, "streams": hello.streams, "host": hello.host,
-                "user": hello.user, "command": list(hello.command), "peer": peer, "tenant": tenant,
-            })
+            files = await self._state(lambda: self.store.open_job(
+                job_id=hello.job_id, instance=hello.instance, streams=hello.streams, host=hello.host,
+                user=hello.user, command=list(hello.command), peer=peer, tenant=tenant,
+            ))
         except StoreError as e:
             if e.problem is Problem.STALE_ATTEMPT:
                 self.stale.setdefault(hello.job_id, set()).add(hello.instance)
@@ -459,6 +460,12 @@ class Shadow:
     async def _gone(self, job: LiveJob) -> None:
         """Wait until an earlier session's files are closed."""
         await job.gone.wait()
+
+    async def _state(self, fn: Callable[[], T]) -> T:
+        """A job's state change (open, finish, disconnect), committed in a
+        group with the others that arrive meanwhile (`GroupCommit`)."""
+        result: T = await self.records.submit(fn)
+        return result
 
     async def _worker(self, fn: Callable[[], T]) -> T:
         """Run blocking state work in the one worker thread for handshakes and state records."""
@@ -502,7 +509,7 @@ class Shadow:
         if not job.finished:
             try:
                 # Only while no later session has taken the job over in the state database.
-                await self._worker(lambda: self.store.record_disconnected(job.job_id, session))
+                await self._state(lambda: self.store.record_disconnected(job.job_id, session))
             except Exception as e:  # noqa: BLE001
                 log.error("cannot record job state: %s", e)
 
@@ -633,7 +640,7 @@ class Shadow:
                 )
         summary = dict(ev.summary)
         self._check(job)
-        recorded = await self._worker(
+        recorded = await self._state(
             lambda: self.store.record_finished(
                 files.job_id, files.session, code=ev.code, signal=ev.signal, reason=ev.reason, summary=summary,
             )
