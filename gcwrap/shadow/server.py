@@ -153,6 +153,10 @@ class Shadow:
         b = self.budget
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
+        if b.max_served < self.opts.max_connections:
+            log.warning("the descriptor limit (%d) lets this shadow serve %d connections at once, not %d: more are "
+                        "told BUSY; raise the hard limit (ulimit -Hn, or LimitNOFILE= in a systemd unit) for more",
+                        b.limit, b.max_served, self.opts.max_connections)
         async with trio.open_nursery() as nursery:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
