@@ -153,7 +153,7 @@ class Shadow:
         b = self.budget
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
-        if b.max_served < self.opts.max_connections:
+        if b.max_served < self.opts.max_connections // 2:  # (a limit that takes more than half of them)
             log.warning("the descriptor limit (%d) lets this shadow serve %d connections at once, not %d: more are "
                         "told BUSY; raise the hard limit (ulimit -Hn, or LimitNOFILE= in a systemd unit) for more",
                         b.limit, b.max_served, self.opts.max_connections)
@@ -446,7 +446,7 @@ class Shadow:
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
         try:
-            files = await self._state(lambda: self.store.open_job(
+            files = await self.records.submit(lambda: self.store.open_job(
                 job_id=hello.job_id, instance=hello.instance, streams=hello.streams, host=hello.host,
                 user=hello.user, command=list(hello.command), peer=peer, tenant=tenant,
             ))
@@ -464,12 +464,6 @@ class Shadow:
     async def _gone(self, job: LiveJob) -> None:
         """Wait until an earlier session's files are closed."""
         await job.gone.wait()
-
-    async def _state(self, fn: Callable[[], T]) -> T:
-        """A job's state change (open, finish, disconnect), committed in a
-        group with the others that arrive meanwhile (`GroupCommit`)."""
-        result: T = await self.records.submit(fn)
-        return result
 
     async def _worker(self, fn: Callable[[], T]) -> T:
         """Run blocking state work in the one worker thread for handshakes and state records."""
@@ -513,7 +507,7 @@ class Shadow:
         if not job.finished:
             try:
                 # Only while no later session has taken the job over in the state database.
-                await self._state(lambda: self.store.record_disconnected(job.job_id, session))
+                await self.records.submit(lambda: self.store.record_disconnected(job.job_id, session))
             except Exception as e:  # noqa: BLE001
                 log.error("cannot record job state: %s", e)
 
@@ -644,7 +638,7 @@ class Shadow:
                 )
         summary = dict(ev.summary)
         self._check(job)
-        recorded = await self._state(
+        recorded = await self.records.submit(
             lambda: self.store.record_finished(
                 files.job_id, files.session, code=ev.code, signal=ev.signal, reason=ev.reason, summary=summary,
             )
