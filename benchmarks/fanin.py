@@ -368,6 +368,15 @@ class Generator:
         self.lags: list[float] = []  # seconds each DATA frame was sent after its due time (paced only)
         self.ack_bins: collections.Counter[int] = collections.Counter()  # bytes acked per second since t_start
         self.all_connected_at = math.nan  # seconds from the start until every agent had its WELCOME (or failed)
+        self.shadow_pid = 0  # the shadow's CPU, read at the first DATA frame sent and when every byte is acked:
+        self.cpu_first_send = math.nan  # what the data phase cost it, without connections coming and going
+        self.cpu_all_acked = math.nan
+
+    def _shadow_cpu(self) -> float:
+        try:
+            return proc_times(self.shadow_pid)[0] if self.shadow_pid else math.nan
+        except (OSError, ValueError, IndexError):
+            return math.nan
 
     def results(self, t_start: float, t_end: float) -> dict[str, Any]:
         """What the parent process needs, as JSON: durations only (trio's clock has an arbitrary origin)."""
@@ -379,6 +388,7 @@ class Generator:
             "total_s": t_end - t_start, "first_send_s": first - t_start, "connect_s": self.connect_s,
             "lags_s": self.lags, "all_connected_s": self.all_connected_at,
             "ack_bins": sorted(self.ack_bins.items()),
+            "data_cpu_s": self.cpu_all_acked - self.cpu_first_send,
         }
 
     def payload(self, i: int) -> memoryview:
@@ -503,6 +513,8 @@ class Generator:
                     while sent and sent[0][0] <= ev.offset:
                         self.latencies.append((now - sent.popleft()[1]) * 1000)
                     self.acked_bytes += ev.offset - acked
+                    if self.acked_bytes >= self.n * self.per_agent and math.isnan(self.cpu_all_acked):
+                        self.cpu_all_acked = self._shadow_cpu()
                     self.ack_bins[int(now - self.t_start)] += ev.offset - acked
                     acked = ev.offset
                     self.last_ack = max(self.last_ack, now)
@@ -546,6 +558,7 @@ class Generator:
                     self.lags.append(now - t0 - due)
                 if self.first_send is None:
                     self.first_send = now
+                    self.cpu_first_send = self._shadow_cpu()
                 frame = conn.send(DataEv(1, offset, bytes(payload)))
                 offset += len(payload)
                 sent.append((offset, now))
@@ -573,6 +586,7 @@ def load_worker(params_file: Path, result_file: Path) -> int:
     args = argparse.Namespace(**params["args"])
     raise_nofile()
     gen = Generator(args, params["n"], source(args))
+    gen.shadow_pid = int(params.get("shadow_pid", 0))
     try:
         t_start, t_end = trio.run(gen.run, params["baseline"], params["port"], params["tag"])
     except BaseException as e:  # counted, and reported by the parent
@@ -606,7 +620,7 @@ class SimBench:
             self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
             tag = f"{os.getpid()}-{n}-{index}-{'b' if baseline else 'f'}"
             params, result_file = rundir / "load.json", rundir / "load-result.json"
-            params.write_text(json.dumps({"n": n, "baseline": baseline, "port": port, "tag": tag,
+            params.write_text(json.dumps({"n": n, "baseline": baseline, "port": port, "tag": tag, "shadow_pid": shadow.pid,
                                           "args": {k: getattr(self.args, k) for k in LOAD_ARGS}}))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--load-worker", str(params), str(result_file)]
             self.commands.setdefault("load process", shlex.join(cmd))
@@ -673,6 +687,7 @@ class SimBench:
                        "connect_p99_ms": percentile(connect, 99) * 1000 if connect else math.nan,
                        "connect_max_ms": max(connect) * 1000 if connect else math.nan,
                        "all_connected_s": res["all_connected_s"],
+                       "data_cpu_s": res.get("data_cpu_s", math.nan),
                        "acked_bytes": res["acked_bytes"],
                        "offered_mb_s": (n * self.args.frame / self.args.interval / MB) if self.args.interval > 0
                        else math.nan,
@@ -696,12 +711,20 @@ class SimBench:
 # -- reporting -------------------------------------------------------------------------
 
 
+def per_agent_rate(args: argparse.Namespace) -> str:
+    """The rate each simulated agent offers (--frame every --interval), said in every report."""
+    if args.interval <= 0:
+        return f"per agent: {args.frames} frames of {args.frame} B at once (unpaced)"
+    return (f"per agent: {args.frame} B every {args.interval:g} s = {args.frame / args.interval / 1024:.1f} KiB/s, "
+            f"{args.frames} frames")
+
+
 def sim_line(r: Result) -> str:
     """One simulated run in one line."""
     return (f"{r.ok}/{r.agents} ok  achieved {r.mb_s:6.1f} of {r.offered:.1f} MB/s offered  {r.total_s:6.1f} s  "
             f"ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/{percentile(r.latencies_ms, 99):.1f}/"
-            f"{max(r.latencies_ms, default=math.nan):.0f} ms  shadow CPU {r.shadow_cpu_s:.2f} s  "
-            f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
+            f"{max(r.latencies_ms, default=math.nan):.0f} ms  shadow CPU {r.shadow_cpu_s:.2f} s "
+            f"(data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
             f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
             f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
             + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""))
@@ -736,6 +759,9 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         line(f"{lat_label} max", lambda r: max(r.latencies_ms) if r.latencies_ms else float("nan"))
         line("shadow CPU (s)", lambda r: r.shadow_cpu_s)
         line("shadow CPU-s per GB", lambda r: r.shadow_cpu_s / (r.nbytes / 1e9) if r.nbytes else float("nan"))
+        if not real:
+            line("shadow CPU-s per GB, data phase only", lambda r: float(r.notes.get("data_cpu_s", math.nan))
+                 / (r.nbytes / 1e9) if r.nbytes else float("nan"))
         line("shadow peak RSS, VmHWM (MiB)", lambda r: r.shadow_hwm_mib)
         line("shadow open fds, max sampled", lambda r: r.shadow_max_fds)
         if real:
@@ -849,7 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frame", type=parse_size, default=16 << 10, help="DATA payload bytes (default 16KiB)")
     parser.add_argument("--frames", type=int, default=8, help="DATA frames per simulated agent (default 8)")
     parser.add_argument("--interval", type=float, default=1.0,
-                        help="seconds between an agent's frames (default 1; 0: all at once)")
+                        help="seconds between an agent's frames (default 1; 0: all at once). Each agent's rate is "
+                             "--frame per --interval (16 KiB/s by default; a batch job's console is more like "
+                             "--frame 1KiB), printed with every scenario")
     parser.add_argument("--connect-concurrency", type=int, default=512,
                         help="simulated agents connecting/handshaking at once (default 512)")
     parser.add_argument("--barrier-timeout", type=float, default=120.0,
@@ -901,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in sims:
                 offered = n * args.frame / args.interval / MB if args.interval > 0 else float("inf")
                 print(f"sim {n}: {n * args.frame * args.frames / MB:.0f} MB in all, offered "
-                      f"{offered:.1f} MB/s while sending", flush=True)
+                      f"{offered:.1f} MB/s while sending; {per_agent_rate(args)}", flush=True)
                 for i in range(1, args.runs + 1):
                     for path in ("fan-in", "baseline"):
                         r = sb.run(n, path, i)
@@ -912,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ceiling:
             sb = SimBench(args, workdir)
             print(f"ceiling search: from {args.ceiling_start} agents, at most {args.ceiling_max}, budget "
-                  f"{args.ceiling_budget:.0f} s", flush=True)
+                  f"{args.ceiling_budget:.0f} s; {per_agent_rate(args)}", flush=True)
             _probes, ceiling_text = ceiling(sb, args)
             commands.update(sb.commands)
         print("\ncommands (first run):")

@@ -37,13 +37,16 @@ NOFILE = 96  # the shadow's descriptor limit in the fan-in tests: far fewer than
 class LimitedShadow:
     """A real gcshadow whose RLIMIT_NOFILE (soft and hard) is `nofile`."""
 
-    def __init__(self, root: Path, logdir: Path, nofile: int, extra: list[str] | None = None) -> None:
+    def __init__(self, root: Path, logdir: Path, nofile: int, extra: list[str] | None = None,
+                 may_raise: bool = False) -> None:
         self.root, self.logdir, self.nofile = root, logdir, nofile
         port_file = logdir / "port"
         self.log_path = logdir / "shadow.log"
 
         def limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            if not may_raise:  # as root, the shadow would raise its hard limit: take that right away
+                drop_cap_sys_resource()
 
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -77,6 +80,24 @@ class LimitedShadow:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def may_raise_limits() -> bool:
+    """Whether this process has CAP_SYS_RESOURCE (root in a container may not)."""
+    status = Path("/proc/self/status").read_text()
+    m = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)
+    return bool(m and int(m[1], 16) >> 24 & 1)
+
+
+def drop_cap_sys_resource() -> None:
+    """Drop CAP_SYS_RESOURCE from the bounding set (for the program exec'd
+    next: root then may not raise a hard limit)."""
+    import ctypes
+
+    pr_capbset_drop, cap_sys_resource = 24, 24
+    failed = ctypes.CDLL(None, use_errno=True).prctl(pr_capbset_drop, cap_sys_resource, 0, 0, 0) != 0
+    if failed and ctypes.get_errno() != errno.EPERM:  # (EPERM: not root, so it cannot raise it anyway)
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
 @pytest.fixture
@@ -162,6 +183,31 @@ def no_descriptor_trouble(text: str) -> None:
 
 
 # -- a shadow with far fewer descriptors than its jobs need ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not may_raise_limits(), reason="raising a hard limit needs CAP_SYS_RESOURCE")
+def test_a_shadow_that_may_raises_its_hard_descriptor_limit(home: Path, tmp_path: Path) -> None:
+    sh = LimitedShadow(home, tmp_path, 1024, may_raise=True)
+    try:
+        text = sh.log()
+        want = min(1 << 16, int(Path("/proc/sys/fs/nr_open").read_text()))
+        assert budget(text)["limit"] == want, text
+        assert resource.prlimit(sh.proc.pid, resource.RLIMIT_NOFILE) == (want, want)
+        assert "lets this shadow serve" not in text, text
+    finally:
+        sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_shadow_that_may_not_says_how_many_connections_it_serves(limited: LimitedShadow) -> None:
+    text = limited.log()
+    b = budget(text)
+    assert b["limit"] == NOFILE, text
+    line = next((x for x in text.splitlines() if "lets this shadow serve" in x), "")
+    assert f"the descriptor limit ({NOFILE}) lets this shadow serve {b['served']} connections at once, not 20000" \
+        in line, text
+    assert "ulimit -Hn" in line
 
 
 @pytest.mark.timeout(180)

@@ -10,11 +10,14 @@ import logging
 import os
 import random
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
+from ..sync import Signal
 from ..wire.auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
 from ..wire.events import Auth, Challenge, ErrorCode, Event, Hello
 from ..wire.protocol import Connection
@@ -143,3 +146,97 @@ def retry_after() -> float:
     """When a refused agent should come back: spread, so they do not return together."""
     return round(random.uniform(1.0, 4.0), 2)
 
+
+
+GROUP_MAX = 128  # job handshakes committed together at most: the state lock is held for one group at a time
+
+
+class _Waiting:
+    """One request in `GroupCommit`'s queue."""
+
+    __slots__ = ("done", "request", "result", "taken")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.taken = False  # in a group that went to the worker: its result will come
+        self.done = False
+        self.result: Any = None
+
+
+class GroupCommit:
+    """Requests that share one worker, served in groups: whoever finds no
+    group in flight runs everything queued meanwhile as one call of `run`
+    (a list of requests -> a list of results, each a value or an exception),
+    through `worker` (the shadow's one state thread). A thousand agents
+    connecting at once cost a few state transactions, not a thousand.
+
+    Cancellation is what `trio.to_thread.run_sync` gives one request: a
+    waiter cancelled before its group started leaves the queue, and nothing
+    was done for it; once its group started, its result is waited for
+    (shielded) and returned, so that whatever it opened is in its caller's
+    hands (to be closed). A group whose leader is cancelled before `run`
+    started goes back to the queue, for another waiter to lead."""
+
+    def __init__(self, run: Callable[[list[Any]], list[Any]],
+                 worker: Callable[[Callable[[], list[Any]]], Awaitable[list[Any]]], limit: int = GROUP_MAX) -> None:
+        self.run = run
+        self.worker = worker
+        self.limit = limit
+        self.queue: list[_Waiting] = []
+        self.busy = False  # a group is in flight
+        self.changed = Signal()  # a group finished (or went back to the queue)
+        self.groups = 0  # groups run
+        self.requests = 0  # requests served in them
+
+    async def submit(self, request: Any) -> Any:
+        """The result of `request`, or its exception raised."""
+        me = _Waiting(request)
+        self.queue.append(me)
+        try:
+            while not me.done:
+                if self.busy or me.taken:
+                    await self.changed.wait()
+                else:
+                    await self._lead()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):  # its group is in flight: its result will come...
+                while me.taken and not me.done:
+                    await self.changed.wait()
+            if not me.done:  # ...unless the group went back to the queue before it ran
+                if me in self.queue:
+                    self.queue.remove(me)
+                raise
+        if isinstance(me.result, BaseException):
+            raise me.result
+        return me.result
+
+    async def _lead(self) -> None:
+        group, self.queue = self.queue[: self.limit], self.queue[self.limit:]
+        for w in group:
+            w.taken = True
+        self.busy = True
+        started = False
+
+        def call() -> list[Any]:
+            nonlocal started
+            started = True
+            return self.run([w.request for w in group])
+
+        try:
+            results = await self.worker(call)
+        except BaseException as e:
+            if not started:  # cancelled before it ran: nothing was done, the group waits for another leader
+                for w in group:
+                    w.taken = False
+                self.queue[:0] = group
+            else:
+                for w in group:
+                    w.done, w.result = True, RuntimeError(f"a group of job handshakes failed: {e!r}")
+            raise
+        finally:
+            self.busy = False
+            self.changed.fire()
+        self.groups += 1
+        self.requests += len(group)
+        for w, r in zip(group, results, strict=True):
+            w.done, w.result = True, r

@@ -10,7 +10,7 @@ by any number of shadows serving one root on a shared file system.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +49,11 @@ class StateBackend(Protocol):
                         summary: dict[str, Any]) -> bool: ...
 
     def superseded(self, held: dict[str, int]) -> set[str]: ...
+
+    def grouped(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Several of `open_job`, `record_finished`, `record_disconnected`:
+        the result of each, or its exception in its place."""
+        ...
 
     def mark_disconnected(self) -> None: ...
 

@@ -20,6 +20,9 @@ import resource
 FD_MARGIN = 48
 ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
+# The descriptor limit the shadow raises itself to when it may: 10,000 agents
+# and more, each with a socket and open files, with room to spare.
+WANT_NOFILE = 1 << 16
 
 
 class FdBudget:
@@ -54,12 +57,31 @@ def nofile() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-def raise_fd_limit() -> None:
-    """Many jobs hold many files: use the hard descriptor limit, not the soft one."""
+def raise_fd_limit(want: int = WANT_NOFILE) -> None:
+    """Many jobs hold many files: use the hard descriptor limit, not the
+    soft one, and raise the hard one to `want` where the shadow may (root,
+    or CAP_SYS_RESOURCE; never past the system's fs.nr_open). Without that
+    right the hard limit stays, and the shadow serves what it allows
+    (see `FdBudget`; `Shadow.serve` says so when it is fewer than asked)."""
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ValueError, OSError):
+        return
+    if hard != resource.RLIM_INFINITY and hard < want:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                ceiling = int(f.read())
+        except (OSError, ValueError):
+            ceiling = want
+        target = min(want, ceiling)
+        if target > hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, target))
+                return
+            except (ValueError, OSError):  # (EPERM: not ours to raise)
+                pass
+    try:
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         pass
-

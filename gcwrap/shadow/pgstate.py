@@ -280,7 +280,7 @@ class PgStore(Store):
             os.close(self.lock_fd)
             self.close_connections()
             raise
-        self.db_lock = threading.Lock()
+        self.db_lock = threading.RLock()
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self._conn: psycopg.Connection[Any] | None = None  # the claim's, while `_names` asks it
 
@@ -293,6 +293,19 @@ class PgStore(Store):
         self.close_connections()
         os.close(self.root_fd)
         os.close(self.lock_fd)
+
+    def grouped(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Each call in a transaction of its own (the embedded state commits
+        a group as one): a claim here commits before its files are cut back,
+        and a claim that meets a holder commits its epoch bump and still
+        refuses, which one shared transaction would not allow."""
+        results: list[Any] = []
+        for call in calls:
+            try:
+                results.append(call())
+            except Exception as e:  # noqa: BLE001 - this one's refusal: the others go on
+                results.append(e)
+        return results
 
     # -- claims -----------------------------------------------------------------
 

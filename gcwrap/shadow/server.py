@@ -64,7 +64,7 @@ from ..wire.events import (
     ZData,
 )
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
-from .admission import Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
+from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .backends import StateBackend, open_store
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
@@ -137,6 +137,8 @@ class Shadow:
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
         self.handshakes = HandshakeMemory(opts.handshake_memory)  # what unauthenticated connections hold
+        # Job handshakes, exits and disconnections recorded in groups, one state transaction each.
+        self.records = GroupCommit(store.grouped, self._worker)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -154,6 +156,10 @@ class Shadow:
         b = self.budget
         log.debug("descriptors: limit %d, %d for sockets and files; up to %d connections served, "
                   "at least %d files kept open", b.limit, b.avail, b.max_served, b.min_files)
+        if b.max_served < self.opts.max_connections // 2:  # (a limit that takes more than half of them)
+            log.warning("the descriptor limit (%d) lets this shadow serve %d connections at once, not %d: more are "
+                        "told BUSY; raise the hard limit (ulimit -Hn, or LimitNOFILE= in a systemd unit) for more",
+                        b.limit, b.max_served, self.opts.max_connections)
         async with trio.open_nursery() as nursery:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
@@ -186,6 +192,8 @@ class Shadow:
         to this shadow restarted); then end, within STOP_GRACE."""
         self.stopping = why
         log.info("%s: stopping; %d connection(s) told to come back", why, self.connections)
+        log.info("%d job handshakes, exits and disconnections in %d state transactions", self.records.requests,
+                 self.records.groups)
         if self.accepting is not None:
             self.accepting.cancel()
         for job in list(self.live.values()):
@@ -443,18 +451,10 @@ class Shadow:
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
         try:
-            files = await self._worker(
-                lambda: self.store.open_job(
-                    job_id=hello.job_id,
-                    instance=hello.instance,
-                    streams=hello.streams,
-                    host=hello.host,
-                    user=hello.user,
-                    command=list(hello.command),
-                    peer=peer,
-                    tenant=tenant,
-                )
-            )
+            files = await self.records.submit(lambda: self.store.open_job(
+                job_id=hello.job_id, instance=hello.instance, streams=hello.streams, host=hello.host,
+                user=hello.user, command=list(hello.command), peer=peer, tenant=tenant,
+            ))
         except StoreError as e:
             if e.problem is Problem.STALE_ATTEMPT:
                 self.stale.setdefault(hello.job_id, set()).add(hello.instance)
@@ -512,7 +512,7 @@ class Shadow:
         if not job.finished:
             try:
                 # Only while no later session has taken the job over in the state database.
-                await self._worker(lambda: self.store.record_disconnected(job.job_id, session))
+                await self.records.submit(lambda: self.store.record_disconnected(job.job_id, session))
             except Exception as e:  # noqa: BLE001
                 log.error("cannot record job state: %s", e)
 
@@ -643,7 +643,7 @@ class Shadow:
                 )
         summary = dict(ev.summary)
         self._check(job)
-        recorded = await self._worker(
+        recorded = await self.records.submit(
             lambda: self.store.record_finished(
                 files.job_id, files.session, code=ev.code, signal=ev.signal, reason=ev.reason, summary=summary,
             )

@@ -18,14 +18,16 @@ commit their new lengths to the state database.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import os
 import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +150,10 @@ class Store:
             raise
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.db = open_state(root)
-        self.db_lock = threading.Lock()
+        self.db_lock = threading.RLock()  # (re-entered by the calls of a group)
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self.last_seen: dict[str, float] = {}  # job -> when its last_seen was last stamped (record_durable)
+        self._grouped = False  # inside `open_jobs`' transaction: each job opens in a savepoint
 
     def close(self) -> None:
         self.syncer.close()
@@ -178,6 +181,61 @@ class Store:
         and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
             return self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
+
+    def open_jobs(self, requests: list[dict[str, Any]]) -> list[JobFiles | Exception]:
+        """`open_job` for several jobs in one state transaction (`grouped`)."""
+        return self.grouped([functools.partial(self.open_job, **r) for r in requests])
+
+    def grouped(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Several of `open_job`, `record_finished` and `record_disconnected`
+        in one state transaction (group commit: one sync of the database for
+        all of them): the result of each, or its exception in its place.
+        Each is still atomic on its own, in a savepoint: a refused one
+        changes nothing. If the commit fails, every one does (the files of
+        the jobs opened are closed)."""
+        results: list[Any] = []
+        with self.db_lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            self._grouped = True
+            try:
+                for call in calls:
+                    try:
+                        results.append(call())
+                    except Exception as e:  # noqa: BLE001 - this one's refusal: the others go on
+                        results.append(e)
+                conn.execute("COMMIT")
+            except Exception as e:  # noqa: BLE001 - the state database failed: nothing of the group stands
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                _close_opened(results)
+                why = f"cannot record the job in the state database: {e}"
+                results = [StoreError(Problem.IO, why) for _ in calls]
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                _close_opened(results)
+                raise
+            finally:
+                self._grouped = False
+        return results
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """One call's changes: a transaction of its own, or a savepoint inside a group (`grouped`)."""
+        if not self._grouped:
+            with transaction(self.db.conn):
+                yield
+            return
+        conn = self.db.conn
+        conn.execute("SAVEPOINT one")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK TO one")
+            conn.execute("RELEASE one")
+            raise
+        conn.execute("RELEASE one")
 
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
@@ -219,7 +277,7 @@ class Store:
             raise
         files = JobFiles(job_id, instance, session=(row["session"] if row else 0) + 1)
         try:
-            with transaction(db.conn):
+            with self._atomic():
                 if fresh:
                     db.execute("DELETE FROM streams WHERE job_id = ?", [job_id])
                     db.execute(
@@ -316,8 +374,9 @@ class Store:
             return
         try:
             if fresh:
-                os.ftruncate(fd, 0)
-                os.fsync(fd)
+                if os.fstat(fd).st_size:  # (a new, empty file has no old bytes whose removal must be durable)
+                    os.ftruncate(fd, 0)
+                    os.fsync(fd)
                 durable = wire = 0
                 db.execute(
                     "INSERT INTO streams (job_id, stream, kind, name, durable, wire) VALUES (?, ?, ?, ?, 0, 0)",
@@ -401,7 +460,7 @@ class Store:
     def record_disconnected(self, job_id: str, session: int) -> bool:
         """The job's session `session` is gone, recorded only while that
         session holds the job. Whether it was recorded."""
-        with self.db_lock, transaction(self.db.conn):
+        with self.db_lock, self._atomic():
             cur = self.db.execute(
                 "UPDATE jobs SET state = 'disconnected', last_seen = ? WHERE job_id = ? AND session = ?",
                 [time.time(), job_id, session],
@@ -415,7 +474,7 @@ class Store:
         """The job ended (its EXIT), recorded only while session `session`
         holds the job. Whether it was recorded."""
         now = time.time()
-        with self.db_lock, transaction(self.db.conn):
+        with self.db_lock, self._atomic():
             cur = self.db.execute(
                 "UPDATE jobs SET state = 'finished', ended = ?, last_seen = ?, exit_code = ?, exit_signal = ?, "
                 "reason = ?, summary = ? WHERE job_id = ? AND session = ?",
@@ -432,6 +491,12 @@ class Store:
         """At start-up: no job is connected to a shadow that just started."""
         with self.db_lock, transaction(self.db.conn):
             self.db.execute("UPDATE jobs SET state = 'disconnected' WHERE state = 'streaming'")
+
+
+def _close_opened(results: list[Any]) -> None:
+    for r in results:
+        if isinstance(r, JobFiles):
+            r.close()
 
 
 def list_jobs(root: Path) -> list[dict[str, Any]]:
