@@ -1123,7 +1123,11 @@ def test_busy_shadow_makes_the_agent_back_off(home: Path, spool_dir: Path, tmp_p
     try:
         w = Wrapper(["--shadow", busy.address, "--spool", str(spool_dir), "--job-id", "patient",
                      "--retry-timeout", "1", "--stdout", "b.out", "--", *genjob(2 * MB, 0, seed=13)])
-        wait_until(lambda: b"BUSY" in (busy.log().encode()) or "come back later" in busy.log(), 30, "a BUSY answer")
+        # The agent's own account, not the shadow's log: the shadow logs the
+        # refusal before it sends it, and stopping it in between would leave
+        # the agent a reset instead of the BUSY this test is about.
+        wait_until(lambda: any("BUSY" in str(job.get("last_error")) for job in spool_status(spool_dir)), 30,
+                   "gcwrap status naming a BUSY answer")
     finally:
         busy.stop()
     ok = ShadowProc(home, logs)
