@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+from faults import kill_ns_shadows
 from helpers import ShadowProc, Wrapper
 from pgserver import pg_url, postgres, postgres_url  # noqa: F401 - fixtures
 
@@ -26,6 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _no_leftover_wrappers() -> Iterator[None]:
     yield
     Wrapper.kill_leftovers()
+    kill_ns_shadows()
 
 
 @pytest.fixture

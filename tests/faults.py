@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import pytest
 
@@ -463,12 +464,29 @@ def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequ
         stdout=log, stderr=log, start_new_session=True,
     )
     log.close()
+    NS_SHADOWS.append(proc)
     deadline = time.monotonic() + 30
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"gcshadow in the namespace did not start: {(logdir / 'ns-shadow.log').read_text()}")
         time.sleep(0.02)
     return proc, int(port_file.read_text())
+
+
+NS_SHADOWS: list[subprocess.Popen[bytes]] = []
+
+
+def kill_ns_shadows() -> None:
+    """Stop, by PID, every shadow `shadow_in_ns` started that its test left
+    running (a test that failed before its own stop): none outlives its test."""
+    for proc in NS_SHADOWS:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the shadow and anything it started
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+    NS_SHADOWS.clear()
 
 
 class StallRelay:
