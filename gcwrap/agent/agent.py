@@ -22,7 +22,6 @@ gcwrap.agent.run starts them beside the job.
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +30,17 @@ from typing import Any
 import trio
 
 from .. import exitcodes
-from ..wire.compress import Mode, WireStats, offered
+from ..wire.compress import WireStats, offered
 from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
+from .addresses import Address, show
+from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
-from .shadows import Address, ShadowList, connect, given_up, local_address, show
+from .shadows import ShadowList, connect, given_up, local_address
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
 
@@ -61,29 +62,6 @@ LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # FLUSH_MIN that the disk still refuses.
 FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
-
-
-@dataclass
-class AgentOptions:
-    """How the agent runs a job and delivers it (the command line's options)."""
-
-    shadows: tuple[Address, ...]  # where to deliver, in the order given (empty: nowhere, the streams pass through)
-    stdout: str | None = None
-    stderr: str | None = None
-    stdin: str | None = None
-    merge_stderr: bool = False  # stderr goes into the stdout stream (2>&1)
-    retry_limit: int = 20
-    retry_timeout: float = 60.0
-    heartbeat: float = 5.0
-    connect_timeout: float | None = None  # None: three heartbeats
-    mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
-    spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
-    min_free: int | None = None  # free disk space left to the job (None: the default reserve)
-    cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
-    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.wire.auth)
-    tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
-    write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
-    compress: Mode = Mode.AUTO  # --compress
 
 
 @dataclass
