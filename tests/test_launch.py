@@ -32,7 +32,8 @@ job = args[args.index("--") + 1]
 def hook(event, event_args):
     if event == "subprocess.Popen" and event_args[0] == job and not Path(report).exists():
         Path(report).write_text(json.dumps({
-            "loaded": sorted(m for m in ("trio", "ssl", "gcwrap.agent.sender", "gcwrap.agent.agent") if m in sys.modules),
+            "loaded": sorted(m for m in ("trio", "ssl", "gcwrap.agent.sender", "gcwrap.agent.agent")
+                             if m in sys.modules),
             "spools": [p.name for p in spool_dir.glob("*.spool")],
         }))
         if mode == "signal":
