@@ -79,3 +79,38 @@ def test_a_signal_that_comes_as_the_job_starts_is_forwarded_to_it(
     assert took < 20, (took, res.stderr.decode())
     assert res.returncode == 128 + 15, res.stderr.decode()  # the job's status: ended by SIGTERM
     assert (home / "sig.out").read_bytes() == b""
+
+
+def test_a_new_spool_reaches_the_disk_in_one_sync_before_it_is_renamed_into_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft is built without a sync per transaction (about 30 disk
+    flushes before the job could start), then synced once, whole, and only
+    then renamed into place: what appears under the spool's name is on disk."""
+    import os
+
+    from gcwrap.agent import spool as spool_mod
+    from gcwrap.agent.records import JobRecord
+    from gcwrap.agent.spool import SPOOL_SUFFIX, Spool
+
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}")
+        real_fsync(fd)
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        events.append(f"rename {src} {dst}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(spool_mod.os, "fsync", fsync)
+    monkeypatch.setattr(spool_mod.os, "rename", rename)
+    path = tmp_path / f"j{SPOOL_SUFFIX}"
+    draft = f"{path}.new"
+    Spool.create(path, JobRecord("j", "1", ["true"]), [(1, "stdout", "out")]).close()
+    assert events == [f"fsync {draft}", f"rename {draft} {path}"], events
+    check = Spool.open(path, readonly=True)
+    try:
+        assert check.job().job_id == "j" and list(check.streams()) == [1]
+    finally:
+        check.close()
