@@ -56,12 +56,25 @@ BULK_NAP_MAX = 0.02  # ...so wait up to this long (seconds) before reading again
 BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
 SPLICE_MIN = 64 << 10  # a pipe holding at least this much is spliced into the spool, not read
+SMALL_READ = 64 << 10  # a read into memory asks for at least this much (see read_size)
+LINE_QUICK = 0.00025  # seconds: line output readable this soon after a read comes from a fast writer...
+LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long before the next read
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # The final flush (see Agent.final_flush) leaves this much free for the rows
 # and WAL pages that record its pieces, and gives up on pieces smaller than
 # FLUSH_MIN that the disk still refuses.
 FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
+
+
+def read_size(held: int) -> int:
+    """How much one read into memory asks for: what the pipe holds (FIONREAD)
+    and room for what comes meanwhile, at most READ_SIZE. Python allocates
+    all it asks for before the read and gives the rest back after it: a
+    1 MiB buffer per read is an mmap, page faults, an mremap and a munmap
+    (line output at a moderate rate reads a few KiB a time, thousands of
+    times a second); SMALL_READ comes from the heap, without a system call."""
+    return min(READ_SIZE, max(held, SMALL_READ))
 
 
 @dataclass
@@ -196,17 +209,18 @@ class Agent:
                 if self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 size = 0
-                if self._may_splice():
-                    await trio.lowlevel.wait_readable(fd)
-                    # (Line output stops at the first test: no statvfs per line.)
-                    if pipe_bytes(fd) >= SPLICE_MIN and self._spool_has_room(capacity):
-                        size = await self._splice(out, fd, limiter)
+                waited = trio.current_time()
+                await trio.lowlevel.wait_readable(fd)
+                held = pipe_bytes(fd)
+                # (Line output stops at the first test: no statvfs per line.)
+                if held >= SPLICE_MIN and self._may_splice() and self._spool_has_room(capacity):
+                    size = await self._splice(out, fd, limiter)
                 now = trio.current_time()
                 if size:
                     out.append_extent(size, now)
                     self.stats["spliced"] += size
                 else:
-                    data = await pipe.receive_some(READ_SIZE)
+                    data = await pipe.receive_some(read_size(held))
                     if not data:
                         break
                     now = trio.current_time()
@@ -223,6 +237,16 @@ class Agent:
                     # room for twice that. Line output never gets here.
                     rate = size / max(now - last, 1e-6)
                     await trio.sleep(min(BULK_NAP_MAX, fill / rate))
+                elif size < BULK_READ and now - waited < LINE_QUICK:
+                    # Line output that came at once after the last read: the
+                    # job writes on, fast. Wait LINE_GAP, so the next read
+                    # gathers what it writes meanwhile. Each read wakes the
+                    # commit loop and the sender and makes a frame and a
+                    # spool row: a job logging 100 000 lines/s was read
+                    # 2 000-4 000 times a second, a few lines a time. A job
+                    # that writes now and then (1 000 lines/s: a line a
+                    # millisecond) is read at once, as before.
+                    await trio.sleep(LINE_GAP)
                 last = now
         out.eof = True
         self.changed.fire()
