@@ -240,7 +240,7 @@ def run(
       export BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5
       GCWRAP_TOKEN_FILE=~/.gcshadow-token gcwrap -- ./app
     """
-    from .render import setup_logging
+    from .logs import setup_logging
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
     addresses = shadow_addresses(shadow)
