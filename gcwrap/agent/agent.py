@@ -57,8 +57,8 @@ BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
 SPLICE_MIN = 64 << 10  # a pipe holding at least this much is spliced into the spool, not read
 SMALL_READ = 64 << 10  # a read into memory asks for at least this much (see read_size)
-LINE_QUICK = 0.00025  # seconds: line output readable this soon after a read comes from a fast writer...
-LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long before the next read
+LINE_RATE = 1 << 20  # bytes/s: small reads coming at least this fast are from a fast line writer...
+LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long (seconds) before the next read
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # The final flush (see Agent.final_flush) leaves this much free for the rows
 # and WAL pages that record its pieces, and gives up on pieces smaller than
@@ -209,7 +209,6 @@ class Agent:
                 if self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 size = 0
-                waited = trio.current_time()
                 await trio.lowlevel.wait_readable(fd)
                 held = pipe_bytes(fd)
                 # (Line output stops at the first test: no statvfs per line.)
@@ -237,15 +236,15 @@ class Agent:
                     # room for twice that. Line output never gets here.
                     rate = size / max(now - last, 1e-6)
                     await trio.sleep(min(BULK_NAP_MAX, fill / rate))
-                elif size < BULK_READ and now - waited < LINE_QUICK:
-                    # Line output that came at once after the last read: the
-                    # job writes on, fast. Wait LINE_GAP, so the next read
+                elif size < BULK_READ and size >= LINE_RATE * (now - last):
+                    # Line output from a fast writer (at least LINE_RATE
+                    # since the last read): wait LINE_GAP, so the next read
                     # gathers what it writes meanwhile. Each read wakes the
                     # commit loop and the sender and makes a frame and a
                     # spool row: a job logging 100 000 lines/s was read
                     # 2 000-4 000 times a second, a few lines a time. A job
-                    # that writes now and then (1 000 lines/s: a line a
-                    # millisecond) is read at once, as before.
+                    # that writes now and then (1 000 lines/s of 100 B: a
+                    # line a millisecond, 100 kB/s) is read at once, as before.
                     await trio.sleep(LINE_GAP)
                 last = now
         out.eof = True
