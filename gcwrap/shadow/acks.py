@@ -1,18 +1,18 @@
-"""The ACKs of one connection: sent inline where possible, else by a task.
+"""What the shadow sends on one connection: ACKs inline where it can, and every other frame in order.
 
 When a durability batch is applied (in the event loop), every session it
-covers is told (`LiveJob.acks`). An `Acks` sends the ACKs of its connection
-right there, with one non-blocking write of every stream's ACK together,
-when nothing else is being sent on the connection (its send lock is free)
-and the connection is a plain socket: no task wakes up, no lock is taken,
-no send_all is awaited. Otherwise (a send in flight, TLS, a full socket
-buffer) it wakes its task (`run`), which sends them under the lock.
+covers is told (`LiveJob.on_durable`). A `Sender` writes its connection's
+ACKs right there, every stream's ACK in one non-blocking write, when
+nothing else is being sent on the connection (the send lock is free) and
+the connection is a plain socket: no task wakes up, no lock is taken, no
+send_all is awaited. Otherwise (a send in flight, TLS, the rest of a write
+the socket took only in part) it wakes its task (`run`), which sends them,
+coalesced, under the lock.
 
-Every ACK, inline or not, is for a length the batch made durable (synced
+Every ACK, on either path, is for a length the batch made durable (synced
 and recorded), and is sent only while the session still holds its job
-(`holds`, checked right before the write). Every other frame of the
-connection goes through `send`, after the rest of an inline write the
-socket took only in part, so frames never interleave.
+(`holds`, checked right before the write). Every other frame goes through
+`send`, after whatever an inline write left, so frames never interleave.
 """
 
 from __future__ import annotations
@@ -27,79 +27,93 @@ from ..wire.events import Ack
 from ..wire.protocol import Connection
 from .durability import LiveJob
 
+FENCED = "a newer connection of this job took over"
 
-class Acks:
+
+class Sender:
     """One connection's ACKs and its send lock (see the module's docstring)."""
 
-    def __init__(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, check: Callable[[LiveJob], None],
-                 holds: Callable[[LiveJob], bool], stats: dict[str, int]) -> None:
+    def __init__(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, holds: Callable[[], bool]) -> None:
         self.stream = stream
         self.conn = conn
         self.job = job
-        self.check = check  # raises Fenced unless the session holds its job
-        self.holds = holds
-        self.stats = stats
+        self.holds = holds  # whether the session still holds its job (the fencing epoch)
         self.lock = trio.Lock()
         self.acked = {sid: sf.durable for sid, sf in job.files.outputs.items()}
         self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         self.rest = b""  # what the socket did not take of an inline write: sent before anything else
-        self.kick = Signal()  # the task has ACKs to send
+        self.kick = Signal()  # the task has something to send
+        self.sync_acks = 0  # inline writes of ACKs
+        self.task_acks = 0  # sends of ACKs by the task
+
+    def _check(self) -> None:
+        if not self.holds():
+            self.job.fence(FENCED)
+            self.job.check()
 
     def _due(self) -> bytes:
-        """The ACK frames of every stream with more durable than acknowledged (marked acknowledged)."""
+        """The ACK frames of every stream with more durable than acknowledged, marked acknowledged."""
         out = b""
         for sid, sf in self.job.files.outputs.items():
-            if sf.durable > self.acked[sid]:
+            if sf.durable > self.acked.get(sid, 0):
                 self.acked[sid] = sf.durable
                 out += self.conn.send(Ack(sid, sf.durable))
         return out
 
     def durable(self) -> None:
-        """A batch made more of the session's bytes durable (called in the event loop, synchronously)."""
-        if self.fd < 0 or self.rest or self.lock.locked() or not self.holds(self.job):
-            self.kick.fire()  # the task sends them (or, fenced, stops)
+        """A batch made more of the session's bytes durable (in the event loop, synchronously)."""
+        if self.fd < 0 or self.rest or self.lock.locked() or not self.holds():
+            self.kick.fire()  # the task sends them (or, fenced, stops the session)
             return
         data = self._due()
         if not data:
             return
         try:
             n = os.write(self.fd, data)
-        except BlockingIOError:
+        except OSError:  # (a full buffer; or a broken connection, which the task's send_all reports)
             n = 0
-        except OSError:
-            n = 0  # (the task's send_all meets the error and reports it)
-        self.stats["acks_inline"] += 1
+        self.sync_acks += 1
         if n < len(data):
             self.rest = data[n:]
             self.kick.fire()
 
-    async def send(self, frame: Callable[[], bytes], *, check: bool = False) -> None:
-        """Send one frame (made under the lock) after whatever an inline write left."""
+    async def send(self, frame: bytes, *, check: bool = False) -> None:
+        """Send one frame, after whatever an inline write left; with `check`,
+        only while the session holds its job (checked under the lock)."""
         async with self.lock:
             if check:
-                self.check(self.job)
-            data, self.rest = self.rest + frame(), b""
+                self._check()
+            data, self.rest = self.rest + frame, b""
             await self.stream.send_all(data)
 
     async def run(self) -> None:
-        """Send what the inline path could not; until cancelled."""
-        self.job.acks = self
+        """Send what the inline path could not, until cancelled; the batches
+        call `durable` while this runs."""
+        self.job.on_durable = self.durable
         try:
             while True:
-                if self.rest or any(sf.durable > self.acked[sid] for sid, sf in self.job.files.outputs.items()):
-                    # A fenced session acknowledges nothing, not even what it made durable.
-                    await self.send(self._due, check=True)
+                due = any(sf.durable > self.acked.get(sid, 0) for sid, sf in self.job.files.outputs.items())
+                if self.rest or due:
+                    async with self.lock:
+                        # A fenced session acknowledges nothing, not even what it made durable.
+                        self._check()
+                        data, self.rest = self.rest + self._due(), b""
+                        if due:
+                            self.task_acks += 1
+                        await self.stream.send_all(data)
+                elif not self.holds():
+                    self._check()
                 else:
                     await self.kick.wait()
         finally:
-            self.job.acks = None
+            self.job.on_durable = None
 
     async def finish(self) -> None:
-        """Complete a frame an inline write left in part, so that whatever the
-        connection says next (an ERROR) is read whole. Shielded, bounded."""
+        """Complete a frame an inline write left in part, so that whatever
+        is said next on the connection (an ERROR) is read whole."""
         if self.rest:
+            data, self.rest = self.rest, b""
             with trio.move_on_after(2, shield=True):
-                data, self.rest = self.rest, b""
                 try:
                     await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
