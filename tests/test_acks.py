@@ -131,3 +131,40 @@ def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path:
     finally:
         files.close()
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
+    """What survived is frozen (collections walk only what is newer), young
+    garbage cycles are collected before, not frozen; frozen objects go back
+    to the collector at every thaw, and when the shadow stops."""
+    import gc
+    import weakref
+
+    from gcwrap.shadow.collector import keep_collections_short
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the collector frees it
+
+    async def main() -> None:
+        gc.unfreeze()
+        garbage = Node()
+        gone = weakref.ref(garbage)
+        del garbage
+        kept = [Node() for _ in range(100)]
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_collections_short, 0.05, 0.3)
+                while gc.get_freeze_count() == 0:
+                    await trio.sleep(0.01)
+                assert gone() is None, "a garbage cycle was frozen instead of collected"
+                assert all(gc.is_tracked(k) for k in kept)
+                while gc.get_freeze_count() != 0:  # the thaw
+                    await trio.sleep(0.01)
+                while gc.get_freeze_count() == 0:  # frozen again
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert gc.get_freeze_count() == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))  # virtual time: no race with the poll

@@ -67,6 +67,7 @@ from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .backends import StateBackend, open_store
+from .collector import keep_collections_short
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
@@ -164,6 +165,7 @@ class Shadow:
         async with trio.open_nursery() as nursery:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
+            nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
