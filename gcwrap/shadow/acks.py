@@ -24,6 +24,7 @@ import trio
 
 from ..sync import Signal
 from ..wire.events import Ack
+from ..wire.frames import LocalProtocolError
 from ..wire.protocol import Connection
 from .durability import LiveJob
 
@@ -65,7 +66,11 @@ class Sender:
         if self.fd < 0 or self.rest or self.lock.locked() or not self.holds():
             self.kick.fire()  # the task sends them (or, fenced, stops the session)
             return
-        data = self._due()
+        try:
+            data = self._due()
+        except LocalProtocolError:  # (no ACK may follow what was sent: the task reports it, not the batch)
+            self.kick.fire()
+            return
         if not data:
             return
         try:
@@ -77,13 +82,14 @@ class Sender:
             self.rest = data[n:]
             self.kick.fire()
 
-    async def send(self, frame: bytes, *, check: bool = False) -> None:
-        """Send one frame, after whatever an inline write left; with `check`,
-        only while the session holds its job (checked under the lock)."""
+    async def send(self, frame: bytes | Callable[[], bytes], *, check: bool = False) -> None:
+        """Send one frame (or what `frame()` makes, under the lock), after
+        whatever an inline write left; with `check`, only while the session
+        holds its job (checked under the lock, right before the frame is made)."""
         async with self.lock:
             if check:
                 self._check()
-            data, self.rest = self.rest + frame, b""
+            data, self.rest = self.rest + (frame if isinstance(frame, bytes) else frame()), b""
             await self.stream.send_all(data)
 
     async def run(self) -> None:

@@ -392,10 +392,13 @@ class Shadow:
                 log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
                          hello.host or "?")
                 sender = Sender(stream, conn, job, lambda: self._holds(job))
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(sender.run)
-                    await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
-                    nursery.cancel_scope.cancel()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(sender.run)
+                        await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
+                        nursery.cancel_scope.cancel()
+                finally:
+                    await sender.finish()  # an ACK an inline write left in part, before an ERROR follows
             if scope.cancelled_caught and self.stopping and not job.fenced:
                 await self.durability.flush(job)  # what it wrote is durable before the agent is told
                 raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
@@ -640,8 +643,7 @@ class Shadow:
         status = (f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None
                   else "unknown status")
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
-        self._check(job)
-        await sender.send(conn.send(Done()))
+        await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
 
 
 async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
