@@ -168,3 +168,69 @@ def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
         assert gc.get_freeze_count() == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))  # virtual time: no race with the poll
+
+
+@pytest.mark.timeout(30)
+def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(tmp_path: Path) -> None:
+    """The synchronous write finds the socket's buffer full: the ack task
+    sends the ACK once there is room, and a reply sent meanwhile follows it,
+    whole (no frame is interleaved with another)."""
+    from gcwrap.wire.events import Pong
+
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    sf = files.outputs[1]
+    agent, shadow = _pair()
+    got: list[object] = []
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        junk = 0
+        while True:  # fill the shadow's side until the kernel takes no more
+            try:
+                junk += os.write(left.fileno(), b"\0" * 4096)
+            except BlockingIOError:
+                break
+        durability = Durability(store)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+
+        async def read() -> None:
+            skip = junk
+            while len(got) < 2:
+                data = await right.recv(65536)
+                assert data
+                if skip:
+                    cut = min(skip, len(data))
+                    assert data[:cut] == b"\0" * cut
+                    skip -= cut
+                    data = data[cut:]
+                if not data:
+                    continue  # (an empty read would say the connection ended)
+                agent.receive_data(data)
+                while (ev := agent.next_event()) is not NEED_DATA:
+                    got.append(ev)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(durability.run)
+                nursery.start_soon(sender.run)
+                await trio.testing.wait_all_tasks_blocked()
+                await _batch(durability, sf, job, b"a" * 100)
+                assert sender.rest, "the socket had room after all"
+                nursery.start_soon(read)  # makes room
+                await sender.send(shadow.send(Pong(7)))  # behind the ACK, whichever task sends that
+                while len(got) < 2:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+    assert got == [Ack(1, 100), Pong(7)]
