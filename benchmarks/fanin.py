@@ -372,6 +372,7 @@ class Generator:
         self.acked_bytes = 0
         self.first_send: float | None = None
         self.last_ack = 0.0
+        self.exits: list[float] = []  # when each agent sent its EXIT
         self.connect_s: list[float] = []
         self.lags: list[float] = []  # seconds each DATA frame was sent after its due time (paced only)
         self.ack_bins: collections.Counter[int] = collections.Counter()  # bytes acked per second since t_start
@@ -398,6 +399,8 @@ class Generator:
             "lags_s": self.lags, "all_connected_s": self.all_connected_at,
             "ack_bins": sorted(self.ack_bins.items()),
             "data_cpu_s": self.cpu_all_acked - self.cpu_first_send,
+            # EXITs sent before the last ACK of the data phase arrived: 0 with the exit barrier
+            "exits_in_data_phase": sum(1 for t in self.exits if t < self.last_ack),
         }
 
     def payload(self, i: int) -> memoryview:
@@ -606,6 +609,7 @@ class Generator:
             phase["name"] = "exit barrier"
             await self.all_through.wait()
             phase["name"] = "exit"
+            self.exits.append(trio.current_time())
             await send(conn.send(Exit(code=0, signal=None, lengths=((1, total),))))
             await done.wait()
 
@@ -732,6 +736,7 @@ class SimBench:
                        "connect_max_ms": max(connect) * 1000 if connect else math.nan,
                        "all_connected_s": res["all_connected_s"],
                        "data_cpu_s": res.get("data_cpu_s", math.nan),
+                       "exits_in_data_phase": res.get("exits_in_data_phase", -1),
                        "acked_bytes": res["acked_bytes"],
                        "offered_mb_s": (n * self.args.frame / self.args.interval / MB) if self.args.interval > 0
                        else math.nan,
