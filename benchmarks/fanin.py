@@ -772,7 +772,7 @@ def sim_line(r: Result) -> str:
     """One simulated run in one line."""
     return (f"{r.ok}/{r.agents} ok  achieved {r.mb_s:6.1f} of {r.offered:.1f} MB/s offered  {r.total_s:6.1f} s  "
             f"ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/{percentile(r.latencies_ms, 99):.1f}/"
-            f"{max(r.latencies_ms, default=math.nan):.0f} ms (steady p99 {r.notes['steady_p99_ms']:.1f})  shadow CPU {r.shadow_cpu_s:.2f} s "
+            f"{max(r.latencies_ms, default=math.nan):.0f} ms (steady p99 {r.notes.get('steady_p99_ms', math.nan):.1f})  shadow CPU {r.shadow_cpu_s:.2f} s "
             f"(data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
             f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
             f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
@@ -807,7 +807,7 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         line(f"{lat_label} p99", lambda r: percentile(r.latencies_ms, 99))
         line(f"{lat_label} max", lambda r: max(r.latencies_ms) if r.latencies_ms else float("nan"))
         if not real:
-            line("ack latency p99, steady: every frame but each agent's first (ms)", lambda r: r.notes["steady_p99_ms"])
+            line("ack latency p99, steady: every frame but each agent's first (ms)", lambda r: r.notes.get("steady_p99_ms", math.nan))
         line("shadow CPU (s)", lambda r: r.shadow_cpu_s)
         line("shadow CPU-s per GB", lambda r: r.shadow_cpu_s / (r.nbytes / 1e9) if r.nbytes else float("nan"))
         if not real:
