@@ -14,7 +14,9 @@ gcshadow for every run, so its peak RSS is that run's):
              does not share this script's process with the measurement. Each agent: connect, HELLO,
              WELCOME; wait until every agent is connected (a barrier, PINGs every 5 s while waiting); then
              send --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced;
-             with --interval 0 all at once); wait for the ACKs covering them; EXIT; wait for DONE.
+             with --interval 0 all at once); wait for the ACKs covering them; wait until every agent has
+             all of its bytes acknowledged (a second barrier: no EXIT, state record or close overlaps the
+             data phase of another agent); EXIT; wait for DONE.
              baseline: ONE simulated agent sending the same frames on the same schedule (N frames per
              interval) over one connection.
   --ceiling  then the most simulated agents one shadow holds, every agent byte-exact at p99 ack <=
@@ -27,13 +29,16 @@ ACKs by the load process, over the time from the first DATA sent to the last
 ACK; a shadow that keeps up achieves the offered rate (1.00x), one that falls
 behind less. real gcwrap: the byte-exact bytes over spawn -> last exit.
 Ack latency p50/p99/max (sim: from just before send_all of a DATA frame to
-the ACK covering it; real gcwrap: not observable from outside, the per-job
+the ACK covering it, over every frame, and the p99 "steady" over every frame
+but each agent's first; real gcwrap: not observable from outside, the per-job
 wall time is given instead); connect + handshake p50/p99/max (connect() to
 WELCOME, at most --connect-concurrency at once) and when the last agent was
 connected; how late the load process sent frames against their schedule
 (send lag) and its CPU, which say whether the load process kept up; the
 shadow's CPU-seconds (user+sys of all its threads, /proc/PID/stat, over the
-scenario) and peak RSS (VmHWM), and its largest number of open descriptors
+scenario, and in the data phase alone: from the first DATA frame sent to
+the last byte acknowledged, which the two barriers keep free of connects,
+handshakes and exits) and peak RSS (VmHWM), and its largest number of open descriptors
 (sampled every 0.5 s). Every landed file's sha256 is compared with the bytes
 sent. RLIMIT_NOFILE is raised to the hard limit in this process before the
 shadow and the load process are started; the shadow raises its own soft
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import hashlib
 import json
 import math
@@ -356,14 +362,17 @@ class Generator:
         self.frames = args.frames
         self.per_agent = self.frame * self.frames
         self.latencies: list[float] = []
+        self.steady: list[float] = []  # the latencies of every frame but each agent's first
         self.errors: collections.Counter[str] = collections.Counter()
         self.connected = 0
         self.failed = 0
         self.arrived_failed = 0  # agents that failed before their WELCOME
+        self.through = 0  # agents with every byte acknowledged, or failed (the exit barrier)
         self.finished = 0
         self.acked_bytes = 0
         self.first_send: float | None = None
         self.last_ack = 0.0
+        self.exits: list[float] = []  # when each agent sent its EXIT
         self.connect_s: list[float] = []
         self.lags: list[float] = []  # seconds each DATA frame was sent after its due time (paced only)
         self.ack_bins: collections.Counter[int] = collections.Counter()  # bytes acked per second since t_start
@@ -382,13 +391,16 @@ class Generator:
         """What the parent process needs, as JSON: durations only (trio's clock has an arbitrary origin)."""
         first = self.first_send if self.first_send is not None else t_start
         return {
-            "latencies_ms": self.latencies, "errors": dict(self.errors), "connected": self.connected,
+            "latencies_ms": self.latencies, "steady_ms": self.steady, "errors": dict(self.errors),
+            "connected": self.connected,
             "failed": self.failed, "finished": self.finished, "acked_bytes": self.acked_bytes,
             "data_s": max(1e-9, self.last_ack - first) if self.last_ack else math.nan,
             "total_s": t_end - t_start, "first_send_s": first - t_start, "connect_s": self.connect_s,
             "lags_s": self.lags, "all_connected_s": self.all_connected_at,
             "ack_bins": sorted(self.ack_bins.items()),
             "data_cpu_s": self.cpu_all_acked - self.cpu_first_send,
+            # EXITs sent before the last ACK of the data phase arrived: 0 with the exit barrier
+            "exits_in_data_phase": sum(1 for t in self.exits if t < self.last_ack),
         }
 
     def payload(self, i: int) -> memoryview:
@@ -406,6 +418,7 @@ class Generator:
         import trio
 
         self.all_connected = trio.Event()
+        self.all_through = trio.Event()
         self.expect = 1 if baseline else self.n
         self.connect_limit = trio.Semaphore(self.args.connect_concurrency)
         self.t_start = trio.current_time()
@@ -421,12 +434,30 @@ class Generator:
             if not self.all_connected.is_set():
                 self.errors[f"barrier: only {self.connected} of {self.expect} agents connected after "
                             f"{self.args.barrier_timeout:g} s; the others went on anyway"] += 1
-                self.all_connected.set()
+                self._start_data()
         return self.t_start, trio.current_time()
 
     def _arrived(self) -> None:
         if self.connected + self.arrived_failed >= self.expect:
-            self.all_connected.set()
+            self._start_data()
+
+    def _start_data(self) -> None:
+        """The connect barrier opens: the data phase starts."""
+        if not self.all_connected.is_set():
+            # What every agent holds is long-lived from here on: out of the
+            # collector's sight, so that a full collection (seconds with
+            # 10 000 agents' objects) never stops the load process in the
+            # data phase, where its pauses would count as the shadow's ack
+            # latency and as send lag.
+            gc.freeze()
+            gc.enable()
+        self.all_connected.set()
+
+    def _through(self) -> None:
+        """One more agent has every byte acknowledged (or failed): the exit barrier."""
+        self.through += 1
+        if self.through >= self.expect:
+            self.all_through.set()
 
     async def agent(self, i: int, owners: list[int], port: int, job_id: str, name: str) -> None:
         import trio
@@ -438,7 +469,8 @@ class Generator:
         phase = "connect"
         counted = False
         conn = Connection(Role.AGENT)
-        sent: collections.deque[tuple[int, float]] = collections.deque()  # (end offset, send time)
+        sent: collections.deque[tuple[int, float, bool]] = collections.deque()  # (end offset, send time, first)
+        through = [False]  # counted at the exit barrier
         total = self.per_agent * len(owners)
         try:
             with trio.fail_after(self.args.timeout):
@@ -467,7 +499,7 @@ class Generator:
                     counted = True
                     self._arrived()
                     await self._session(stream, conn, owners, sent, total, trio, Ack, Done, Error, Exit, Ping,
-                                        Pong, DataEv, NEED_DATA)
+                                        Pong, DataEv, NEED_DATA, through)
                     self.finished += 1
         except BaseException as caught:  # every failure is counted by phase and kind
             if isinstance(caught, (KeyboardInterrupt, SystemExit, trio.Cancelled)):
@@ -482,6 +514,9 @@ class Generator:
                 phase = e.phase
             self.errors[f"{getattr(e, 'phase', phase)}: {type(e).__name__}: {re.sub(r'[0-9]{3,}', '#', msg)[:160]}"] += 1
             self.failed += 1
+            if not through[0]:
+                through[0] = True
+                self._through()
             if not counted:
                 self.arrived_failed += 1
                 self._arrived()
@@ -497,7 +532,8 @@ class Generator:
                 return conn.next_event()
 
     async def _session(self, stream: Any, conn: Any, owners: list[int], sent: Any, total: int, trio: Any, Ack: Any,
-                       Done: Any, Error: Any, Exit: Any, Ping: Any, Pong: Any, DataEv: Any, NEED: Any) -> None:
+                       Done: Any, Error: Any, Exit: Any, Ping: Any, Pong: Any, DataEv: Any, NEED: Any,
+                       through: list[bool]) -> None:
         acked = 0
         done = trio.Event()
         all_acked = trio.Event()
@@ -511,7 +547,10 @@ class Generator:
                 now = trio.current_time()
                 if isinstance(ev, Ack):
                     while sent and sent[0][0] <= ev.offset:
-                        self.latencies.append((now - sent.popleft()[1]) * 1000)
+                        _, t_sent, first = sent.popleft()
+                        self.latencies.append((now - t_sent) * 1000)
+                        if not first:
+                            self.steady.append((now - t_sent) * 1000)
                     self.acked_bytes += ev.offset - acked
                     if self.acked_bytes >= self.n * self.per_agent and math.isnan(self.cpu_all_acked):
                         self.cpu_all_acked = self._shadow_cpu()
@@ -561,11 +600,16 @@ class Generator:
                     self.cpu_first_send = self._shadow_cpu()
                 frame = conn.send(DataEv(1, offset, bytes(payload)))
                 offset += len(payload)
-                sent.append((offset, now))
+                sent.append((offset, now, offset == len(payload)))
                 await send(frame)
             phase["name"] = "ack wait"
             await all_acked.wait()
+            through[0] = True
+            self._through()
+            phase["name"] = "exit barrier"
+            await self.all_through.wait()
             phase["name"] = "exit"
+            self.exits.append(trio.current_time())
             await send(conn.send(Exit(code=0, signal=None, lengths=((1, total),))))
             await done.wait()
 
@@ -582,6 +626,7 @@ def load_worker(params_file: Path, result_file: Path) -> int:
     """The load process: run the simulated agents (one trio run), write what happened to `result_file`."""
     import trio
 
+    gc.disable()  # until every agent is connected (Generator._arrived): no full collections while they connect
     params = json.loads(params_file.read_text())
     args = argparse.Namespace(**params["args"])
     raise_nofile()
@@ -683,11 +728,15 @@ class SimBench:
                 seconds=res["data_s"], total_s=res["total_s"], shadow_cpu_s=cpu, shadow_hwm_mib=hwm,
                 shadow_max_fds=watch.max_fds, latencies_ms=res["latencies_ms"], errors=dict(errors),
                 shadow_problems=log_problems(shadow.log_tail(10**8)),
-                notes={"connect_p50_ms": percentile(connect, 50) * 1000 if connect else math.nan,
+                notes={"steady_p99_ms": percentile(res.get("steady_ms", []), 99) if res.get("steady_ms")
+                       else math.nan,
+                       "frames": len(res["latencies_ms"]),
+                       "connect_p50_ms": percentile(connect, 50) * 1000 if connect else math.nan,
                        "connect_p99_ms": percentile(connect, 99) * 1000 if connect else math.nan,
                        "connect_max_ms": max(connect) * 1000 if connect else math.nan,
                        "all_connected_s": res["all_connected_s"],
                        "data_cpu_s": res.get("data_cpu_s", math.nan),
+                       "exits_in_data_phase": res.get("exits_in_data_phase", -1),
                        "acked_bytes": res["acked_bytes"],
                        "offered_mb_s": (n * self.args.frame / self.args.interval / MB) if self.args.interval > 0
                        else math.nan,
@@ -723,7 +772,7 @@ def sim_line(r: Result) -> str:
     """One simulated run in one line."""
     return (f"{r.ok}/{r.agents} ok  achieved {r.mb_s:6.1f} of {r.offered:.1f} MB/s offered  {r.total_s:6.1f} s  "
             f"ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/{percentile(r.latencies_ms, 99):.1f}/"
-            f"{max(r.latencies_ms, default=math.nan):.0f} ms  shadow CPU {r.shadow_cpu_s:.2f} s "
+            f"{max(r.latencies_ms, default=math.nan):.0f} ms (steady p99 {r.notes.get('steady_p99_ms', math.nan):.1f})  shadow CPU {r.shadow_cpu_s:.2f} s "
             f"(data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
             f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
             f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
@@ -757,11 +806,15 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         line(f"{lat_label} p50", lambda r: percentile(r.latencies_ms, 50))
         line(f"{lat_label} p99", lambda r: percentile(r.latencies_ms, 99))
         line(f"{lat_label} max", lambda r: max(r.latencies_ms) if r.latencies_ms else float("nan"))
+        if not real:
+            line("ack latency p99, steady: every frame but each agent's first (ms)", lambda r: r.notes.get("steady_p99_ms", math.nan))
         line("shadow CPU (s)", lambda r: r.shadow_cpu_s)
         line("shadow CPU-s per GB", lambda r: r.shadow_cpu_s / (r.nbytes / 1e9) if r.nbytes else float("nan"))
         if not real:
             line("shadow CPU-s per GB, data phase only", lambda r: float(r.notes.get("data_cpu_s", math.nan))
                  / (r.nbytes / 1e9) if r.nbytes else float("nan"))
+            line("shadow CPU per frame, data phase (ms)", lambda r: float(r.notes.get("data_cpu_s", math.nan))
+                 * 1000 / r.notes["frames"] if r.notes.get("frames") else float("nan"))
         line("shadow peak RSS, VmHWM (MiB)", lambda r: r.shadow_hwm_mib)
         line("shadow open fds, max sampled", lambda r: r.shadow_max_fds)
         if real:

@@ -174,6 +174,53 @@ def test_requests_that_arrive_while_a_group_is_in_flight_go_together() -> None:
     assert [len(g) for g in groups] == [1, 9] and sorted(groups[0] + groups[1]) == list(range(10)), groups
 
 
+class _Wakeups(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.scheduled = 0
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        self.scheduled += 1
+
+
+@pytest.mark.timeout(30)
+def test_a_finished_group_wakes_its_own_waiters_and_the_next_leader_not_every_waiter() -> None:
+    """Many requests queued behind small groups (ten thousand agents exiting
+    at once): each group wakes its waiters and the next leader, so the task
+    wake-ups grow with the requests, not with requests x groups."""
+    n = 400
+
+    go = [trio.Event()]  # (made in the run below)
+
+    async def worker(fn: Any) -> Any:
+        await go[0].wait()  # the first group waits until every request is queued; then like a thread hop
+        return fn()
+
+    async def main() -> tuple[int, list[Any]]:
+        go[0] = trio.Event()
+        group = GroupCommit(lambda requests: [f"done {r}" for r in requests], worker, limit=4)
+        results: list[Any] = []
+        wakeups = _Wakeups()
+
+        async def one(i: int) -> None:
+            results.append(await group.submit(i))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not results and len(group.queue) == n - 1  # one group in flight, the rest queued
+            trio.lowlevel.add_instrument(wakeups)
+            go[0].set()
+        trio.lowlevel.remove_instrument(wakeups)
+        return wakeups.scheduled, results
+
+    scheduled, results = trio.run(main)
+    assert sorted(results) == sorted(f"done {i}" for i in range(n))
+    # Every waiter wakes about once (its result) and each group's leader a
+    # few times; waking every waiter per group would be ~n^2 / 8 = 20 000.
+    assert scheduled < 6 * n, scheduled
+
+
 # -- Store.open_jobs: one transaction, each job atomic -------------------------------------------------
 
 

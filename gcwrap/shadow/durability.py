@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,9 @@ class LiveJob:
     files: JobFiles = field(init=False)
     prev: list[LiveJob] = field(default_factory=list)
     scope: trio.CancelScope | None = None
-    durable_changed: Signal = field(default_factory=Signal)
+    durable_changed: Signal = field(default_factory=Signal)  # for `Durability.flush`
+    flushing: int = 0  # tasks waiting in `Durability.flush`
+    on_durable: Callable[[], None] | None = None  # a batch made some of its bytes durable: its ACKs (acks.Sender)
     gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
     fenced: str = ""  # why this session must stop, once it must
     finished: bool = False
@@ -219,11 +222,18 @@ class Durability:
             if job is not None:
                 job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
         for job in set(batch.values()):
-            job.durable_changed.fire()
+            if job.on_durable is not None:
+                job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)
+            if job.flushing:
+                job.durable_changed.fire()
         self.done.fire()
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable."""
-        while any(sf.durable < sf.written for sf in job.files.outputs.values()):
-            await job.durable_changed.wait()
+        job.flushing += 1
+        try:
+            while any(sf.durable < sf.written for sf in job.files.outputs.values()):
+                await job.durable_changed.wait()
+        finally:
+            job.flushing -= 1
 

@@ -6,7 +6,8 @@ cheaper than a thread hop), trims bytes it already has and refuses gaps.
 `Durability` makes the bytes of every job durable in groups, in a thread of
 its own: sync the dirty files (one syncfs of the root's file system when
 that is cheaper than their fdatasyncs), record the new lengths in the state
-database, then wake the handlers so they send ACKs. Nothing is acknowledged
+database, then send the ACKs (`acks.Sender`: synchronously, from the
+batch's results, when nothing else is being sent). Nothing is acknowledged
 before both.
 
 Descriptors are budgeted from RLIMIT_NOFILE: one socket per connection, and
@@ -47,7 +48,6 @@ from ..sync import first_error
 from ..wire import compress
 from ..wire.events import (
     PROTOCOL_VERSION,
-    Ack,
     ConnectionClosed,
     Data,
     Done,
@@ -64,8 +64,10 @@ from ..wire.events import (
     ZData,
 )
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .backends import StateBackend, open_store
+from .collector import keep_collections_short
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
@@ -163,6 +165,7 @@ class Shadow:
         async with trio.open_nursery() as nursery:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
+            nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
@@ -388,11 +391,14 @@ class Shadow:
                 await stream.send_all(conn.send(welcome))
                 log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
                          hello.host or "?")
-                send_lock = trio.Lock()
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._acker, stream, conn, job, send_lock)
-                    await self._receive(stream, conn, job, send_lock, f"{peer} [{who[0]}]", pending)
-                    nursery.cancel_scope.cancel()
+                sender = Sender(stream, conn, job, lambda: self._holds(job))
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(sender.run)
+                        await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
+                        nursery.cancel_scope.cancel()
+                finally:
+                    await sender.finish()  # an ACK an inline write left in part, before an ERROR follows
             if scope.cancelled_caught and self.stopping and not job.fenced:
                 await self.durability.flush(job)  # what it wrote is durable before the agent is told
                 raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
@@ -516,24 +522,8 @@ class Shadow:
             except Exception as e:  # noqa: BLE001
                 log.error("cannot record job state: %s", e)
 
-    async def _acker(self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock) -> None:
-        acked = {sid: sf.durable for sid, sf in job.files.outputs.items()}
-        while True:
-            sent = False
-            for sid, sf in job.files.outputs.items():
-                if sf.durable > acked[sid]:
-                    async with lock:
-                        self._check(job)  # a fenced session acknowledges nothing, not even what it made durable
-                        acked[sid] = durable = sf.durable
-                        await stream.send_all(conn.send(Ack(sid, durable)))
-                    sent = True
-            if not sent:
-                # Only after a pass that did not await: a batch applied while
-                # an ACK was being sent fired the signal then, not now.
-                await job.durable_changed.wait()
-
     async def _receive(
-        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str,
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, peer: str,
         pending: list[Event],
     ) -> None:
         with trio.CancelScope() as idle:  # one scope, its deadline moved per read: cheaper than fail_after
@@ -544,7 +534,7 @@ class Shadow:
                     idle.deadline = trio.current_time() + self.opts.idle_timeout
                     events = await next_events(stream, conn)
                     idle.deadline = math.inf
-                over = await self._process(stream, conn, job, lock, peer, events)
+                over = await self._process(stream, conn, job, sender, peer, events)
                 # DATA payloads are views of the received bytes: keep none of
                 # them while waiting for the next read (memory per connection).
                 del events
@@ -554,7 +544,7 @@ class Shadow:
             raise trio.TooSlowError
 
     async def _process(
-        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, lock: trio.Lock, peer: str, events: list[Event],
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, peer: str, events: list[Event],
     ) -> bool:
         """Act on the events of one read; True when the session is over."""
         files = job.files
@@ -572,14 +562,11 @@ class Shadow:
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
                 self._check(job)
-                reply = self._read_stdin(files, ev)
-                async with lock:
-                    await stream.send_all(conn.send(reply))
+                await sender.send(conn.send(self._read_stdin(files, ev)))
             elif isinstance(ev, Ping):
-                async with lock:
-                    await stream.send_all(conn.send(Pong(ev.nonce)))
+                await sender.send(conn.send(Pong(ev.nonce)))
             elif isinstance(ev, Exit):
-                await self._finish(stream, conn, job, ev, lock, peer)
+                await self._finish(conn, job, ev, sender, peer)
                 return True
             elif isinstance(ev, Error):
                 log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
@@ -630,7 +617,7 @@ class Shadow:
         return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
 
     async def _finish(
-        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, ev: Exit, lock: trio.Lock, peer: str
+        self, conn: Connection, job: LiveJob, ev: Exit, sender: Sender, peer: str
     ) -> None:
         files = job.files
         await self.durability.flush(job)
@@ -656,9 +643,7 @@ class Shadow:
         status = (f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None
                   else "unknown status")
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
-        async with lock:
-            self._check(job)
-            await stream.send_all(conn.send(Done()))
+        await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
 
 
 async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

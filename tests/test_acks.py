@@ -1,0 +1,236 @@
+"""A connection's ACKs (gcwrap/shadow/acks.py), in process, over a socket pair.
+
+When a durability batch is applied and nothing is being sent on the
+connection, its ACKs are written right there, with no task woken; while a
+send is in flight they wait for it and go out coalesced, one per stream;
+and a session that no longer holds its job acknowledges nothing, on either
+path. A length is acknowledged only once synced and recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from gcwrap.shadow.acks import Sender
+from gcwrap.shadow.durability import Durability, Fenced, LiveJob
+from gcwrap.shadow.files import StreamFile
+from gcwrap.shadow.state import Store
+from gcwrap.sync import first_error
+from gcwrap.wire.events import Ack, Hello, StreamSpec, Welcome
+from gcwrap.wire.protocol import NEED_DATA, Connection, Role
+
+
+def _pair() -> tuple[Connection, Connection]:
+    """An agent's and a shadow's connection, past the handshake."""
+    agent, shadow = Connection(Role.AGENT), Connection(Role.SHADOW)
+    shadow.receive_data(agent.send(Hello("j", "i", (StreamSpec(1, "stdout", "out"),))))
+    assert isinstance(shadow.next_event(), Hello)
+    agent.receive_data(shadow.send(Welcome(1, 1, ((1, 0),), 10.0)))
+    assert isinstance(agent.next_event(), Welcome)
+    return agent, shadow
+
+
+def _received(sock: trio.socket.SocketType, agent: Connection) -> list[Ack]:
+    """The ACKs waiting in the agent's socket, read without waiting."""
+    out: list[Ack] = []
+    try:
+        data = os.read(sock.fileno(), 65536)
+    except BlockingIOError:
+        return out
+    agent.receive_data(data)
+    while (ev := agent.next_event()) is not NEED_DATA:
+        assert isinstance(ev, Ack), ev
+        out.append(ev)
+    return out
+
+
+def _recorded(root: Path) -> int:
+    db = sqlite3.connect(f"file:{root / '.gcshadow' / 'state.db'}?mode=ro", uri=True)
+    try:
+        return int(db.execute("SELECT durable FROM streams WHERE job_id = 'j'").fetchone()[0])
+    finally:
+        db.close()
+
+
+async def _batch(durability: Durability, sf: StreamFile, job: LiveJob, data: bytes) -> None:
+    """Write `data`, mark the file, and wait until a batch covering it is applied."""
+    os.pwrite(sf.fd, data, sf.written)
+    sf.written += len(data)
+    want = durability.batches + 1
+    durability.mark(sf, job)
+    while durability.batches < want:
+        await durability.done.wait()
+
+
+@pytest.mark.timeout(30)
+def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    sf = files.outputs[1]
+    agent, shadow = _pair()
+    holding = [True]
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        os.set_blocking(right.fileno(), False)
+        durability = Durability(store)
+        job = LiveJob("j")
+        job.files = files
+        stream = trio.SocketStream(left)
+        sender = Sender(stream, shadow, job, lambda: holding[0])
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(durability.run)
+                with pytest.raises(Fenced), first_error():
+                    async with trio.open_nursery() as connection:
+                        connection.start_soon(sender.run)
+                        await trio.testing.wait_all_tasks_blocked()
+
+                        # Nothing in flight: the batch's apply writes the ACK itself.
+                        await _batch(durability, sf, job, b"a" * 100)
+                        assert (sender.sync_acks, sender.task_acks) == (1, 0)
+                        assert _received(right, agent) == [Ack(1, 100)]
+                        assert _recorded(tmp_path) >= 100
+
+                        # A send in flight (the lock held): no synchronous write; the
+                        # ack task sends one ACK for both batches once it is done.
+                        async with sender.lock:
+                            await _batch(durability, sf, job, b"b" * 100)
+                            await _batch(durability, sf, job, b"c" * 100)
+                            await trio.testing.wait_all_tasks_blocked()
+                            assert _received(right, agent) == []
+                            assert sender.sync_acks == 1
+                        await trio.testing.wait_all_tasks_blocked()
+                        assert _received(right, agent) == [Ack(1, 300)]
+                        assert sender.task_acks == 1
+                        assert _recorded(tmp_path) >= 300
+
+                        # Fenced: the batch is applied, yet nothing is acknowledged,
+                        # and the ack task stops the session.
+                        holding[0] = False
+                        await _batch(durability, sf, job, b"d" * 100)
+                        with trio.fail_after(5):
+                            await trio.sleep_forever()
+                assert sf.durable == 400
+                assert _received(right, agent) == []
+                assert (sender.sync_acks, sender.task_acks) == (1, 1)
+                assert job.on_durable is None
+                nursery.cancel_scope.cancel()
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
+    """What survived is frozen (collections walk only what is newer), young
+    garbage cycles are collected before, not frozen; frozen objects go back
+    to the collector at every thaw, and when the shadow stops."""
+    import gc
+    import weakref
+
+    from gcwrap.shadow.collector import keep_collections_short
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the collector frees it
+
+    async def main() -> None:
+        gc.unfreeze()
+        garbage = Node()
+        gone = weakref.ref(garbage)
+        del garbage
+        kept = [Node() for _ in range(100)]
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_collections_short, 0.05, 0.3)
+                while gc.get_freeze_count() == 0:
+                    await trio.sleep(0.01)
+                assert gone() is None, "a garbage cycle was frozen instead of collected"
+                assert all(gc.is_tracked(k) for k in kept)
+                while gc.get_freeze_count() != 0:  # the thaw
+                    await trio.sleep(0.01)
+                while gc.get_freeze_count() == 0:  # frozen again
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert gc.get_freeze_count() == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))  # virtual time: no race with the poll
+
+
+@pytest.mark.timeout(30)
+def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(tmp_path: Path) -> None:
+    """The synchronous write finds the socket's buffer full: the ack task
+    sends the ACK once there is room, and a reply sent meanwhile follows it,
+    whole (no frame is interleaved with another)."""
+    from gcwrap.wire.events import Pong
+
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    sf = files.outputs[1]
+    agent, shadow = _pair()
+    got: list[object] = []
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        junk = 0
+        while True:  # fill the shadow's side until the kernel takes no more
+            try:
+                junk += os.write(left.fileno(), b"\0" * 4096)
+            except BlockingIOError:
+                break
+        durability = Durability(store)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+
+        async def read() -> None:
+            skip = junk
+            while len(got) < 2:
+                data = await right.recv(65536)
+                assert data
+                if skip:
+                    cut = min(skip, len(data))
+                    assert data[:cut] == b"\0" * cut
+                    skip -= cut
+                    data = data[cut:]
+                if not data:
+                    continue  # (an empty read would say the connection ended)
+                agent.receive_data(data)
+                while (ev := agent.next_event()) is not NEED_DATA:
+                    got.append(ev)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(durability.run)
+                nursery.start_soon(sender.run)
+                await trio.testing.wait_all_tasks_blocked()
+                await _batch(durability, sf, job, b"a" * 100)
+                assert sender.rest, "the socket had room after all"
+                nursery.start_soon(read)  # makes room
+                await sender.send(shadow.send(Pong(7)))  # behind the ACK, whichever task sends that
+                while len(got) < 2:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+    assert got == [Ack(1, 100), Pong(7)]
