@@ -18,22 +18,14 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from test_acks import _pair
 
 from gcwrap.shadow import acks
 from gcwrap.shadow.acks import Sender
 from gcwrap.shadow.durability import Fenced, LiveJob
 from gcwrap.shadow.files import JobFiles, StreamFile
-from gcwrap.wire.events import Ack, Done, Event, Exit, Hello, Pong, StreamSpec, Welcome
-from gcwrap.wire.protocol import NEED_DATA, Connection, Role
-
-
-def _pair() -> tuple[Connection, Connection]:
-    agent, shadow = Connection(Role.AGENT), Connection(Role.SHADOW)
-    shadow.receive_data(agent.send(Hello("j", "i", (StreamSpec(1, "stdout", "out"),))))
-    assert isinstance(shadow.next_event(), Hello)
-    agent.receive_data(shadow.send(Welcome(1, 1, ((1, 0),), 10.0)))
-    assert isinstance(agent.next_event(), Welcome)
-    return agent, shadow
+from gcwrap.wire.events import Ack, Done, Event, Exit, Pong
+from gcwrap.wire.protocol import NEED_DATA, Connection
 
 
 def _job(tmp_path: Path) -> tuple[LiveJob, StreamFile]:
