@@ -196,12 +196,46 @@ def _pipe() -> tuple[int, int]:
     return r, w
 
 
+# Descriptors gcwrap opens once the job runs: the event loop's (epoll, its
+# wake-up socket pair), the connection, name lookups, the spool's segments.
+# They are held while the job is started, so that a limit too low for the
+# whole run stops it before the job starts, not after (a job left running
+# without its wrapper).
+AFTER_START_FDS = 16
+
+
+def _reserve(n: int) -> list[int]:
+    """n descriptors on /dev/null, or OSError (EMFILE) with none left open."""
+    held: list[int] = []
+    try:
+        for _ in range(n):
+            held.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        for fd in held:
+            os.close(fd)
+        raise
+    return held
+
+
 def launch(command: list[str], *, stdin: bool, stdout: bool, stderr: bool, merge_stderr: bool,
            own_group: bool) -> Launched:
     """Start the job with a pipe for each stream asked for (1 MiB, grown
     before the job writes a byte); stderr into stdout's pipe with
     `merge_stderr`; in a process group of its own with `own_group`.
-    OSError if it cannot be started (nothing is left open then)."""
+    OSError if it cannot be started, or if fewer than AFTER_START_FDS
+    descriptors would be left for the rest of the run (nothing is left open
+    then)."""
+    reserve = _reserve(AFTER_START_FDS)
+    try:
+        return _launch(command, stdin=stdin, stdout=stdout, stderr=stderr, merge_stderr=merge_stderr,
+                       own_group=own_group)
+    finally:
+        for fd in reserve:
+            os.close(fd)
+
+
+def _launch(command: list[str], *, stdin: bool, stdout: bool, stderr: bool, merge_stderr: bool,
+            own_group: bool) -> Launched:
     ours: list[int] = []
     theirs: list[int] = []
     ends: dict[str, int | None] = {"stdin": None, "stdout": None, "stderr": None}
@@ -293,4 +327,10 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
         )
     except OSError as e:
         start.error = e
+        if start.files is not None:
+            # The job never ran: nothing to keep, and the descriptors go back
+            # for the event loop that reports it.
+            start.files.spool.remove()
+            os.close(start.files.lock_fd)
+            start.files = None
     return start
