@@ -17,13 +17,17 @@ class Signal:
     """
 
     def __init__(self) -> None:
-        self._event = trio.Event()
+        self._event: trio.Event | None = None  # made by the first waiter since the last fire
 
     def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
+        """Wake the waiters; with none, nothing to do (no event is made per fire)."""
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = trio.Event()
         await self._event.wait()
 
 

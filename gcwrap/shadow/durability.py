@@ -48,7 +48,6 @@ class LiveJob:
     prev: list[LiveJob] = field(default_factory=list)
     scope: trio.CancelScope | None = None
     durable_changed: Signal = field(default_factory=Signal)  # for `Durability.flush`
-    flushing: int = 0  # tasks waiting in `Durability.flush`
     on_durable: Callable[[], None] | None = None  # a batch made some of its bytes durable: its ACKs (acks.Sender)
     gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
     fenced: str = ""  # why this session must stop, once it must
@@ -224,16 +223,11 @@ class Durability:
         for job in set(batch.values()):
             if job.on_durable is not None:
                 job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)
-            if job.flushing:
-                job.durable_changed.fire()
+            job.durable_changed.fire()  # (nothing to do when no flush waits)
         self.done.fire()
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable."""
-        job.flushing += 1
-        try:
-            while any(sf.durable < sf.written for sf in job.files.outputs.values()):
-                await job.durable_changed.wait()
-        finally:
-            job.flushing -= 1
+        while any(sf.durable < sf.written for sf in job.files.outputs.values()):
+            await job.durable_changed.wait()
 
