@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -158,20 +159,22 @@ class Tmpfs:
         sh("mount", "-o", f"remount,{'ro' if readonly else 'rw'}", str(self.path))
 
 
-class DelayProxy:
-    """A TCP proxy on loopback that delays every chunk by `delay` seconds,
-    both ways, keeping order (what netem would do, in user space)."""
+class _Middlebox:
+    """A TCP middlebox on loopback: accepts, connects each client to
+    `target`, and runs `_pump(src, dst, upstream)` in a thread per direction
+    (`upstream`: from the client). Stopped, with every socket closed, when
+    the `with` block ends."""
 
-    def __init__(self, target: tuple[str, int], delay: float) -> None:
+    def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        self.delay = delay
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
         self.socks: list[socket.socket] = []
+        self.connections = 0
 
-    def __enter__(self) -> DelayProxy:
+    def __enter__(self) -> Self:
         t = threading.Thread(target=self._accept, daemon=True)
         t.start()
         self.threads.append(t)
@@ -182,9 +185,10 @@ class DelayProxy:
         self.listener.close()
         for s in self.socks:
             try:
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            s.close()
         for t in self.threads:
             t.join(5)
 
@@ -200,13 +204,28 @@ class DelayProxy:
             except OSError:
                 client.close()
                 continue
+            client.settimeout(None)  # (accepted sockets inherit the listener's timeout)
+            upstream.settimeout(None)
+            self.connections += 1
             self.socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pump, args=(a, b, up), daemon=True)
                 t.start()
                 self.threads.append(t)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        raise NotImplementedError
+
+
+class DelayProxy(_Middlebox):
+    """A TCP proxy on loopback that delays every chunk by `delay` seconds,
+    both ways, keeping order (what netem would do, in user space)."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        super().__init__(target)
+        self.delay = delay
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         import queue
 
         q: queue.Queue[tuple[float, bytes]] = queue.Queue()
@@ -489,7 +508,7 @@ def kill_ns_shadows() -> None:
     NS_SHADOWS.clear()
 
 
-class StallRelay:
+class StallRelay(_Middlebox):
     """A middlebox on loopback: relays TCP both ways, and while stalled keeps
     reading both directions but forwards nothing, then forwards again.
 
@@ -506,36 +525,12 @@ class StallRelay:
     HEADER = 5
 
     def __init__(self, target: tuple[str, int], frames: bool = True) -> None:
-        self.target = target
+        super().__init__(target)
         self.frames = frames
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.stopping = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.socks: list[socket.socket] = []
         self.lock = threading.Lock()
         self.until = 0.0
         self.only: frozenset[int] = frozenset()
         self.dropped = 0  # frames (or reads) dropped
-        self.connections = 0
-
-    def __enter__(self) -> StallRelay:
-        t = threading.Thread(target=self._accept, daemon=True)
-        t.start()
-        self.threads.append(t)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.listener.close()
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in self.threads:
-            t.join(5)
 
     def stall(self, seconds: float, only: Sequence[int] = ()) -> None:
         """Forward nothing (or no frame of the types `only`) for `seconds`, from now."""
@@ -549,29 +544,9 @@ class StallRelay:
                 return False
             return not self.only or frame_type in self.only
 
-    def _accept(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self.stopping.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            client.settimeout(None)  # (accepted sockets inherit the listener's timeout)
-            upstream.settimeout(None)
-            self.connections += 1
-            self.socks += [client, upstream]
-            for a, b, magic in ((client, upstream, self.MAGIC), (upstream, client, 0)):
-                t = threading.Thread(target=self._pump, args=(a, b, magic), daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, magic: int) -> None:
-        """One direction; `magic`: bytes that precede the first frame (the agent's magic)."""
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        """One direction; from the agent, its magic precedes the first frame."""
+        magic = self.MAGIC if upstream else 0
         buf = b""
         while True:
             try:
