@@ -408,3 +408,17 @@ def test_a_resumed_spool_adopts_what_home_holds_beyond_it_and_the_lengths_follow
     assert box.lengths() == ((1, 120), (2, 0))
     assert box.exit_frame((("k", "v"),)).lengths == ((1, 120), (2, 0))
     assert box.all_delivered
+
+
+def test_a_chunk_spooled_in_part_is_offered_from_where_the_spool_ends() -> None:
+    """On a nearly full disk the spool takes the head of a large chunk
+    (Agent._unspooled): what is offered next starts where the spool ends,
+    never again from the chunk's start."""
+    o = make(b"a" * 1000, b"b" * 500)
+    o.mark_spooled(300)
+    first, *rest = o.unspooled(10_000)
+    assert isinstance(first, Chunk) and first.start == 300 and first.data == b"a" * 700 + b"b" * 500, first
+    assert rest == []
+    o.mark_spooled(1200)
+    (tail,) = o.unspooled(10_000)
+    assert isinstance(tail, Chunk) and (tail.start, tail.data) == (1200, b"b" * 300)

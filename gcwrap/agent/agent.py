@@ -22,7 +22,6 @@ gcwrap.agent.run starts them beside the job.
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +30,17 @@ from typing import Any
 import trio
 
 from .. import exitcodes
-from ..wire.compress import Mode, WireStats, offered
+from ..wire.compress import WireStats, offered
 from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
+from .addresses import Address, show
+from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
-from .shadows import Address, ShadowList, connect, given_up, local_address, show
+from .shadows import ShadowList, connect, given_up, local_address
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
 
@@ -55,6 +56,9 @@ BULK_NAP_MAX = 0.02  # ...so wait up to this long (seconds) before reading again
 BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
 SPLICE_MIN = 64 << 10  # a pipe holding at least this much is spliced into the spool, not read
+SMALL_READ = 64 << 10  # a read into memory asks for at least this much (see read_size)
+LINE_RATE = 1 << 20  # bytes/s: small reads coming at least this fast are from a fast line writer...
+LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long (seconds) before the next read
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # The final flush (see Agent.final_flush) leaves this much free for the rows
 # and WAL pages that record its pieces, and gives up on pieces smaller than
@@ -63,27 +67,14 @@ FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
 
 
-@dataclass
-class AgentOptions:
-    """How the agent runs a job and delivers it (the command line's options)."""
-
-    shadows: tuple[Address, ...]  # where to deliver, in the order given (empty: nowhere, the streams pass through)
-    stdout: str | None = None
-    stderr: str | None = None
-    stdin: str | None = None
-    merge_stderr: bool = False  # stderr goes into the stdout stream (2>&1)
-    retry_limit: int = 20
-    retry_timeout: float = 60.0
-    heartbeat: float = 5.0
-    connect_timeout: float | None = None  # None: three heartbeats
-    mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
-    spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
-    min_free: int | None = None  # free disk space left to the job (None: the default reserve)
-    cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
-    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.wire.auth)
-    tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
-    write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
-    compress: Mode = Mode.AUTO  # --compress
+def read_size(held: int) -> int:
+    """How much one read into memory asks for: what the pipe holds (FIONREAD)
+    and room for what comes meanwhile, at most READ_SIZE. Python allocates
+    all it asks for before the read and gives the rest back after it: a
+    1 MiB buffer per read is an mmap, page faults, an mremap and a munmap
+    (line output at a moderate rate reads a few KiB a time, thousands of
+    times a second); SMALL_READ comes from the heap, without a system call."""
+    return min(READ_SIZE, max(held, SMALL_READ))
 
 
 @dataclass
@@ -218,17 +209,17 @@ class Agent:
                 if self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 size = 0
-                if self._may_splice():
-                    await trio.lowlevel.wait_readable(fd)
-                    # (Line output stops at the first test: no statvfs per line.)
-                    if pipe_bytes(fd) >= SPLICE_MIN and self._spool_has_room(capacity):
-                        size = await self._splice(out, fd, limiter)
+                await trio.lowlevel.wait_readable(fd)
+                held = pipe_bytes(fd)
+                # (Line output stops at the first test: no statvfs per line.)
+                if held >= SPLICE_MIN and self._may_splice() and self._spool_has_room(capacity):
+                    size = await self._splice(out, fd, limiter)
                 now = trio.current_time()
                 if size:
                     out.append_extent(size, now)
                     self.stats["spliced"] += size
                 else:
-                    data = await pipe.receive_some(READ_SIZE)
+                    data = await pipe.receive_some(read_size(held))
                     if not data:
                         break
                     now = trio.current_time()
@@ -245,6 +236,16 @@ class Agent:
                     # room for twice that. Line output never gets here.
                     rate = size / max(now - last, 1e-6)
                     await trio.sleep(min(BULK_NAP_MAX, fill / rate))
+                elif size < BULK_READ and size >= LINE_RATE * (now - last):
+                    # Line output from a fast writer (at least LINE_RATE
+                    # since the last read): wait LINE_GAP, so the next read
+                    # gathers what it writes meanwhile. Each read wakes the
+                    # commit loop and the sender and makes a frame and a
+                    # spool row: a job logging 100 000 lines/s was read
+                    # 2 000-4 000 times a second, a few lines a time. A job
+                    # that writes now and then (1 000 lines/s of 100 B: a
+                    # line a millisecond, 100 kB/s) is read at once, as before.
+                    await trio.sleep(LINE_GAP)
                 last = now
         out.eof = True
         self.changed.fire()
@@ -319,11 +320,18 @@ class Agent:
     # -- the spool writer ------------------------------------------------
 
     def _unspooled(self, room: int) -> list[Chunk | Extent]:
-        """Chunks not yet safe, in order per stream, that fit in `room` bytes."""
+        """Chunks not yet safe, in order per stream, that fit in `room` bytes.
+        A chunk larger than what is left of the room goes in part, its head
+        (at least FLUSH_MIN): on a nearly full disk the first read can be a
+        whole pipeful (a job that started while gcwrap was loading fills it),
+        and the spool must still take what it has room for."""
         chunks: list[Chunk | Extent] = []
         for out in self.out.values():
             for c in out.unspooled(room):
                 if cached(c) > room:  # (an extent is on disk already)
+                    if isinstance(c, Chunk) and room >= FLUSH_MIN:
+                        chunks.append(Chunk(c.stream, c.start, c.data[:room]))
+                        room = 0
                     break
                 chunks.append(c)
                 room -= cached(c)

@@ -150,8 +150,11 @@ class OutStream:
         out: list[Chunk | Extent] = []
         total = 0
         mem = self.mem
+        spooled = self.spooled_end
         for i in range(self._first_after(self.safe_end), len(mem)):
             chunk = mem[i]
+            if chunk.start < spooled and isinstance(chunk, Chunk):  # its head is spooled (see Agent._unspooled)
+                chunk = Chunk(chunk.stream, spooled, chunk.data[spooled - chunk.start:])
             out.append(chunk)
             total += cached(chunk)
             if total >= limit:
