@@ -34,7 +34,7 @@ from ..wire.compress import WireStats, offered
 from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
 from .addresses import Address, show
 from .options import AgentOptions
-from .outbox import Outbox, OutStream, cached
+from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
@@ -192,7 +192,7 @@ class Agent:
     def blocked(self) -> bool:
         """The job's output can go nowhere: paused with the disk failing, or
         ended with output undelivered. Failed attempts count only then."""
-        paused = self.blocked_since is not None and bool(self.disk.error)
+        paused = self.blocked_since is not None and self.disk.refusing
         return paused or self.outbox.exit is not None
 
     # -- the pipe readers ------------------------------------------------
@@ -297,7 +297,7 @@ class Agent:
                 # A slow disk, or a network slower than the job, pauses the job
                 # for moments: that is ordinary flow control. Say so only when
                 # the disk has failed and home is out of reach, and when it ends.
-                if self.disk.error and not self.streaming and not self.pause_said:
+                if self.disk.refusing and not self.streaming and not self.pause_said:
                     self.pause_said = True
                     log.warning(
                         "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
@@ -318,24 +318,6 @@ class Agent:
                 log.warning("the job resumes after %.1f s paused", took)
 
     # -- the spool writer ------------------------------------------------
-
-    def _unspooled(self, room: int) -> list[Chunk | Extent]:
-        """Chunks not yet safe, in order per stream, that fit in `room` bytes.
-        A chunk larger than what is left of the room goes in part, its head
-        (at least FLUSH_MIN): on a nearly full disk the first read can be a
-        whole pipeful (a job that started while gcwrap was loading fills it),
-        and the spool must still take what it has room for."""
-        chunks: list[Chunk | Extent] = []
-        for out in self.out.values():
-            for c in out.unspooled(room):
-                if cached(c) > room:  # (an extent is on disk already)
-                    if isinstance(c, Chunk) and room >= FLUSH_MIN:
-                        chunks.append(Chunk(c.stream, c.start, c.data[:room]))
-                        room = 0
-                    break
-                chunks.append(c)
-                room -= cached(c)
-        return chunks
 
     async def _wait_changed(self, seconds: float) -> None:
         with trio.move_on_after(seconds):
@@ -358,12 +340,20 @@ class Agent:
             room = spooler.room(outbox.spooled_pending) if spooler.spool else None
             if room is not None:
                 spooler.keep_spares(room.spares)
-            chunks = self._unspooled(min(COMMIT_BATCH, room.bytes) if room is not None else COMMIT_BATCH)
+            batch = min(COMMIT_BATCH, room.bytes) if room is not None else COMMIT_BATCH
+            chunks, short = outbox.to_spool(batch, FLUSH_MIN)
             waiting = any(o.unsafe_bytes for o in self.out.values())
             caught_up = sum(c.size for c in chunks) >= outbox.unsafe_bytes  # (this commit catches the spool up)
-            full = room.reason if room is not None else ""
+            full, bound = (room.reason, room.bound) if room is not None else ("", "")
+            # The spool is full when it cannot take what waits: it takes
+            # nothing, or less than waits because its room ran out (not the
+            # batch's size). A nearly full disk gives room in ever smaller
+            # pieces (half of what is free each time): each is taken, and the
+            # episode is one, said once, until the spool catches up again.
+            if room is None or room.bytes >= COMMIT_BATCH:
+                short = False
             if waiting and not chunks:
-                self._disk_failed(full or "the spool cannot take more bytes")
+                self._disk_failed(full or bound or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > o.ack_recorded}
             eof = [s for s, o in self.out.items() if o.eof and not o.eof_recorded and o.safe_end >= o.read_end]
             tight = bool(full or self.disk.error)
@@ -385,7 +375,9 @@ class Agent:
                 await trio.sleep(backoff.next_delay())
                 continue
             backoff.reset()
-            if chunks and self.disk.recovered(trio.current_time(), caught_up):
+            if short and chunks:
+                self._disk_failed(bound, partial=True)
+            elif chunks and self.disk.recovered(trio.current_time(), caught_up):
                 log.warning("the spool takes output again")
             share = plan.eviction_share(sum(o.mem_bytes for o in self.out.values()), len(self.out))
             if share is not None:
@@ -435,10 +427,11 @@ class Agent:
             parts.append("job fields " + ", ".join(sorted(updates)))
         return "; ".join(parts)
 
-    def _disk_failed(self, reason: str) -> None:
-        first, say = self.disk.failed(trio.current_time(), reason)
+    def _disk_failed(self, reason: str, partial: bool = False) -> None:
+        first, say = self.disk.failed(trio.current_time(), reason, partial)
         if first:
             self.note(last_error=reason)
+            self.changed.fire()  # (a paused reader says why, now that the spool refuses)
         if say == "warning":  # once per episode (see DISK_CALM): not at every commit a full disk refuses
             log.warning("%s; output goes home from memory until the spool takes it again", reason)
         elif say == "info":
@@ -458,7 +451,7 @@ class Agent:
             piece = COMMIT_BATCH
             while out.unsafe_bytes and piece >= FLUSH_MIN and not (error and spooler.spool is None):
                 budget = min(piece, spooler.free_space() - FLUSH_MARGIN)
-                chunks = _fit(out.unspooled(max(budget, 1)), budget)
+                chunks = fit(out.unspooled(max(budget, 1)), budget)
                 if not chunks:
                     break
                 try:
@@ -678,22 +671,3 @@ class Agent:
         self.shadows.welcomed()
         self.note_live(shadow=show(self.shadows.current), failovers=self.shadows.failovers)
         self.note(connected=True, last_error="")
-
-
-def _fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
-    """The first of a stream's unspooled chunks, holding at most `budget`
-    bytes of memory (the last one cut to fit); extents, already on disk,
-    cost nothing."""
-    out: list[Chunk | Extent] = []
-    for c in chunks:
-        if isinstance(c, Extent):
-            out.append(c)
-            continue
-        if budget <= 0:
-            break
-        if c.size > budget:
-            out.append(Chunk(c.stream, c.start, bytes(c.data[:budget])))
-            break
-        out.append(c)
-        budget -= c.size
-    return out

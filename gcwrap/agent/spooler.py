@@ -64,6 +64,7 @@ class Room:
     bytes: int
     reason: str = ""
     spares: bool = True
+    bound: str = ""  # what limits `bytes`, in words (said when the spool takes less than waits)
 
 
 class Spooler:
@@ -146,12 +147,15 @@ class Spooler:
         disk_room = (free - keep) // 2
         # (Remembered only while plenty: a tight disk is looked at every time.)
         self._statvfs = (when, st) if disk_room >= ROOM_PLENTY else None
+        disk_full = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
         if disk_room <= 0:
-            return Room(0, f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job")
+            return Room(0, disk_full)
         segments = self.spool.segments if self.spool is not None else None
         # A spare segment is worth its blocks only while the disk has plenty.
         spares = segments is None or disk_room > 8 * segments.segment_size
-        return Room(max(0, min(disk_room, limit_room if limit_room is not None else disk_room)), "", spares)
+        if limit_room is not None and limit_room < disk_room:
+            return Room(limit_room, "", spares, f"spool limit of {self.limit} bytes reached")
+        return Room(disk_room, "", spares, disk_full)
 
     def keep_spares(self, keep: bool) -> None:
         """Whether delivered segments are kept as spares (see Room.spares)."""
