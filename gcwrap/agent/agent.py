@@ -153,6 +153,7 @@ class Agent:
 
     def live_snapshot(self) -> dict[str, Any]:
         f = self.live_fields
+        wall = time.time() - trio.current_time()  # (read times are on trio's clock)
         return {
             "t": round(time.time(), 3),
             "state": f.get("state", "starting"),
@@ -167,6 +168,8 @@ class Agent:
             "reason": f.get("reason", ""),
             "streams": {
                 str(sid): {"written": o.read_end, "acked": o.acked, "memory_only": o.unsafe_bytes,
+                           # when the oldest byte held only in memory was read (the spool knows its own)
+                           "memory_since": None if (t := o.oldest_unsafe()) is None else round(t + wall, 3),
                            "lost": self.lost[sid][1] - self.lost[sid][0] if sid in self.lost else 0}
                 for sid, o in self.out.items()
             },
@@ -296,12 +299,13 @@ class Agent:
             while self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                 # A slow disk, or a network slower than the job, pauses the job
                 # for moments: that is ordinary flow control. Say so only when
-                # the disk has failed and home is out of reach, and when it ends.
-                if self.disk.refusing and not self.streaming and not self.pause_said:
+                # the disk has failed and home is out of reach (an attempt
+                # failed: not while the first connects), and when it ends.
+                if self.disk.refusing and not self.streaming and self.net_error and not self.pause_said:
                     self.pause_said = True
                     log.warning(
                         "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
-                        self.disk.error, self.net_error or "sending slowly",
+                        self.disk.error, self.net_error,
                     )
                 await self.changed.wait()
             finished = True
@@ -548,6 +552,7 @@ class Agent:
         after the job's end)."""
         reason = describe(error, where)
         self.net_error = reason
+        self.changed.fire()  # (a paused reader says why)
         shutting_down = isinstance(error, ShadowRefused) and error.code is ErrorCode.SHUTTING_DOWN
         if not shutting_down:
             self.stats["failures"] += 1
