@@ -11,6 +11,10 @@ spawn to exit (wall clock, time.perf_counter):
     PYTHON -c pass                                    the interpreter alone
     gcwrap --shadow 127.0.0.1:PORT --stdout startup-N.out --spool DIR --job-id ID -- true
                                                       with a live gcshadow (one per benchmark run)
+    gcwrap --shadow ... -- sh -c 'date +%s.%N > STAMP'   the same with a job that writes the time it
+                                                      started: spawn -> the job's start is how long the
+                                                      job waits for gcwrap (the spool, its pipes)
+    sh -c 'date +%s.%N > STAMP'                       that job alone, for its own share of that
 
 PYTHON is the interpreter of the gcwrap script (its #! line), so both sides
 import the same installed packages. When `gcwrap` on PATH is a pyenv shim
@@ -92,9 +96,18 @@ def interpreter_of(script: str) -> str:
     return sys.executable
 
 
-def timed(cmd: list[str], timeout: float) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the child tree) of one run; BenchError on failure."""
+STAMP_JOB = "date +%s.%N > {}"
+
+
+def timed(cmd: list[str], timeout: float, stamp: Path | None = None,
+          started: list[float] | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child tree) of one run; BenchError on failure.
+    With `stamp` (the file a STAMP_JOB writes) the seconds from spawn to the
+    job's start are appended to `started`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if stamp is not None:
+        stamp.unlink(missing_ok=True)
+    epoch = time.time()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -106,6 +119,11 @@ def timed(cmd: list[str], timeout: float) -> tuple[float, float]:
     if proc.returncode != 0:
         raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{proc.stderr.decode(errors='replace')[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if stamp is not None and started is not None:
+        try:
+            started.append(float(stamp.read_text()) - epoch)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"the job wrote no start time to {stamp}: {e}") from None
     return wall, cpu
 
 
@@ -167,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     if shim:
         commands["gcwrap -- true (via the pyenv shim)"] = [shim, "--", "true"]
     shadow_key = "gcwrap --shadow ... --stdout x -- true (live shadow)"
+    stamp_key = "gcwrap --shadow ... --stdout x -- sh -c 'date > STAMP' (live shadow)"
+    bare_stamp_key = "sh -c 'date > STAMP' (the job alone)"
 
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-startup-", dir=args.tmpdir))
     walls: dict[str, list[float]] = defaultdict(list)
     cpus: dict[str, list[float]] = defaultdict(list)
+    job_starts: dict[str, list[float]] = defaultdict(list)  # spawn -> the job's start (s)
     shadow: ShadowProc | None = None
 
     def stop_shadow() -> None:
@@ -182,30 +203,42 @@ def main(argv: list[str] | None = None) -> int:
         port = shadow.wait_ready()
         spool = workdir / "spool"
         print(f"gcshadow: {' '.join(shadow.cmd)}", flush=True)
-        keys = [*commands, shadow_key]
+        keys = [*commands, shadow_key, stamp_key, bare_stamp_key]
+        stamp = workdir / "job-started"
+        stamped = {stamp_key, bare_stamp_key}
 
         def command(key: str, i: int) -> list[str]:
-            if key != shadow_key:
-                return commands[key]
-            return [*gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", f"startup-{i}.out", "--spool", str(spool),
-                    "--job-id", f"startup-{os.getpid()}-{i}", "--", "true"]
+            job = ["sh", "-c", STAMP_JOB.format(stamp)] if key in stamped else ["true"]
+            if key == bare_stamp_key:
+                return job
+            if key in (shadow_key, stamp_key):
+                name = f"startup-{i}.out" if key == shadow_key else f"stamp-{i}.out"
+                return [*gcwrap, "--shadow", f"127.0.0.1:{port}", "--stdout", name, "--spool", str(spool),
+                        "--job-id", f"startup-{os.getpid()}-{i}", "--", *job]
+            return commands[key]
+
+        def run(key: str, i: int) -> tuple[float, float]:
+            if key in stamped:
+                return timed(command(key, i), args.timeout, stamp, job_starts[key] if i else [])
+            return timed(command(key, i), args.timeout)
 
         print("example with a live shadow:", " ".join(command(shadow_key, 0)))
         for key in keys:  # one warm-up run of each (page cache, .pyc), not counted
-            timed(command(key, 0), args.timeout)
+            run(key, 0)
         for i in range(1, args.runs + 1):
             order = keys[i % len(keys):] + keys[:i % len(keys)]
             for key in order:
-                wall, cpu = timed(command(key, i), args.timeout)
+                wall, cpu = run(key, i)
                 walls[key].append(wall)
                 cpus[key].append(cpu)
             print(f"round {i:2}: " + "  ".join(f"{walls[k][-1] * 1000:6.0f} ms" for k in keys), flush=True)
         leftover = sorted(p.name for p in spool.glob("*")) if spool.exists() else []
         if leftover:
             print(f"note: spool directory not empty after the runs: {leftover}")
-        landed = sorted(p.name for p in (workdir / "home").glob("startup-*.out"))
-        if len(landed) != args.runs + 1:
-            raise BenchError(f"expected {args.runs + 1} landed files, found {len(landed)}")
+        for prefix in ("startup", "stamp"):
+            landed = sorted(p.name for p in (workdir / "home").glob(f"{prefix}-*.out"))
+            if len(landed) != args.runs + 1:
+                raise BenchError(f"expected {args.runs + 1} landed files {prefix}-*.out, found {len(landed)}")
 
         base = summary(walls[f'python -c "{IMPORT_DEPS}"'])[0]
         trio_base = summary(walls[f'python -c "{IMPORT_TRIO}"'])[0]
@@ -227,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
               "or sqlite_utils at start-up, so this baseline flatters it:")
         print(f"gcwrap -- true / import trio (what it does import, with click): {mine / trio_base:.2f}x, "
               f"{(mine - trio_base) * 1000:+.0f} ms")
+        med, lo, hi = summary(job_starts[stamp_key])
+        alone = summary(job_starts[bare_stamp_key])[0]
+        print(f"\nspawn -> the job's start, with a live shadow (the job waits this long for gcwrap): median "
+              f"{med * 1000:.0f} ms ({lo * 1000:.0f}-{hi * 1000:.0f}); the same job spawned alone: "
+              f"{alone * 1000:.1f} ms")
 
         if args.importtime_runs > 0:
             env = dict(os.environ)

@@ -36,7 +36,7 @@ class DefaultRunGroup(click.Group):
 
 def parse_hostport(value: str) -> tuple[str, int]:
     """HOST:PORT, [IPV6]:PORT."""
-    from .agent.shadows import parse_address
+    from .agent.addresses import parse_address
 
     return parse_address(value)
 
@@ -44,6 +44,8 @@ def parse_hostport(value: str) -> tuple[str, int]:
 def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None,
              tls_key: Path | None) -> dict[str, Any]:
     """AgentOptions fields for the token and TLS options (usage errors if unusable)."""
+    if not (token_file or tls_on or tls_ca or tls_cert or tls_key):
+        return {"token": None, "tls": None}  # (nor is TLS loaded: see launch)
     from .wire.auth import AuthError, client_context, load_token
 
     try:
@@ -59,7 +61,7 @@ def security(token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cer
 def shadow_addresses(values: tuple[str, ...] | str | None) -> tuple[tuple[str, int], ...]:
     """The shadows of --shadow (repeated, or a comma-separated list), else of
     $BYPASS_SHADOW_HOST (one or a list) and $BYPASS_SHADOW_PORT; () for none."""
-    from .agent.shadows import AddressError, env_addresses, parse_addresses
+    from .agent.addresses import AddressError, env_addresses, parse_addresses
 
     if isinstance(values, str):
         values = (values,)
@@ -238,14 +240,14 @@ def run(
       export BYPASS_SHADOW_HOST=home BYPASS_SHADOW_PORT=50000 GRID_CONSOLE_STDOUT=outfile.5
       GCWRAP_TOKEN_FILE=~/.gcshadow-token gcwrap -- ./app
     """
-    from .render import setup_logging
+    from .logs import setup_logging
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
     addresses = shadow_addresses(shadow)
     if not addresses and (stdout_name or stderr_name or stdin_name):
         raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
     job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
-    from .agent.agent import AgentOptions
+    from .agent.options import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
     opts = AgentOptions(
@@ -280,14 +282,11 @@ def _run(
 ) -> int:
     import time
 
-    import trio
-
+    from .agent.addresses import show_all
     from .agent.identity import default_job_id, hostname, username
+    from .agent.launch import prepare, stream_specs
     from .agent.records import JobRecord
-    from .agent.run import run_job, stream_specs
-    from .agent.shadows import show_all
     from .agent.spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
-    from .render import Reporter
 
     job_id = job_id or default_job_id()
     instance = new_instance()
@@ -299,7 +298,24 @@ def _run(
         job_id=job_id, instance=instance, command=shown, host=hostname(), user=username(),
         shadow=show_all(addresses), started=time.time(), wrapper_pid=os.getpid(),
     )
-    outcome = trio.run(run_job, opts, command, job, spool_path)
+    # The spool, then the job, before the event loop and the sender are even
+    # loaded: the job starts up while the rest of gcwrap does (see launch).
+    start = prepare(opts, command, job, spool_path, catch_signals=True)
+
+    import gc
+
+    import trio
+
+    from .agent.run import run_job
+    from .render import Reporter
+
+    # What is loaded now lives as long as gcwrap: out of the collector's
+    # sight, a full collection during the run and the last one at exit
+    # (about 20 ms on a small VM) do not walk it again and again.
+    gc.freeze()
+    outcome = trio.run(run_job, opts, command, job, spool_path, start)
+    if start.signals is not None:
+        start.signals.restore()
     say = Reporter(fmt=log_format)
     delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:
@@ -324,6 +340,7 @@ def _run(
             say.say(f"deliver it later with: gcwrap resume --spool {outcome.spool.parent}")
         if outcome.job_status is not None:
             say.say(f"the job itself exited with status {outcome.job_status}", job_status=outcome.job_status)
+    gc.freeze()  # (nothing is left to collect that matters: the exit need not walk it all)
     return outcome.status
 
 
@@ -383,9 +400,9 @@ def resume(
     """
     import trio
 
-    from .agent.agent import AgentOptions
+    from .agent.addresses import recorded_addresses
+    from .agent.options import AgentOptions
     from .agent.run import resume_spool
-    from .agent.shadows import recorded_addresses
     from .agent.spool import SpoolError, default_spool_dir, spool_files
     from .render import Reporter, setup_logging, stderr_console
     from .status import in_use
@@ -437,7 +454,7 @@ def resume(
 
 def _say_resumed(say: Any, job_id: str, addresses: tuple[tuple[str, int], ...], path: Path, outcome: Any) -> None:
     """What became of one resumed spool, in a line or two."""
-    from .agent.shadows import show_all
+    from .agent.addresses import show_all
 
     if outcome.status == 0:
         shadow = outcome.stats.get("shadow") or show_all(addresses)

@@ -7,7 +7,6 @@ render on an injected `rich.console.Console`.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from .agent.records import loss_text
+from .logs import setup_logging as setup_logging  # (re-exported: where it was)
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from rich.console import Console
@@ -26,46 +26,6 @@ def stderr_console() -> Console:
     from rich.console import Console
 
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
-
-
-class _PlainFormatter(logging.Formatter):
-    """`prog: message`, after the local time to the millisecond when the lines
-    are a server's log (read later, next to other logs)."""
-
-    def __init__(self, prog: str, timestamps: bool = False) -> None:
-        super().__init__()
-        self.prog = prog
-        self.timestamps = timestamps
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = f"{self.prog}: {record.getMessage()}"
-        if self.timestamps:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
-            line = f"{stamp}.{int(record.msecs):03d} {line}"
-        return line
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(
-            {"time": round(record.created, 3), "level": record.levelname.lower(),
-             "logger": record.name, "message": record.getMessage()}
-        )
-
-
-def setup_logging(prog: str, verbose: int, fmt: str = "text", timestamps: bool = False) -> None:
-    """Log to stderr: warnings by default, -v info, -vv debug, -1 (quiet) errors only."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _PlainFormatter(prog, timestamps))
-    level = (
-        logging.ERROR if verbose < 0 else logging.WARNING if verbose == 0 else logging.INFO if verbose == 1
-        else logging.DEBUG
-    )
-    for name in ("gcwrap", "gcshadow"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.setLevel(level)
-        logger.propagate = False
 
 
 def human_bytes(n: float) -> str:

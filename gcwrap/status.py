@@ -71,6 +71,10 @@ def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
         st["acked"] = max(st["acked"], int(ls.get("acked", 0)))
         st["pending"] = st["appended"] - st["acked"]
         st["memory_only"] = int(ls.get("memory_only", 0))
+        since = ls.get("memory_since")  # output the spool could not take is pending too
+        if isinstance(since, (int, float)) and st["pending"] and st["memory_only"]:
+            age = round(time.time() - since, 3)
+            st["oldest_pending_s"] = max(age, st["oldest_pending_s"] or 0.0)
 
 
 def read_spool(path: Path) -> dict[str, Any]:

@@ -714,3 +714,33 @@ def test_jobs_and_tail_under_a_root_with_uri_characters(tmp_path: Path, dirname:
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout == b"hello from an odd root\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dirname, "logs", "spool"]), "no stray database"
+
+
+def test_status_counts_output_held_only_in_memory_in_the_oldest_pending(tmp_path: Path) -> None:
+    """A full spool keeps a stream's output in memory, where the spool's rows
+    cannot date it: the running gcwrap's live file says when its oldest byte
+    held only in memory was read, and `gcwrap status` takes the older of that
+    and the spool's oldest row (before: no age at all for such a stream)."""
+    import fcntl
+
+    from gcwrap.agent.records import JobRecord
+    from gcwrap.agent.spool import Spool
+    from gcwrap.status import read_spool
+
+    path = tmp_path / "j.spool"
+    Spool.create(path, JobRecord("j", "1", ["true"]), [(1, "stdout", "out"), (2, "stderr", "err")]).close()
+    now = time.time()
+    live = {"t": now, "state": "paused", "streams": {
+        "1": {"written": 5000, "acked": 0, "memory_only": 5000, "memory_since": now - 30.0, "lost": 0},
+        "2": {"written": 0, "acked": 0, "memory_only": 0, "memory_since": None, "lost": 0}}}
+    Path(f"{path}.live").write_text(json.dumps(live))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a running gcwrap holds it
+        info = read_spool(path)
+    finally:
+        os.close(fd)
+    by_kind = {s["kind"]: s for s in info["streams"]}
+    assert by_kind["stdout"]["pending"] == 5000 and by_kind["stdout"]["memory_only"] == 5000
+    assert 30.0 <= by_kind["stdout"]["oldest_pending_s"] <= 31.0, by_kind["stdout"]
+    assert by_kind["stderr"]["oldest_pending_s"] is None, "nothing pending"

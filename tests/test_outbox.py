@@ -408,3 +408,38 @@ def test_a_resumed_spool_adopts_what_home_holds_beyond_it_and_the_lengths_follow
     assert box.lengths() == ((1, 120), (2, 0))
     assert box.exit_frame((("k", "v"),)).lengths == ((1, 120), (2, 0))
     assert box.all_delivered
+
+
+def test_a_chunk_spooled_in_part_is_offered_from_where_the_spool_ends() -> None:
+    """On a nearly full disk the spool takes the head of a large chunk
+    (Outbox.to_spool): what is offered next starts where the spool ends,
+    never again from the chunk's start."""
+    o = make(b"a" * 1000, b"b" * 500)
+    o.mark_spooled(300)
+    first, *rest = o.unspooled(10_000)
+    assert isinstance(first, Chunk) and first.start == 300 and first.data == b"a" * 700 + b"b" * 500, first
+    assert rest == []
+    o.mark_spooled(1200)
+    (tail,) = o.unspooled(10_000)
+    assert isinstance(tail, Chunk) and (tail.start, tail.data) == (1200, b"b" * 300)
+
+
+def test_to_spool_takes_what_fits_and_says_when_room_ran_out() -> None:
+    """The commit loop's selection: whole chunks while they fit, the head of
+    the first that does not (at least `least` bytes), and `short` whenever
+    something waits that the room left out (the spool is full, for now)."""
+    box = Outbox([StreamSpec(1, "stdout", "o"), StreamSpec(2, "stderr", "e")])
+    out, err = box.streams[1], box.streams[2]
+    out.append(b"a" * 100)
+    out.append(b"b" * 100)
+    err.append(b"c" * 50)
+    chunks, short = box.to_spool(1000, 10)
+    assert [(c.stream, c.start, c.size) for c in chunks] == [(1, 0, 200), (2, 0, 50)] and not short
+    chunks, short = box.to_spool(150, 10)  # the second of stdout's chunks goes in part; stderr has no room left
+    assert [(c.stream, c.start, c.size) for c in chunks] == [(1, 0, 150)] and short
+    assert isinstance(chunks[0], Chunk) and chunks[0].data == b"a" * 100 + b"b" * 50
+    chunks, short = box.to_spool(5, 10)  # less room than the least piece: nothing, and short
+    assert chunks == [] and short
+    out.mark_spooled(150)
+    chunks, short = box.to_spool(1000, 10)
+    assert [(c.stream, c.start, c.size) for c in chunks] == [(1, 150, 50), (2, 0, 50)] and not short

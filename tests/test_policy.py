@@ -154,6 +154,30 @@ async def test_a_disk_failure_is_said_once_and_its_end_only_after_a_calm_spell(
     assert disk.failed(trio.current_time(), "disk full") == (True, "warning"), "a new episode"
 
 
+async def test_a_spool_taking_less_than_waits_is_one_episode_and_refuses_only_when_it_takes_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A nearly full disk gives room in ever smaller pieces: each commit
+    takes part of what waits (`partial`) and clears the error; the episode
+    is said once, the spool counts as refusing (the job's pause is said, and
+    failed connections count against the retry limit) only once it takes
+    nothing, and its end is said only after it has caught up."""
+    disk = DiskHealth()
+    assert disk.failed(trio.current_time(), "disk nearly full", partial=True) == (True, "warning")
+    assert disk.error and not disk.refusing
+    for _ in range(5):  # each commit takes a smaller piece
+        disk.took()
+        assert disk.failed(trio.current_time(), "disk nearly full", partial=True) == (True, "")
+        assert not disk.refusing
+    assert disk.failed(trio.current_time(), "disk nearly full") == (True, ""), "from taking some to taking none"
+    assert disk.refusing
+    assert disk.failed(trio.current_time(), "disk nearly full") == (False, "")
+    disk.took()
+    await trio.sleep(DISK_CALM)
+    assert not disk.recovered(trio.current_time(), caught_up=False)
+    assert disk.recovered(trio.current_time(), caught_up=True)
+
+
 # -- describe: by class, not by name -------------------------------------------------
 
 

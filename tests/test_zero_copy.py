@@ -301,12 +301,12 @@ async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor
     (before: one descriptor per segment read, to a deleted file holding its
     blocks), and the descriptors open at once stay few however long the
     backlog."""
+    from gcwrap.agent import launch as launch_mod  # (where a new spool's segment size is chosen)
     from gcwrap.agent import segments as segments_mod
-    from gcwrap.agent import spooler as spooler_mod
     from gcwrap.agent.spooler import Spooler
 
     size = 64 << 10
-    monkeypatch.setattr(spooler_mod, "DEFAULT_SEGMENT", size)  # 200 segments of 64 KiB, not of 16 MiB
+    monkeypatch.setattr(launch_mod, "DEFAULT_SEGMENT", size)  # 200 segments of 64 KiB, not of 16 MiB
     spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
     await spooler.ensure()
     assert spooler.spool is not None and spooler.spool.segments is not None

@@ -22,7 +22,6 @@ gcwrap.agent.run starts them beside the job.
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +30,17 @@ from typing import Any
 import trio
 
 from .. import exitcodes
-from ..wire.compress import Mode, WireStats, offered
+from ..wire.compress import WireStats, offered
 from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
-from .outbox import Outbox, OutStream, cached
+from .addresses import Address, show
+from .options import AgentOptions
+from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
-from .shadows import Address, ShadowList, connect, given_up, local_address, show
+from .shadows import ShadowList, connect, given_up, local_address
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
 
@@ -55,6 +56,9 @@ BULK_NAP_MAX = 0.02  # ...so wait up to this long (seconds) before reading again
 BULK_FILL = 0.5  # until the pipe is about this full at the job's recent rate
 BULK_MIN_PIPE = 512 << 10  # only with a pipe this large (it must not fill during the nap)
 SPLICE_MIN = 64 << 10  # a pipe holding at least this much is spliced into the spool, not read
+SMALL_READ = 64 << 10  # a read into memory asks for at least this much (see read_size)
+LINE_RATE = 1 << 20  # bytes/s: small reads coming at least this fast are from a fast line writer...
+LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long (seconds) before the next read
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
 # The final flush (see Agent.final_flush) leaves this much free for the rows
 # and WAL pages that record its pieces, and gives up on pieces smaller than
@@ -63,27 +67,14 @@ FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
 
 
-@dataclass
-class AgentOptions:
-    """How the agent runs a job and delivers it (the command line's options)."""
-
-    shadows: tuple[Address, ...]  # where to deliver, in the order given (empty: nowhere, the streams pass through)
-    stdout: str | None = None
-    stderr: str | None = None
-    stdin: str | None = None
-    merge_stderr: bool = False  # stderr goes into the stdout stream (2>&1)
-    retry_limit: int = 20
-    retry_timeout: float = 60.0
-    heartbeat: float = 5.0
-    connect_timeout: float | None = None  # None: three heartbeats
-    mem_limit: int = 32 << 20  # bytes held only in memory before the job is paused
-    spool_limit: int = 0  # most bytes the spool may hold (0: only the disk limits it)
-    min_free: int | None = None  # free disk space left to the job (None: the default reserve)
-    cache_limit: int = 64 << 20  # bytes of already-spooled output kept in memory for the sender
-    token: bytes | None = None  # shared secret for the challenge-response (gcwrap.wire.auth)
-    tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
-    write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
-    compress: Mode = Mode.AUTO  # --compress
+def read_size(held: int) -> int:
+    """How much one read into memory asks for: what the pipe holds (FIONREAD)
+    and room for what comes meanwhile, at most READ_SIZE. Python allocates
+    all it asks for before the read and gives the rest back after it: a
+    1 MiB buffer per read is an mmap, page faults, an mremap and a munmap
+    (line output at a moderate rate reads a few KiB a time, thousands of
+    times a second); SMALL_READ comes from the heap, without a system call."""
+    return min(READ_SIZE, max(held, SMALL_READ))
 
 
 @dataclass
@@ -162,6 +153,7 @@ class Agent:
 
     def live_snapshot(self) -> dict[str, Any]:
         f = self.live_fields
+        wall = time.time() - trio.current_time()  # (read times are on trio's clock)
         return {
             "t": round(time.time(), 3),
             "state": f.get("state", "starting"),
@@ -176,6 +168,8 @@ class Agent:
             "reason": f.get("reason", ""),
             "streams": {
                 str(sid): {"written": o.read_end, "acked": o.acked, "memory_only": o.unsafe_bytes,
+                           # when the oldest byte held only in memory was read (the spool knows its own)
+                           "memory_since": None if (t := o.oldest_unsafe()) is None else round(t + wall, 3),
                            "lost": self.lost[sid][1] - self.lost[sid][0] if sid in self.lost else 0}
                 for sid, o in self.out.items()
             },
@@ -201,7 +195,7 @@ class Agent:
     def blocked(self) -> bool:
         """The job's output can go nowhere: paused with the disk failing, or
         ended with output undelivered. Failed attempts count only then."""
-        paused = self.blocked_since is not None and bool(self.disk.error)
+        paused = self.blocked_since is not None and self.disk.refusing
         return paused or self.outbox.exit is not None
 
     # -- the pipe readers ------------------------------------------------
@@ -218,17 +212,17 @@ class Agent:
                 if self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                     await self._wait_for_room()
                 size = 0
-                if self._may_splice():
-                    await trio.lowlevel.wait_readable(fd)
-                    # (Line output stops at the first test: no statvfs per line.)
-                    if pipe_bytes(fd) >= SPLICE_MIN and self._spool_has_room(capacity):
-                        size = await self._splice(out, fd, limiter)
+                await trio.lowlevel.wait_readable(fd)
+                held = pipe_bytes(fd)
+                # (Line output stops at the first test: no statvfs per line.)
+                if held >= SPLICE_MIN and self._may_splice() and self._spool_has_room(capacity):
+                    size = await self._splice(out, fd, limiter)
                 now = trio.current_time()
                 if size:
                     out.append_extent(size, now)
                     self.stats["spliced"] += size
                 else:
-                    data = await pipe.receive_some(READ_SIZE)
+                    data = await pipe.receive_some(read_size(held))
                     if not data:
                         break
                     now = trio.current_time()
@@ -245,6 +239,16 @@ class Agent:
                     # room for twice that. Line output never gets here.
                     rate = size / max(now - last, 1e-6)
                     await trio.sleep(min(BULK_NAP_MAX, fill / rate))
+                elif size < BULK_READ and size >= LINE_RATE * (now - last):
+                    # Line output from a fast writer (at least LINE_RATE
+                    # since the last read): wait LINE_GAP, so the next read
+                    # gathers what it writes meanwhile. Each read wakes the
+                    # commit loop and the sender and makes a frame and a
+                    # spool row: a job logging 100 000 lines/s was read
+                    # 2 000-4 000 times a second, a few lines a time. A job
+                    # that writes now and then (1 000 lines/s of 100 B: a
+                    # line a millisecond, 100 kB/s) is read at once, as before.
+                    await trio.sleep(LINE_GAP)
                 last = now
         out.eof = True
         self.changed.fire()
@@ -295,12 +299,13 @@ class Agent:
             while self.outbox.unsafe_bytes > self.opts.mem_limit and not self.child_exited:
                 # A slow disk, or a network slower than the job, pauses the job
                 # for moments: that is ordinary flow control. Say so only when
-                # the disk has failed and home is out of reach, and when it ends.
-                if self.disk.error and not self.streaming and not self.pause_said:
+                # the disk has failed and home is out of reach (an attempt
+                # failed: not while the first connects), and when it ends.
+                if self.disk.refusing and not self.streaming and self.net_error and not self.pause_said:
                     self.pause_said = True
                     log.warning(
                         "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
-                        self.disk.error, self.net_error or "sending slowly",
+                        self.disk.error, self.net_error,
                     )
                 await self.changed.wait()
             finished = True
@@ -317,17 +322,6 @@ class Agent:
                 log.warning("the job resumes after %.1f s paused", took)
 
     # -- the spool writer ------------------------------------------------
-
-    def _unspooled(self, room: int) -> list[Chunk | Extent]:
-        """Chunks not yet safe, in order per stream, that fit in `room` bytes."""
-        chunks: list[Chunk | Extent] = []
-        for out in self.out.values():
-            for c in out.unspooled(room):
-                if cached(c) > room:  # (an extent is on disk already)
-                    break
-                chunks.append(c)
-                room -= cached(c)
-        return chunks
 
     async def _wait_changed(self, seconds: float) -> None:
         with trio.move_on_after(seconds):
@@ -350,12 +344,20 @@ class Agent:
             room = spooler.room(outbox.spooled_pending) if spooler.spool else None
             if room is not None:
                 spooler.keep_spares(room.spares)
-            chunks = self._unspooled(min(COMMIT_BATCH, room.bytes) if room is not None else COMMIT_BATCH)
+            batch = min(COMMIT_BATCH, room.bytes) if room is not None else COMMIT_BATCH
+            chunks, short = outbox.to_spool(batch, FLUSH_MIN)
             waiting = any(o.unsafe_bytes for o in self.out.values())
             caught_up = sum(c.size for c in chunks) >= outbox.unsafe_bytes  # (this commit catches the spool up)
-            full = room.reason if room is not None else ""
+            full, bound = (room.reason, room.bound) if room is not None else ("", "")
+            # The spool is full when it cannot take what waits: it takes
+            # nothing, or less than waits because its room ran out (not the
+            # batch's size). A nearly full disk gives room in ever smaller
+            # pieces (half of what is free each time): each is taken, and the
+            # episode is one, said once, until the spool catches up again.
+            if room is None or room.bytes >= COMMIT_BATCH:
+                short = False
             if waiting and not chunks:
-                self._disk_failed(full or "the spool cannot take more bytes")
+                self._disk_failed(full or bound or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > o.ack_recorded}
             eof = [s for s, o in self.out.items() if o.eof and not o.eof_recorded and o.safe_end >= o.read_end]
             tight = bool(full or self.disk.error)
@@ -377,7 +379,9 @@ class Agent:
                 await trio.sleep(backoff.next_delay())
                 continue
             backoff.reset()
-            if chunks and self.disk.recovered(trio.current_time(), caught_up):
+            if short and chunks:
+                self._disk_failed(bound, partial=True)
+            elif chunks and self.disk.recovered(trio.current_time(), caught_up):
                 log.warning("the spool takes output again")
             share = plan.eviction_share(sum(o.mem_bytes for o in self.out.values()), len(self.out))
             if share is not None:
@@ -427,10 +431,11 @@ class Agent:
             parts.append("job fields " + ", ".join(sorted(updates)))
         return "; ".join(parts)
 
-    def _disk_failed(self, reason: str) -> None:
-        first, say = self.disk.failed(trio.current_time(), reason)
+    def _disk_failed(self, reason: str, partial: bool = False) -> None:
+        first, say = self.disk.failed(trio.current_time(), reason, partial)
         if first:
             self.note(last_error=reason)
+            self.changed.fire()  # (a paused reader says why, now that the spool refuses)
         if say == "warning":  # once per episode (see DISK_CALM): not at every commit a full disk refuses
             log.warning("%s; output goes home from memory until the spool takes it again", reason)
         elif say == "info":
@@ -450,7 +455,7 @@ class Agent:
             piece = COMMIT_BATCH
             while out.unsafe_bytes and piece >= FLUSH_MIN and not (error and spooler.spool is None):
                 budget = min(piece, spooler.free_space() - FLUSH_MARGIN)
-                chunks = _fit(out.unspooled(max(budget, 1)), budget)
+                chunks = fit(out.unspooled(max(budget, 1)), budget)
                 if not chunks:
                     break
                 try:
@@ -547,6 +552,7 @@ class Agent:
         after the job's end)."""
         reason = describe(error, where)
         self.net_error = reason
+        self.changed.fire()  # (a paused reader says why)
         shutting_down = isinstance(error, ShadowRefused) and error.code is ErrorCode.SHUTTING_DOWN
         if not shutting_down:
             self.stats["failures"] += 1
@@ -670,22 +676,3 @@ class Agent:
         self.shadows.welcomed()
         self.note_live(shadow=show(self.shadows.current), failovers=self.shadows.failovers)
         self.note(connected=True, last_error="")
-
-
-def _fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
-    """The first of a stream's unspooled chunks, holding at most `budget`
-    bytes of memory (the last one cut to fit); extents, already on disk,
-    cost nothing."""
-    out: list[Chunk | Extent] = []
-    for c in chunks:
-        if isinstance(c, Extent):
-            out.append(c)
-            continue
-        if budget <= 0:
-            break
-        if c.size > budget:
-            out.append(Chunk(c.stream, c.start, bytes(c.data[:budget])))
-            break
-        out.append(c)
-        budget -= c.size
-    return out

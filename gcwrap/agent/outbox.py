@@ -150,8 +150,11 @@ class OutStream:
         out: list[Chunk | Extent] = []
         total = 0
         mem = self.mem
+        spooled = self.spooled_end
         for i in range(self._first_after(self.safe_end), len(mem)):
             chunk = mem[i]
+            if chunk.start < spooled and isinstance(chunk, Chunk):  # its head is spooled (see Agent._unspooled)
+                chunk = Chunk(chunk.stream, spooled, chunk.data[spooled - chunk.start:])
             out.append(chunk)
             total += cached(chunk)
             if total >= limit:
@@ -311,6 +314,27 @@ class Outbox:
         """The job has a --stdin and has not had all of it (nor closed its stdin)."""
         return self.stdin is not None and self.stdin.starved
 
+    def to_spool(self, room: int, least: int) -> tuple[list[Chunk | Extent], bool]:
+        """Chunks not yet safe, in order per stream, that fit in `room` bytes,
+        and whether some were left out for want of room. A chunk larger than
+        what is left of the room goes in part, its head (at least `least`):
+        on a nearly full disk the first read can be a whole pipeful (a job
+        that started while gcwrap was loading fills it), and the spool must
+        still take what it has room for."""
+        chunks: list[Chunk | Extent] = []
+        short = False
+        for out in self.streams.values():
+            for c in out.unspooled(room):
+                if cached(c) > room:  # (an extent is on disk already)
+                    short = True
+                    if isinstance(c, Chunk) and room >= least:
+                        chunks.append(Chunk(c.stream, c.start, c.data[:room]))
+                        room = 0
+                    break
+                chunks.append(c)
+                room -= cached(c)
+        return chunks, short
+
     def lengths(self) -> tuple[tuple[int, int], ...]:
         """What the job wrote per stream, as of now (the EXIT's lengths)."""
         return tuple((s, o.read_end) for s, o in self.streams.items())
@@ -390,4 +414,23 @@ def coalesce(chunks: list[Chunk | Extent], limit: int) -> list[Chunk | Extent]:
         flush()
         parts, stream, start, size = [c.data], c.stream, c.start, len(c.data)
     flush()
+    return out
+
+
+def fit(chunks: list[Chunk | Extent], budget: int) -> list[Chunk | Extent]:
+    """The first of a stream's unspooled chunks, holding at most `budget`
+    bytes of memory (the last one cut to fit); extents, already on disk,
+    cost nothing."""
+    out: list[Chunk | Extent] = []
+    for c in chunks:
+        if isinstance(c, Extent):
+            out.append(c)
+            continue
+        if budget <= 0:
+            break
+        if c.size > budget:
+            out.append(Chunk(c.stream, c.start, bytes(c.data[:budget])))
+            break
+        out.append(c)
+        budget -= c.size
     return out

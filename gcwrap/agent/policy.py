@@ -172,23 +172,31 @@ class DiskHealth:
 
     calm: float = DISK_CALM
     error: str = ""
+    partial: bool = False  # the last commit took part of what waited (a nearly full disk's last pieces)
+    last_reason: str = ""  # the last failure's reason (kept when a commit clears `error`)
     said: bool = False  # "the spool cannot take..." was said, and its recovery not yet
     failed_at: float = -math.inf  # the last time the spool refused bytes
 
-    def failed(self, now: float, reason: str) -> tuple[bool, Literal["warning", "info", ""]]:
-        """The spool refused: (whether this begins a failure, what to say)."""
-        first = not self.error
+    @property
+    def refusing(self) -> bool:
+        """The spool takes nothing now (not merely less than waits)."""
+        return bool(self.error) and not self.partial
+
+    def failed(self, now: float, reason: str, partial: bool = False) -> tuple[bool, Literal["warning", "info", ""]]:
+        """The spool refused bytes, all or (`partial`) some of what waited:
+        (whether this begins a failure or a refusal, what to say)."""
+        first = not self.error or (self.partial and not partial)
         say: Literal["warning", "info", ""] = ""
         if not self.said:
             say, self.said = "warning", True
-        elif reason != self.error:
+        elif reason != self.last_reason:
             say = "info"
-        self.error, self.failed_at = reason, now
+        self.error, self.last_reason, self.partial, self.failed_at = reason, reason, partial, now
         return first, say
 
     def took(self) -> None:
         """The spool took output."""
-        self.error = ""
+        self.error, self.partial = "", False
 
     def recovered(self, now: float, caught_up: bool) -> bool:
         """Whether to say now that the spool takes output again."""

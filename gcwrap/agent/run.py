@@ -18,7 +18,6 @@ import errno
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -27,18 +26,19 @@ import trio
 
 from .. import exitcodes
 from ..sync import first_error
-from ..wire.events import STDERR, STDIN, STDOUT, Exit, StreamSpec
-from .agent import Agent, AgentOptions, Outcome
+from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
+from .addresses import show, show_all
+from .agent import Agent, Outcome
+from .launch import Launched, Start, lock_spool, prepare, stop_signals, stream_specs
+from .options import AgentOptions
 from .records import JobRecord
 from .retry import describe
-from .shadows import show, show_all
 from .spool import Spool, SpoolError
-from .spooler import Spooler, lock_spool
+from .spooler import Spooler
 
 log = logging.getLogger("gcwrap")
 
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when gcwrap ends the job
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the job; gcwrap ends (StopClock)
 DRAIN_GRACE = 2.0  # seconds to read what a job's pipes still hold after gcwrap ended it
 
 
@@ -46,23 +46,44 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
-    specs = []
-    named = ((STDOUT, "stdout", opts.stdout), (STDERR, "stderr", opts.stderr), (STDIN, "stdin", opts.stdin))
-    for sid, kind, name in named:
-        if name is not None:
-            specs.append(StreamSpec(sid, kind, name))
-    return specs
+class Job:
+    """The job's process (started by `launch`), as the event loop waits for
+    it and signals it; its pipes' ends as trio streams."""
+
+    def __init__(self, launched: Launched) -> None:
+        self.popen = launched.popen
+        self.pid = launched.popen.pid
+        self.pidfd = launched.pidfd
+        self.stdin = None if launched.stdin is None else trio.lowlevel.FdStream(launched.stdin)
+        self.stdout = None if launched.stdout is None else trio.lowlevel.FdStream(launched.stdout)
+        self.stderr = None if launched.stderr is None else trio.lowlevel.FdStream(launched.stderr)
+        self._lock = trio.Lock()  # (one task at a time waits on the pidfd)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        async with self._lock:
+            if self.popen.poll() is None:
+                if self.pidfd is not None:
+                    await trio.lowlevel.wait_readable(self.pidfd)
+                else:
+                    await trio.to_thread.run_sync(os.waitid, os.P_PID, self.pid, os.WEXITED | os.WNOWAIT,
+                                                  abandon_on_cancel=True)
+                self.popen.wait()
+                if self.pidfd is not None:
+                    trio.lowlevel.notify_closing(self.pidfd)
+                    os.close(self.pidfd)
+                    self.pidfd = None
+        assert self.popen.returncode is not None
+        return self.popen.returncode
+
+    def send_signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)  # (not once it has been reaped)
 
 
-def _interactive() -> bool:
-    try:
-        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
-    except OSError:
-        return False
-
-
-def _signal_job(proc: trio.Process, signum: int) -> None:
+def _signal_job(proc: Job, signum: int) -> None:
     """Signal the job's whole process group when it has its own (a shell
     script's children must get the batch system's SIGTERM too)."""
     if proc.returncode is not None:
@@ -80,7 +101,7 @@ def _signal_job(proc: trio.Process, signum: int) -> None:
 class JobProcess:
     """The job's process as the signal forwarder needs it."""
 
-    proc: trio.Process
+    proc: Job
     group: int | None = None  # its own process group, if it has one
     pipes: trio.CancelScope | None = None  # reading its pipes once its process has ended
 
@@ -122,12 +143,6 @@ async def _obey_signals(agent: Agent, signals: AsyncIterator[int]) -> None:
         agent.changed.fire()
 
 
-def stop_signals() -> tuple[int, ...]:
-    """STOP_SIGNALS, less SIGHUP if it was ignored when gcwrap started
-    (`nohup gcwrap ...`): a hangup then ends neither gcwrap nor its job."""
-    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
-
-
 async def _stop_delivery(agent: Agent, delivery_done: trio.Event) -> None:
     """The stop clock ran out: stop delivering, and say what waits in the spool."""
     stop = agent.stop
@@ -157,7 +172,7 @@ async def _write_stdin(agent: Agent, pipe: trio.abc.SendStream) -> None:
             agent.changed.fire()
 
 
-async def _end_job(proc: trio.Process, grace: float) -> None:
+async def _end_job(proc: Job, grace: float) -> None:
     if proc.returncode is None:
         _signal_job(proc, signal.SIGTERM)
         with trio.move_on_after(grace):
@@ -168,18 +183,32 @@ async def _end_job(proc: trio.Process, grace: float) -> None:
 
 
 async def run_job(
-    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, start: Start | None = None
 ) -> Outcome:
+    """Run the job: `start` is what the command line prepared (the spool,
+    the job started: `launch.prepare`), else it is prepared here."""
     # SIGTERM, SIGINT and SIGHUP are ours from before the job starts to
     # gcwrap's last word: one that came before `_forward_signals` runs would
     # otherwise end gcwrap at once (and orphan the job), one that comes
-    # during the last commit, before it prints what happened.
-    with trio.open_signal_receiver(*stop_signals()) as signals:
-        return await _run_job(opts, command, job, spool_path, signals)
+    # during the last commit, before it prints what happened. (One that came
+    # before this receiver opened was kept by `start.signals`.)
+    with trio.open_signal_receiver(*stop_signals()) as receiver:
+        if start is None:
+            start = prepare(opts, command, job, spool_path, catch_signals=False)
+        early = start.signals.take() if start.signals is not None else []
+        return await _run_job(opts, command, job, spool_path, start, _signals(early, receiver))
+
+
+async def _signals(early: list[int], receiver: AsyncIterator[int]) -> AsyncIterator[int]:
+    for signum in early:
+        yield signum
+    async for signum in receiver:
+        yield signum
 
 
 async def _run_job(
-    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, signals: AsyncIterator[int]
+    opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, start: Start,
+    signals: AsyncIterator[int],
 ) -> Outcome:
     specs = stream_specs(opts)
     if not specs and opts.shadows:
@@ -191,39 +220,24 @@ async def _run_job(
     spooler = Spooler(
         spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
     )
-    spool_error = ""
-    if specs:
-        # The spool exists before the job writes a byte: a wrapper killed in
-        # the first instant must not lose what the job wrote. If the disk
-        # refuses, the job runs anyway and the commit loop keeps trying.
-        try:
-            await spooler.ensure()
-        except SpoolError as e:
-            log.warning("%s; the job runs anyway, its output goes home from memory", e)
-            spool_error = str(e)
+    spooler.live_fd = start.live_fd
+    if start.files is not None:
+        spooler.adopt(start.files)
     agent = Agent(opts, spooler, job, specs)
     if specs and spooler.spool is None:
-        agent.disk.error = spool_error
-    pipe = subprocess.PIPE
-    try:
-        proc = await trio.lowlevel.open_process(
-            command,
-            stdin=pipe if opts.stdin is not None else None,
-            stdout=pipe if opts.stdout is not None else None,
-            stderr=subprocess.STDOUT if opts.merge_stderr else pipe if opts.stderr is not None else None,
-            # Its own process group, so signals reach the whole job; not at an
-            # interactive terminal, where the job must stay in the foreground.
-            process_group=None if _interactive() else 0,
-        )
-    except OSError as e:
+        agent.disk.error = start.spool_error
+    if start.job is None:
+        assert start.error is not None
+        e = start.error
         spooler.close(remove=True)
         code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
         why = e.strerror
         if e.errno in (errno.EMFILE, errno.ENFILE):
             why = "out of file descriptors (raise `ulimit -n`)"
         return Outcome(code, message=f"cannot run {command[0]}: {why}")
+    proc = Job(start.job)
     agent.note(child_pid=proc.pid, state="running")
-    running = JobProcess(proc, None if _interactive() else proc.pid)
+    running = JobProcess(proc, proc.pid if start.job.own_group else None)
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
              spool_path if specs else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:

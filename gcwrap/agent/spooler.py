@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,19 +26,16 @@ from typing import Any, TypeVar
 
 import trio
 
-from .. import db
+from .launch import LIVE_SIZE, SpoolFiles, create_spool, make_live
+from .launch import lock_spool as lock_spool  # (re-exported: where it was)
 from .records import Chunk, Extent, JobRecord
-from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
-from .spool import PAGE_SIZE, Spool, SpoolError, os_reason, sqlite_reason
+from .spool import Spool, SpoolError
 
 log = logging.getLogger("gcwrap")
 T = TypeVar("T")
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
-BALLAST = 64 << 10  # space held back so the last commit (exit status, state: a few 4 KiB pages) fits on a full disk
-WAL_MAX = 16 << 20  # checkpoint before the WAL grows past this (or 1/16 of a small file system)
-LIVE_SIZE = 4096  # the live status file: preallocated, rewritten in place, so it works on a full disk
 # The zero-copy path splices and sendfiles in the event loop's own thread: a
 # hop to a worker thread costs about 0.25 ms of CPU on a small VM, more than
 # moving a MiB through the page cache. A disk that makes one of them slower
@@ -69,17 +64,7 @@ class Room:
     bytes: int
     reason: str = ""
     spares: bool = True
-
-
-def lock_spool(path: Path) -> int:
-    """An exclusive flock on the spool file: one gcwrap per spool at a time."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    bound: str = ""  # what limits `bytes`, in words (said when the spool takes less than waits)
 
 
 class Spooler:
@@ -120,39 +105,17 @@ class Spooler:
     # -- creating --------------------------------------------------------
 
     def _create(self) -> None:
-        if self.path.exists():
-            # A previous try died half-way (disk full while creating): start over.
-            db.remove(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._make_live()
-        self._make_ballast()  # first: the final state matters more than any one byte of output
-        st = os.statvfs(self.path.parent)
-        fs_size = st.f_blocks * st.f_frsize
-        # Segments small enough that a delivered one is freed long before the
-        # disk fills: each stream keeps its current one and one spare.
-        segment_size = max(MIN_SEGMENT, min(DEFAULT_SEGMENT, fs_size // 64))
-        spool = Spool.create(self.path, self.job, self.streams, segment_size)
-        try:
-            # Checkpoint often enough that the WAL stays a small part of the
-            # file system (WAL_MAX, or a 16th of a small one).
-            pages = max(16, min(WAL_MAX, fs_size // 16) // PAGE_SIZE)
-            spool.db.conn.execute(f"PRAGMA wal_autocheckpoint = {pages}")
-            self.lock_fd = lock_spool(self.path)
-        except OSError as e:
-            spool.remove()
-            raise SpoolError(f"cannot lock spool {self.path}: {e.strerror}") from None
-        self.spool = spool
+        self.adopt(create_spool(self.path, self.job, self.streams, self._make_live))
+
+    def adopt(self, files: SpoolFiles) -> None:
+        """Take a new spool (one the command line created before the job started: `launch`)."""
+        self.spool, self.lock_fd = files.spool, files.lock_fd
         self.created = True
 
     async def ensure(self) -> Spool:
         """The spool, created on first use; SpoolError while that fails."""
         if self.spool is None:
-            try:
-                await trio.to_thread.run_sync(self._create, limiter=self.write_limiter)
-            except OSError as e:
-                raise SpoolError(f"cannot create spool {self.path}: {os_reason(e)}") from None
-            except sqlite3.Error as e:
-                raise SpoolError(f"cannot create spool {self.path}: {sqlite_reason(e, self.path)}") from None
+            await trio.to_thread.run_sync(self._create, limiter=self.write_limiter)
             assert self.spool is not None
         return self.spool
 
@@ -184,12 +147,15 @@ class Spooler:
         disk_room = (free - keep) // 2
         # (Remembered only while plenty: a tight disk is looked at every time.)
         self._statvfs = (when, st) if disk_room >= ROOM_PLENTY else None
+        disk_full = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
         if disk_room <= 0:
-            return Room(0, f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job")
+            return Room(0, disk_full)
         segments = self.spool.segments if self.spool is not None else None
         # A spare segment is worth its blocks only while the disk has plenty.
         spares = segments is None or disk_room > 8 * segments.segment_size
-        return Room(max(0, min(disk_room, limit_room if limit_room is not None else disk_room)), "", spares)
+        if limit_room is not None and limit_room < disk_room:
+            return Room(limit_room, "", spares, f"spool limit of {self.limit} bytes reached")
+        return Room(disk_room, "", spares, disk_full)
 
     def keep_spares(self, keep: bool) -> None:
         """Whether delivered segments are kept as spares (see Room.spares)."""
@@ -206,39 +172,9 @@ class Spooler:
 
     # -- transactions ----------------------------------------------------
 
-    def _make_ballast(self) -> None:
-        if self.ballast.exists():
-            return
-        try:
-            fd = os.open(self.ballast, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return
-        try:
-            os.posix_fallocate(fd, 0, BALLAST)
-        except OSError:
-            os.close(fd)
-            self.ballast.unlink(missing_ok=True)  # no room even for that: do without
-            return
-        os.close(fd)
-
     def _make_live(self) -> None:
-        if self.live_fd is not None:
-            return
-        try:
-            fd = os.open(self.live, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return
-        try:
-            os.posix_fallocate(fd, 0, LIVE_SIZE)
-        except OSError:
-            os.close(fd)
-            self.live.unlink(missing_ok=True)
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "in use", even when no spool could be made
-        except OSError:
-            pass
-        self.live_fd = fd
+        if self.live_fd is None:
+            self.live_fd = make_live(self.live)
 
     def write_live(self, snapshot: dict[str, Any]) -> None:
         """Rewrite the live status in place (no new blocks: works on a full disk)."""
