@@ -170,6 +170,52 @@ def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))  # virtual time: no race with the poll
 
 
+@pytest.mark.timeout(60)
+def test_the_collector_walks_the_old_generation_only_at_the_thaws() -> None:
+    """Under the collector no full collection walks what survived the young
+    generations, however much of it there is (it waits for the next freeze);
+    a garbage cycle that reached the old generation is freed at the thaw."""
+    import gc
+    import weakref
+
+    from gcwrap.shadow.collector import keep_collections_short
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    full: list[int] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    async def main() -> None:
+        gc.unfreeze()
+        with trio.fail_after(10_000):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_collections_short, 1000, 2000)
+                await trio.testing.wait_all_tasks_blocked()
+                gc.callbacks.append(watch)
+                try:
+                    old = Node()
+                    gone = weakref.ref(old)
+                    gc.collect(1)  # it is in the old generation now...
+                    del old  # ...and garbage there
+                    kept = [[Node()] for _ in range(300_000)]  # many collections of the young generations
+                    assert not full, "a full collection walked the old generation between freezes"
+                    assert gc.get_count()[2] > 10, "the test made too few collections of the middle generation"
+                    while gone() is not None:  # freed at the thaw (virtual time: no race with the poll)
+                        await trio.sleep(100)
+                    assert len(kept) == 300_000
+                finally:
+                    gc.callbacks.remove(watch)
+                nursery.cancel_scope.cancel()
+        assert gc.get_freeze_count() == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 @pytest.mark.timeout(30)
 def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(tmp_path: Path) -> None:
     """The synchronous write finds the socket's buffer full: the ack task

@@ -85,7 +85,23 @@ class Sender:
     async def send(self, frame: bytes | Callable[[], bytes], *, check: bool = False) -> None:
         """Send one frame (or what `frame()` makes, under the lock), after
         whatever an inline write left; with `check`, only while the session
-        holds its job (checked under the lock, right before the frame is made)."""
+        holds its job (checked under the lock, right before the frame is made).
+
+        On a plain socket with nothing else being sent (the lock free,
+        nothing left of an earlier write) the frame is written at once, as
+        inline ACKs are: no lock, no task switch; what the socket does not
+        take goes the usual way, first."""
+        if self.fd >= 0 and not self.rest and not self.lock.locked():
+            if check:
+                self._check()
+            data = frame if isinstance(frame, bytes) else frame()
+            try:
+                n = os.write(self.fd, data)
+            except OSError:  # (a full buffer; or a broken connection, which send_all reports)
+                n = 0
+            if n == len(data):
+                return
+            self.rest, frame, check = data[n:], b"", False
         async with self.lock:
             if check:
                 self._check()
