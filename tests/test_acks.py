@@ -134,6 +134,54 @@ def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path:
 
 
 @pytest.mark.timeout(30)
+def test_the_ack_task_starts_only_when_needed_and_ends_uncancelled(tmp_path: Path) -> None:
+    """Attached to a session, a Sender acknowledges inline with no task at
+    all; the task starts the first time an ACK has to wait (a send in
+    flight), and when the session closes it ends by itself, not cancelled."""
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    sf = files.outputs[1]
+    agent, shadow = _pair()
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        os.set_blocking(right.fileno(), False)
+        durability = Durability(store)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(durability.run)
+                async with trio.open_nursery() as connection:
+                    sender.attach(connection)
+                    await _batch(durability, sf, job, b"a" * 100)
+                    assert _received(right, agent) == [Ack(1, 100)]
+                    assert not sender.started and not connection.child_tasks, "a task for inline ACKs"
+                    async with sender.lock:  # a send in flight: the ACK waits for the task
+                        await _batch(durability, sf, job, b"b" * 100)
+                        assert sender.started
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert _received(right, agent) == [Ack(1, 200)]
+                    assert (sender.sync_acks, sender.task_acks) == (1, 1)
+                    sender.close()
+                assert not connection.cancel_scope.cancel_called, "the waiting task was cancelled"
+                assert job.on_durable is None
+                await _batch(durability, sf, job, b"c" * 100)  # after the session: nothing sent, no task
+                assert _received(right, agent) == []
+                nursery.cancel_scope.cancel()
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
 def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
     """What survived is frozen (collections walk only what is newer), young
     garbage cycles are collected before, not frozen; frozen objects go back

@@ -396,9 +396,11 @@ class Shadow:
                          hello.host or "?")
                 try:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(sender.run)
-                        await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
-                        nursery.cancel_scope.cancel()
+                        sender.attach(nursery)  # (its task, started when first needed)
+                        try:
+                            await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
+                        finally:
+                            sender.close()  # (before the nursery closes: no batch starts the task after)
                 finally:
                     await sender.finish()  # an ACK an inline write left in part, before an ERROR follows
             if scope.cancelled_caught and self.stopping and not job.fenced:
