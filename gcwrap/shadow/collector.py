@@ -16,10 +16,11 @@ collection frees such cycles, one long pause per THAW_EVERY instead of one
 every few seconds.
 
 Between two freezes, what survived the young generations waits in the
-oldest one; Python would walk all of it in a full collection every ten
-collections of the middle one once it grew by a quarter, which it does at
-every freeze (frozen objects leave it). While agents connect, that was a
-full collection of up to a million objects every second or two, a fifth of
+oldest one; Python walks all of it in a full collection every ten
+collections of the middle one once it has grown by a quarter of what it
+held at the last full collection, which the freezes keep small (frozen
+objects leave it). While agents connected, that was a
+full collection of up to a million objects every second or two, a tenth of
 the shadow's CPU for 10 000 agents (benchmarks/README.md, issue 17,
 connections). So the shadow makes no full collection of its own accord
 (`NO_FULL`): young garbage cycles are still collected in the young
