@@ -265,6 +265,53 @@ def test_the_collector_walks_the_old_generation_only_at_the_thaws() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_frame_goes_out_at_once_when_nothing_else_is_being_sent(tmp_path: Path) -> None:
+    """On a plain socket with nothing being sent, a frame (a WELCOME, PONG,
+    DONE) is written right away, with no lock taken and no task switch;
+    while a send is in flight it waits for it, and follows it."""
+    from gcwrap.wire.events import Pong
+
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    agent, shadow = _pair()
+
+    def pongs(sock: trio.socket.SocketType) -> list[object]:
+        try:
+            agent.receive_data(os.read(sock.fileno(), 65536))
+        except BlockingIOError:
+            return []
+        out: list[object] = []
+        while (ev := agent.next_event()) is not NEED_DATA:
+            out.append(ev)
+        return out
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        os.set_blocking(right.fileno(), False)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+        with trio.fail_after(10):
+            with trio.testing.assert_no_checkpoints():
+                await sender.send(shadow.send(Pong(1)))
+            assert pongs(right) == [Pong(1)]
+            async with trio.open_nursery() as nursery, sender.lock:  # a send in flight
+                nursery.start_soon(sender.send, shadow.send(Pong(2)))
+                await trio.testing.wait_all_tasks_blocked()
+                assert pongs(right) == []
+            assert pongs(right) == [Pong(2)]
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
 def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(tmp_path: Path) -> None:
     """The synchronous write finds the socket's buffer full: the ack task
     sends the ACK once there is room, and a reply sent meanwhile follows it,
