@@ -134,6 +134,54 @@ def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path:
 
 
 @pytest.mark.timeout(30)
+def test_the_ack_task_starts_only_when_needed_and_ends_uncancelled(tmp_path: Path) -> None:
+    """Attached to a session, a Sender acknowledges inline with no task at
+    all; the task starts the first time an ACK has to wait (a send in
+    flight), and when the session closes it ends by itself, not cancelled."""
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    sf = files.outputs[1]
+    agent, shadow = _pair()
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        os.set_blocking(right.fileno(), False)
+        durability = Durability(store)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(durability.run)
+                async with trio.open_nursery() as connection:
+                    sender.attach(connection)
+                    await _batch(durability, sf, job, b"a" * 100)
+                    assert _received(right, agent) == [Ack(1, 100)]
+                    assert not sender.started and not connection.child_tasks, "a task for inline ACKs"
+                    async with sender.lock:  # a send in flight: the ACK waits for the task
+                        await _batch(durability, sf, job, b"b" * 100)
+                        assert sender.started
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert _received(right, agent) == [Ack(1, 200)]
+                    assert (sender.sync_acks, sender.task_acks) == (1, 1)
+                    sender.close()
+                assert not connection.cancel_scope.cancel_called, "the waiting task was cancelled"
+                assert job.on_durable is None
+                await _batch(durability, sf, job, b"c" * 100)  # after the session: nothing sent, no task
+                assert _received(right, agent) == []
+                nursery.cancel_scope.cancel()
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
 def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
     """What survived is frozen (collections walk only what is newer), young
     garbage cycles are collected before, not frozen; frozen objects go back
@@ -168,6 +216,99 @@ def test_the_collector_freezes_what_lives_and_thaws_it_again() -> None:
         assert gc.get_freeze_count() == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))  # virtual time: no race with the poll
+
+
+@pytest.mark.timeout(60)
+def test_the_collector_walks_the_old_generation_only_at_the_thaws() -> None:
+    """Under the collector no full collection walks what survived the young
+    generations, however much of it there is (it waits for the next freeze);
+    a garbage cycle that reached the old generation is freed at the thaw."""
+    import gc
+    import weakref
+
+    from gcwrap.shadow.collector import keep_collections_short
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    full: list[int] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    async def main() -> None:
+        gc.unfreeze()
+        with trio.fail_after(10_000):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_collections_short, 1000, 2000)
+                await trio.testing.wait_all_tasks_blocked()
+                gc.callbacks.append(watch)
+                try:
+                    old = Node()
+                    gone = weakref.ref(old)
+                    gc.collect(1)  # it is in the old generation now...
+                    del old  # ...and garbage there
+                    kept = [[Node()] for _ in range(300_000)]  # many collections of the young generations
+                    assert not full, "a full collection walked the old generation between freezes"
+                    assert gc.get_count()[2] > 10, "the test made too few collections of the middle generation"
+                    while gone() is not None:  # freed at the thaw (virtual time: no race with the poll)
+                        await trio.sleep(100)
+                    assert len(kept) == 300_000
+                finally:
+                    gc.callbacks.remove(watch)
+                nursery.cancel_scope.cancel()
+        assert gc.get_freeze_count() == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_goes_out_at_once_when_nothing_else_is_being_sent(tmp_path: Path) -> None:
+    """On a plain socket with nothing being sent, a frame (a WELCOME, PONG,
+    DONE) is written right away, with no lock taken and no task switch;
+    while a send is in flight it waits for it, and follows it."""
+    from gcwrap.wire.events import Pong
+
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    agent, shadow = _pair()
+
+    def pongs(sock: trio.socket.SocketType) -> list[object]:
+        try:
+            agent.receive_data(os.read(sock.fileno(), 65536))
+        except BlockingIOError:
+            return []
+        out: list[object] = []
+        while (ev := agent.next_event()) is not NEED_DATA:
+            out.append(ev)
+        return out
+
+    async def main() -> None:
+        left, right = trio.socket.socketpair()
+        os.set_blocking(right.fileno(), False)
+        job = LiveJob("j")
+        job.files = files
+        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+        with trio.fail_after(10):
+            with trio.testing.assert_no_checkpoints():
+                await sender.send(shadow.send(Pong(1)))
+            assert pongs(right) == [Pong(1)]
+            async with trio.open_nursery() as nursery, sender.lock:  # a send in flight
+                nursery.start_soon(sender.send, shadow.send(Pong(2)))
+                await trio.testing.wait_all_tasks_blocked()
+                assert pongs(right) == []
+            assert pongs(right) == [Pong(2)]
+        left.close()
+        right.close()
+
+    try:
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
 
 
 @pytest.mark.timeout(30)

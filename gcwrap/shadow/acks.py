@@ -9,6 +9,12 @@ send_all is awaited. Otherwise (a send in flight, TLS, the rest of a write
 the socket took only in part) it wakes its task (`run`), which sends them,
 coalesced, under the lock.
 
+The task is started the first time it is needed (`attach`; over TLS at
+once), and ends without a cancellation when the session does, if it only
+waited (`close`): most connections never start it, and a task per
+connection, started and cancelled, was a tenth of the shadow's CPU for an
+agent's connection (benchmarks/README.md, issue 17, connections).
+
 Every ACK, on either path, is for a length the batch made durable (synced
 and recorded), and is sent only while the session still holds its job
 (`holds`, checked right before the write). Every other frame goes through
@@ -46,6 +52,39 @@ class Sender:
         self.kick = Signal()  # the task has something to send
         self.sync_acks = 0  # inline writes of ACKs
         self.task_acks = 0  # sends of ACKs by the task
+        self.nursery: trio.Nursery | None = None  # where `attach` starts the task when it is needed
+        self.started = False  # the task was started (`run`)
+        self.waiting = False  # ...and waits for something to send
+        self.closing = False  # the session is over: the task ends (`close`)
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Take the session's ACKs from now on: inline while they can be, by
+        the task (`run`, started in `nursery` when first needed) otherwise."""
+        self.nursery = nursery
+        self.job.on_durable = self.durable
+        if self.fd < 0 or self._owed():
+            self._wake()
+
+    def close(self) -> None:
+        """The session is over: no ACK more. The task ends: by itself if it
+        waits for something to send, else cancelled (a send in flight)."""
+        self.closing = True
+        if self.job.on_durable == self.durable:
+            self.job.on_durable = None
+        if self.started and not self.waiting and self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+        self.kick.fire()
+
+    def _wake(self) -> None:
+        """Have the task send what is due, starting it if it is not running."""
+        if not self.started and self.nursery is not None and not self.closing:
+            self.started = True
+            self.nursery.start_soon(self.run)
+        self.kick.fire()
+
+    def _owed(self) -> bool:
+        """Whether a stream has more durable than acknowledged."""
+        return any(sf.durable > self.acked.get(sid, 0) for sid, sf in self.job.files.outputs.items())
 
     def _check(self) -> None:
         if not self.holds():
@@ -64,12 +103,12 @@ class Sender:
     def durable(self) -> None:
         """A batch made more of the session's bytes durable (in the event loop, synchronously)."""
         if self.fd < 0 or self.rest or self.lock.locked() or not self.holds():
-            self.kick.fire()  # the task sends them (or, fenced, stops the session)
+            self._wake()  # the task sends them (or, fenced, stops the session)
             return
         try:
             data = self._due()
         except LocalProtocolError:  # (no ACK may follow what was sent: the task reports it, not the batch)
-            self.kick.fire()
+            self._wake()
             return
         if not data:
             return
@@ -80,12 +119,28 @@ class Sender:
         self.sync_acks += 1
         if n < len(data):
             self.rest = data[n:]
-            self.kick.fire()
+            self._wake()
 
     async def send(self, frame: bytes | Callable[[], bytes], *, check: bool = False) -> None:
         """Send one frame (or what `frame()` makes, under the lock), after
         whatever an inline write left; with `check`, only while the session
-        holds its job (checked under the lock, right before the frame is made)."""
+        holds its job (checked under the lock, right before the frame is made).
+
+        On a plain socket with nothing else being sent (the lock free,
+        nothing left of an earlier write) the frame is written at once, as
+        inline ACKs are: no lock, no task switch; what the socket does not
+        take goes the usual way, first."""
+        if self.fd >= 0 and not self.rest and not self.lock.locked():
+            if check:
+                self._check()
+            data = frame if isinstance(frame, bytes) else frame()
+            try:
+                n = os.write(self.fd, data)
+            except OSError:  # (a full buffer; or a broken connection, which send_all reports)
+                n = 0
+            if n == len(data):
+                return
+            self.rest, frame, check = data[n:], b"", False
         async with self.lock:
             if check:
                 self._check()
@@ -93,12 +148,14 @@ class Sender:
             await self.stream.send_all(data)
 
     async def run(self) -> None:
-        """Send what the inline path could not, until cancelled; the batches
-        call `durable` while this runs."""
-        self.job.on_durable = self.durable
+        """Send what the inline path could not, until cancelled or closed;
+        the batches call `durable` while this runs."""
+        self.started = True
+        if not self.closing:
+            self.job.on_durable = self.durable
         try:
-            while True:
-                due = any(sf.durable > self.acked.get(sid, 0) for sid, sf in self.job.files.outputs.items())
+            while not self.closing:
+                due = self._owed()
                 if self.rest or due:
                     async with self.lock:
                         # A fenced session acknowledges nothing, not even what it made durable.
@@ -110,7 +167,11 @@ class Sender:
                 elif not self.holds():
                     self._check()
                 else:
-                    await self.kick.wait()
+                    self.waiting = True
+                    try:
+                        await self.kick.wait()
+                    finally:
+                        self.waiting = False
         finally:
             self.job.on_durable = None
 

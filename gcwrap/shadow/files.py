@@ -206,35 +206,52 @@ def lock_file(fd: int) -> bool:
 # -- confined file access -------------------------------------------------------
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
-    fd = os.dup(root_fd)
+    """A new descriptor of the directory `parts` under the root, one
+    directory at a time, never through a link; with `create`, the missing
+    ones are made (a directory is made only where opening it found nothing:
+    the common case, a directory that exists, costs one open per part)."""
+    if not parts:
+        return os.dup(root_fd)
+    fd = root_fd
     try:
         for part in parts:
-            if create:
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
                 except FileExistsError:
                     pass
-            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
             fd = nfd
     except OSError:
-        os.close(fd)
+        if fd != root_fd:
+            os.close(fd)
         raise
     return fd
 
 
-def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, made: list[str] | None = None) -> int:
+def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, made: list[str] | None = None,
+                  stats: list[os.stat_result] | None = None) -> int:
     """Open NAME under the root without following any symlink; only regular
     files with one link (a hard link made in the root could lead to any file
     of the file system, or to another identity's). With `write` and
     `create`, missing directories and the file are made (the file's name
-    appended to `made`). Raises NameError_ for a refused name, OSError for
-    I/O failures."""
+    appended to `made`). The file's fstat is appended to `stats`. Raises
+    NameError_ for a refused name, OSError for I/O failures."""
     parts = split_name(name)
     make = write and create
     try:
-        dfd = open_dir(root_fd, parts[:-1], create=make)
+        # (a name at the top of the root is opened from the root's own descriptor)
+        dfd = open_dir(root_fd, parts[:-1], create=make) if len(parts) > 1 else root_fd
     except (NotADirectoryError, FileNotFoundError) as e:
         if make or isinstance(e, NotADirectoryError):
             raise NameError_(f"{name!r}: a parent is not a directory") from None
@@ -264,7 +281,8 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, 
                 raise NameError_(f"{name!r} is a directory") from None
             raise
     finally:
-        os.close(dfd)
+        if dfd != root_fd:
+            os.close(dfd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -272,7 +290,10 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, 
     if st.st_nlink > 1:
         os.close(fd)
         raise NameError_(f"{name!r} has {st.st_nlink} links (hard links lead to other files): refused, as a symlink is")
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    # Blocking again: of the status flags F_SETFL sets, the file was opened with O_NONBLOCK alone.
+    fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+    if stats is not None:
+        stats.append(st)
     return fd
 
 

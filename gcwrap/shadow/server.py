@@ -281,8 +281,10 @@ class Shadow:
             stream, cn = admitted
             await self._serve_stream(stream, conn, peer, cn or ip, cn)
         finally:
-            await trio.aclose_forcefully(stream)
-            if stream is not tcp:
+            if stream is tcp:  # what aclose_forcefully does to it, without a cancelled checkpoint per connection
+                tcp.socket.close()
+            else:
+                await trio.aclose_forcefully(stream)
                 await trio.aclose_forcefully(tcp)
             self.connections -= 1
             self.fds_freed.fire()
@@ -388,15 +390,17 @@ class Shadow:
                 features = tuple(f for f in self.features if f in hello.features)
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features)
                 self._check(job)
-                await stream.send_all(conn.send(welcome))
+                sender = Sender(stream, conn, job, lambda: self._holds(job))
+                await sender.send(conn.send(welcome))
                 log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
                          hello.host or "?")
-                sender = Sender(stream, conn, job, lambda: self._holds(job))
                 try:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(sender.run)
-                        await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
-                        nursery.cancel_scope.cancel()
+                        sender.attach(nursery)  # (its task, started when first needed)
+                        try:
+                            await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
+                        finally:
+                            sender.close()  # (before the nursery closes: no batch starts the task after)
                 finally:
                     await sender.finish()  # an ACK an inline write left in part, before an ERROR follows
             if scope.cancelled_caught and self.stopping and not job.fenced:

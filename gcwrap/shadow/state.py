@@ -240,24 +240,26 @@ class Store:
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
         with self.db_lock:
-            row = next(self.db["jobs"].rows_where("job_id = ?", [job_id], select="owner"), None)
-        return None if row is None else str(row["owner"])
+            row = self.db.conn.execute("SELECT owner FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return None if row is None else str(row[0])
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
         peer: str, tenant: str = "",
     ) -> JobFiles:
-        db = self.db
+        # (Plain statements on the connection: sqlite-utils' table objects
+        # look the schema up on every use, three queries more per job.)
+        db = self.db.conn
         now = time.time()
-        row = next(db["jobs"].rows_where("job_id = ?", [job_id], select="instance, session, state, owner"), None)
-        if row is not None and row["owner"] != tenant:
-            if not row["owner"]:
+        row = db.execute("SELECT instance, session, owner FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is not None and row[2] != tenant:
+            if not row[2]:
                 raise StoreError(Problem.NOT_OWNER, f"job {job_id} was streamed here before this shadow had "
                                                     "identities: give the job another id")
             raise StoreError(Problem.NOT_OWNER, f"job {job_id} belongs to another identity")
-        seen = db["instances"].count_where("job_id = ? AND instance = ?", [job_id, instance])
-        fresh = row is None or row["instance"] != instance
-        if fresh and seen:
+        fresh = row is None or row[0] != instance
+        if fresh and db.execute("SELECT 1 FROM instances WHERE job_id = ? AND instance = ?",
+                                (job_id, instance)).fetchone() is not None:
             raise StoreError(Problem.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
         # (A finished job that comes back is resending EXIT after a lost DONE:
         # welcomed, its lengths will match.)
@@ -267,15 +269,16 @@ class Store:
         # are removed again.
         made: list[str] = []
         fds: list[int] = []
+        stats: list[os.stat_result] = []  # each file's fstat when opened
         try:
             for spec, norm in named:
-                fds.append(self._open_fd(spec, norm, made))
+                fds.append(self._open_fd(spec, norm, made, stats))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             self._unmake(made)
             raise
-        files = JobFiles(job_id, instance, session=(row["session"] if row else 0) + 1)
+        files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1)
         try:
             with self._atomic():
                 if fresh:
@@ -293,8 +296,8 @@ class Store:
                         [files.session, peer, now, job_id],
                     )
                 while fds:
-                    (spec, norm), fd = named.pop(0), fds.pop(0)
-                    self._open_stream(files, spec, norm, fd, fresh)
+                    (spec, norm), fd, st = named.pop(0), fds.pop(0), stats.pop(0)
+                    self._open_stream(files, spec, norm, fd, st, fresh)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -327,16 +330,16 @@ class Store:
 
     def _name_holder(self, name: str, job_id: str) -> str | None:
         """The other job still active that writes `name`, if any."""
-        row = next(self.db.query(
+        row = self.db.conn.execute(
             """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
                WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
-            [name, job_id],
-        ), None)
-        return None if row is None else str(row["job_id"])
+            (name, job_id),
+        ).fetchone()
+        return None if row is None else str(row[0])
 
-    def _open_fd(self, spec: StreamSpec, norm: str, made: list[str]) -> int:
+    def _open_fd(self, spec: StreamSpec, norm: str, made: list[str], stats: list[os.stat_result] | None = None) -> int:
         try:
-            return open_confined(self.root_fd, norm, write=spec.kind != "stdin", made=made)
+            return open_confined(self.root_fd, norm, write=spec.kind != "stdin", made=made, stats=stats)
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         except FileNotFoundError:
@@ -361,11 +364,13 @@ class Store:
             finally:
                 os.close(dfd)
 
-    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, fresh: bool) -> None:
-        db = self.db
+    def _open_stream(self, files: JobFiles, spec: StreamSpec, norm: str, fd: int, st: os.stat_result,
+                     fresh: bool) -> None:
+        """Record one stream of a job whose file is open (`fd`, its fstat `st`)."""
+        db = self.db.conn
         if spec.kind == "stdin":
-            files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session)
-            files.stdin.identify()
+            files.stdin = StreamFile(files.job_id, spec.id, norm, fd, 0, 0, write=False, session=files.session,
+                                     dev=st.st_dev, ino=st.st_ino)
             files.stdin_stream = spec.id
             db.execute(
                 "INSERT OR REPLACE INTO streams (job_id, stream, kind, name, durable) VALUES (?, ?, ?, ?, 0)",
@@ -374,7 +379,7 @@ class Store:
             return
         try:
             if fresh:
-                if os.fstat(fd).st_size:  # (a new, empty file has no old bytes whose removal must be durable)
+                if st.st_size:  # (a new, empty file has no old bytes whose removal must be durable)
                     os.ftruncate(fd, 0)
                     os.fsync(fd)
                 durable = wire = 0
@@ -383,12 +388,12 @@ class Store:
                     [files.job_id, spec.id, spec.kind, norm],
                 )
             else:
-                row = next(db["streams"].rows_where("job_id = ? AND stream = ?", [files.job_id, spec.id],
-                                                    select="durable, name, wire"), None)
-                if row is None or row["name"] != norm:
+                row = db.execute("SELECT durable, name, wire FROM streams WHERE job_id = ? AND stream = ?",
+                                 (files.job_id, spec.id)).fetchone()
+                if row is None or row[1] != norm:
                     raise StoreError(Problem.OTHER_STREAMS, f"job {files.job_id} resumed with different streams")
-                durable, wire = row["durable"], row["wire"] or 0
-                size = os.fstat(fd).st_size
+                durable, wire = row[0], row[2] or 0
+                size = st.st_size
                 if size < durable:
                     raise StoreError(
                         Problem.CHANGED_AT_HOME,
@@ -400,8 +405,8 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session, wire=wire)
-        sf.identify()
+        sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session, wire=wire,
+                        dev=st.st_dev, ino=st.st_ino)
         files.outputs[spec.id] = sf
 
     def make_durable(
@@ -461,7 +466,7 @@ class Store:
         """The job's session `session` is gone, recorded only while that
         session holds the job. Whether it was recorded."""
         with self.db_lock, self._atomic():
-            cur = self.db.execute(
+            cur = self.db.conn.execute(
                 "UPDATE jobs SET state = 'disconnected', last_seen = ? WHERE job_id = ? AND session = ?",
                 [time.time(), job_id, session],
             )
@@ -475,7 +480,7 @@ class Store:
         holds the job. Whether it was recorded."""
         now = time.time()
         with self.db_lock, self._atomic():
-            cur = self.db.execute(
+            cur = self.db.conn.execute(
                 "UPDATE jobs SET state = 'finished', ended = ?, last_seen = ?, exit_code = ?, exit_signal = ?, "
                 "reason = ?, summary = ? WHERE job_id = ? AND session = ?",
                 [now, now, code, signal, reason, json.dumps(summary), job_id, session],
