@@ -613,3 +613,64 @@ def test_a_frame_across_reads_is_copied_once_and_small_tails_do_not_pin_chunks()
     assert shadow.next_event() is NEED_DATA
     shadow.receive_data(encode(Data(1, len(big) + 4, b"z" * 10_000))[3:])
     assert shadow.next_event() == Data(1, len(big) + 4, b"z" * 10_000)
+
+
+@pytest.mark.timeout(30)
+def test_names_the_shadow_made_are_synced_in_their_directories_once(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's fdatasync() does not make its name durable (POSIX; ext4 and
+    XFS happen to): before the first bytes of a file the shadow created are
+    recorded durable, each directory holding a name it made (the file's,
+    and those of directories made on its path) is fsynced, once however
+    many files it holds; a failure there fails the files that need it. A
+    job whose files exist already costs no directory sync."""
+    store = Store(tmp_path)
+    try:
+        files = list(store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p", streams=[
+            StreamSpec(1, "stdout", "d1/d2/out"), StreamSpec(2, "stderr", "top.err")]).outputs.values())
+        assert [sf.new_entries for sf in files] == [("", "d1", "d1/d2"), ("",)]
+        synced: list[str] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        for sf in files:
+            _write(sf, b"x" * 10)
+        results, db_error = store.make_durable([(sf, sf.written) for sf in files])
+        assert db_error == "" and all(err is None for _, _, err in results)
+        assert sorted(synced) == sorted(str(tmp_path / d) for d in ("", "d1", "d1/d2")), synced
+        assert store.syncer.stats["dirsync"] == 3 and [sf.new_entries for sf in files] == [(), ()]
+        for sf in files:
+            _write(sf, b"y" * 10)
+        store.make_durable([(sf, sf.written) for sf in files])
+        assert len(synced) == 3, "synced once"
+        # A directory sync that fails fails the files that need it, and nothing of them is recorded.
+        more = list(store.open_job(job_id="k", instance="i", host="h", user="u", command=[], peer="p", streams=[
+            StreamSpec(1, "stdout", "k/out"), StreamSpec(2, "stderr", "d1/k.err")]).outputs.values())
+        assert [sf.new_entries for sf in more] == [("", "k"), ("d1",)]
+
+        def failing(fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "k"):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", failing)
+        for sf in more:
+            _write(sf, b"z" * 10)
+        results, _ = store.make_durable([(sf, sf.written) for sf in more])
+        errors = {sf.name: err for sf, _, err in results}
+        assert isinstance(errors["k/out"], OSError) and errors["d1/k.err"] is None, errors
+        assert _db_durable(tmp_path)[("k", 1)] == 0 and _db_durable(tmp_path)[("k", 2)] == 10
+    finally:
+        store.close()
+    # The same job again (its files exist): nothing to sync but its bytes.
+    store = Store(tmp_path)
+    try:
+        again = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p", streams=[
+            StreamSpec(1, "stdout", "d1/d2/out"), StreamSpec(2, "stderr", "top.err")])
+        assert [sf.new_entries for sf in again.outputs.values()] == [(), ()]
+    finally:
+        store.close()

@@ -209,16 +209,17 @@ def lock_file(fd: int) -> bool:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
+def open_dir(root_fd: int, parts: tuple[str, ...], create: bool, made: list[str] | None = None) -> int:
     """A new descriptor of the directory `parts` under the root, one
     directory at a time, never through a link; with `create`, the missing
     ones are made (a directory is made only where opening it found nothing:
-    the common case, a directory that exists, costs one open per part)."""
+    the common case, a directory that exists, costs one open per part), and
+    their names appended to `made`."""
     if not parts:
         return os.dup(root_fd)
     fd = root_fd
     try:
-        for part in parts:
+        for i, part in enumerate(parts):
             try:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -226,6 +227,8 @@ def open_dir(root_fd: int, parts: tuple[str, ...], create: bool) -> int:
                     raise
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    if made is not None:
+                        made.append("/".join(parts[: i + 1]))
                 except FileExistsError:
                     pass
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
@@ -244,14 +247,14 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, 
     """Open NAME under the root without following any symlink; only regular
     files with one link (a hard link made in the root could lead to any file
     of the file system, or to another identity's). With `write` and
-    `create`, missing directories and the file are made (the file's name
+    `create`, missing directories and the file are made (their names
     appended to `made`). The file's fstat is appended to `stats`. Raises
     NameError_ for a refused name, OSError for I/O failures."""
     parts = split_name(name)
     make = write and create
     try:
         # (a name at the top of the root is opened from the root's own descriptor)
-        dfd = open_dir(root_fd, parts[:-1], create=make) if len(parts) > 1 else root_fd
+        dfd = open_dir(root_fd, parts[:-1], create=make, made=made) if len(parts) > 1 else root_fd
     except (NotADirectoryError, FileNotFoundError) as e:
         if make or isinstance(e, NotADirectoryError):
             raise NameError_(f"{name!r}: a parent is not a directory") from None
@@ -316,6 +319,11 @@ class StreamFile:
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
     wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
     locked: bool = False  # holds the file's lock (lock_file): kept open until its session closes it
+    # Directories (under the root, "" for the root) holding entries this
+    # shadow made for the file (its name, directories on its path), not yet
+    # synced: a file's fdatasync() does not make its name durable (POSIX),
+    # so none of its bytes is durable before they are (Syncer.sync).
+    new_entries: tuple[str, ...] = ()
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -357,6 +365,13 @@ class StreamFile:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
+
+
+def entry_dirs(name: str, made: list[str]) -> tuple[str, ...]:
+    """The directories to sync for `name`'s entries that this open made
+    (`made`: names made, files and directories): each made name's parent."""
+    mine = [m for m in made if m == name or name.startswith(m + "/")]
+    return tuple(sorted({m.rpartition("/")[0] for m in mine}))
 
 
 @dataclass
@@ -528,7 +543,7 @@ class Syncer:
         self.root_dev = os.fstat(root_fd).st_dev
         self.syncfs = _load_syncfs() if use_syncfs else None
         self.pool: ThreadPoolExecutor | None = None
-        self.stats = {"syncfs": 0, "fdatasync": 0}
+        self.stats = {"syncfs": 0, "fdatasync": 0, "dirsync": 0}
         self.per_file = 0.0005  # seconds per fdatasync() (a moving average)
         self.per_syncfs = 0.0005  # seconds per syncfs()
         self.skipped = 0
@@ -561,7 +576,13 @@ class Syncer:
                     err = e
                 self.per_syncfs += (time.monotonic() - started - self.per_syncfs) / 4
                 out = [(sf, n, err) for sf, n in mine]
+                if err is None:
+                    for sf, _ in mine:
+                        sf.new_entries = ()  # (syncfs wrote the directories too)
                 rest = [f for f in files if f[0].dev != self.root_dev]
+        if rest:
+            rest, failed = self._sync_entries(rest)
+            out.extend(failed)
         if rest:
             started = time.monotonic()
             if len(rest) >= PARALLEL_MIN:
@@ -575,6 +596,38 @@ class Syncer:
             self.per_file += (took - self.per_file) / 16
             self.stats["fdatasync"] += len(rest)
         return out
+
+    def _sync_entries(self, files: list[tuple[StreamFile, int]]) -> tuple[
+            list[tuple[StreamFile, int]], list[tuple[StreamFile, int, OSError | None]]]:
+        """fsync() the directories holding names the shadow made for these
+        files (once each, however many files they hold: a hundred agents
+        starting together cost one sync of their directory): the files
+        whose entries are durable now, and the others with the error."""
+        dirs = {d for sf, _ in files for d in sf.new_entries}
+        if not dirs:
+            return files, []
+        errors: dict[str, OSError] = {}
+        for d in sorted(dirs):
+            try:
+                fd = open_dir(self.root_fd, split_name(d) if d else (), create=False)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.stats["dirsync"] += 1
+            except (OSError, NameError_) as e:
+                errors[d] = e if isinstance(e, OSError) else OSError(errno.EIO, str(e))
+        ok: list[tuple[StreamFile, int]] = []
+        failed: list[tuple[StreamFile, int, OSError | None]] = []
+        for sf, n in files:
+            err = next((errors[d] for d in sf.new_entries if d in errors), None)
+            if err is None:
+                ok.append((sf, n))
+            else:
+                failed.append((sf, n, err))
+        for sf, _ in ok:
+            sf.new_entries = ()
+        return ok, failed
 
     def close(self) -> None:
         if self.pool is not None:

@@ -49,7 +49,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..wire.events import StreamSpec
-from .files import JobFiles, Problem, StoreError, StreamFile, Syncer, claim_root, lock_file, lock_root
+from .files import JobFiles, Problem, StoreError, StreamFile, Syncer, claim_root, entry_dirs, lock_file, lock_root
 from .state import LAST_SEEN_EVERY, LAST_SEEN_JOBS, Store
 from .stateurl import shown
 
@@ -366,7 +366,11 @@ class PgStore(Store):
                 os.close(fd)
             raise StoreError(Problem.HELD, f"job {job_id}: another shadow's session still has {held!r} open; "
                                            "it was told to let go of it: come back shortly")
-        return self._cut_back(JobFiles(job_id, instance, session), named, fds, lengths, fresh)
+        files = self._cut_back(JobFiles(job_id, instance, session), named, fds, lengths, fresh)
+        if made:
+            for sf in files.outputs.values():
+                sf.new_entries = entry_dirs(sf.name, made)
+        return files
 
     def _claim_row(self, conn: psycopg.Connection[Any], job_id: str, instance: str,
                    tenant: str) -> tuple[int, bool, bool]:

@@ -42,6 +42,7 @@ from .files import (
     StreamFile,
     Syncer,
     claim_root,
+    entry_dirs,
     lock_root,
     open_confined,
     open_dir,
@@ -304,6 +305,9 @@ class Store:
             files.close()
             self._unmake(made)
             raise
+        if made:
+            for sf in files.outputs.values():
+                sf.new_entries = entry_dirs(sf.name, made)
         return files
 
     def _names(self, job_id: str, streams: list[StreamSpec], tenant: str) -> list[tuple[StreamSpec, str]]:
