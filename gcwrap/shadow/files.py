@@ -295,6 +295,7 @@ class StreamFile:
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
     wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
     locked: bool = False  # holds the file's lock (lock_file): kept open until its session closes it
+    partial: bool = False  # holds bytes past `written` of a DATA frame not yet whole
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -304,8 +305,9 @@ class StreamFile:
 
     @property
     def closable(self) -> bool:
-        """Open, clean (everything written is durable) and not being synced."""
-        return self.fd >= 0 and not self.pins and self.written == self.durable and not self.locked
+        """Open, clean (everything written is durable, no frame half
+        written) and not being synced."""
+        return self.fd >= 0 and not self.pins and self.written == self.durable and not self.locked and not self.partial
 
     def reopen(self, root_fd: int) -> None:
         """Open the file again after the cache closed it: confined as the

@@ -1,0 +1,126 @@
+"""A session's reads: into buffers the sessions share, cut into events.
+
+A streaming session's connection gives DATA out in pieces as they arrive
+(`DataPiece`, see gcwrap.wire.protocol): the shadow writes each piece at its
+offset, so no DATA frame is gathered or joined, and what a connection holds
+between reads is at most a frame's head or one control frame.
+
+On a plain socket the bytes are read (`readv`) straight into a buffer taken
+from `Buffers` once the socket has bytes, and the buffer goes back once that
+read's events are acted on: no buffer is allocated per read, and a
+connection waiting for its agent holds none (10 000 idle connections hold
+no read buffers). A buffer something still views (a payload kept past its
+read) is never handed out again: it is left to be freed. Over TLS, or any
+other stream, a read is `receive_some` as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import trio
+
+from ..wire import compress
+from ..wire.events import ConnectionClosed, Data, Error, ErrorCode, Event, StdinData, StdinRead, ZData
+from ..wire.protocol import NEED_DATA, Connection, ProtocolError
+from .files import FileCache, JobFiles
+
+# Up to a DATA frame and its head in one read: a bulk frame is written in
+# one or two pieces, with a read and a wake-up each.
+READ_SIZE = (1 << 20) + 64
+KEEP = 4  # free buffers kept for the next reads (more are only in use while sessions wait within a read's events)
+
+
+class Buffers:
+    """Read buffers lent to one read and its events at a time."""
+
+    def __init__(self, size: int = READ_SIZE, keep: int = KEEP) -> None:
+        self.size = size
+        self.keep = keep
+        self.free: list[bytearray] = []
+        self.made = 0  # buffers allocated (for tests and the debug log)
+
+    def take(self) -> bytearray:
+        if self.free:
+            return self.free.pop()
+        self.made += 1
+        return bytearray(self.size)
+
+    def give(self, buf: bytearray) -> None:
+        """`buf` is no longer used by its read: keep it for another, unless a
+        view of it is still alive somewhere (then it cannot be resized)."""
+        if len(self.free) < self.keep:
+            try:
+                buf.append(0)  # (in place once it has had room to grow: bytearrays over-allocate)
+            except BufferError:
+                return
+            del buf[-1]
+            self.free.append(buf)
+
+
+def _events(conn: Connection) -> list[Event]:
+    events: list[Event] = []
+    while True:
+        ev = conn.next_event()
+        if ev is NEED_DATA:
+            return events
+        assert isinstance(ev, Event)
+        events.append(ev)
+        if isinstance(ev, (ConnectionClosed, Error)):
+            return events
+
+
+async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[Event], bytearray | None]:
+    """The events of the next read of socket `fd`, made from a lent buffer
+    (`buffers.give` it back once they are acted on; None at EOF). Raises
+    trio.BrokenResourceError when the connection fails, as a stream would."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    while True:
+        buf = buffers.take()
+        try:
+            n = os.readv(fd, [buf])
+        except BlockingIOError:
+            buffers.give(buf)
+            del buf
+            await trio.lowlevel.wait_readable(fd)
+            continue
+        except OSError as e:
+            if e.errno == errno.EBADF:
+                raise trio.ClosedResourceError("the connection was closed") from e
+            raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+        break
+    if not n:
+        buffers.give(buf)
+        conn.receive_data(b"")
+        return _events(conn), None
+    conn.receive_data(memoryview(buf)[:n], borrowed=True)
+    events = _events(conn)
+    await trio.lowlevel.cancel_shielded_checkpoint()  # (as a stream's read: let the other sessions run)
+    return events, buf
+
+
+async def read_some(stream: trio.abc.Stream, conn: Connection, size: int) -> list[Event]:
+    """The events of the next read of `stream` (`receive_some`, into a new buffer)."""
+    conn.receive_data(await stream.receive_some(size))
+    return _events(conn)
+
+
+def inflate(ev: ZData) -> Data:
+    """The DATA a ZDATA frame carries; a frame that does not decode to
+    exactly the bytes it announced is malformed (nothing of it is written)."""
+    try:
+        return Data(ev.stream, ev.offset, compress.codec().decompress(ev.payload, ev.size))
+    except compress.CodecError as e:
+        raise ProtocolError(f"ZDATA for stream {ev.stream} at offset {ev.offset}: {e}", ErrorCode.BAD_FRAME) from None
+
+
+def read_stdin(cache: FileCache, files: JobFiles, ev: StdinRead) -> StdinData:
+    """What a STDIN_READ asks for, from the job's stdin file."""
+    if files.stdin is None or ev.stream != files.stdin_stream:
+        raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin",
+                            ErrorCode.UNKNOWN_STREAM)
+    fd = cache.use(files.stdin)
+    data = os.pread(fd, ev.max_bytes, ev.offset)
+    size = os.fstat(fd).st_size
+    return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
