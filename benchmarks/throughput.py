@@ -511,11 +511,11 @@ class Bench:
                                  "-p", str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         ready_by = time.monotonic() + 10
-        while not (out.exists() and out.stat().st_size):  # (perf writes its header once attached)
+        while not out.exists():  # (perf opens its output file first, then attaches: give it a moment)
             if perf.poll() is not None or time.monotonic() > ready_by:
                 raise BenchError(f"perf stat did not start (status {perf.poll()})")
             time.sleep(0.01)
-        time.sleep(0.1)
+        time.sleep(0.3)
         return perf
 
     def _profiled(self, index: int, shadow: subprocess.Popen[bytes], wrap_cmd: list[str], wrap_log: Path,
