@@ -530,6 +530,46 @@ def test_pieces_of_bytes_kept_from_an_earlier_read() -> None:
     assert folded(events) == [Data(1, 0, payload)]
 
 
+def streaming_agent() -> Connection:
+    agent = agent_after_hello()
+    agent.receive_data(encode(WELCOME))
+    assert agent.next_event() == WELCOME
+    return agent
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(stream=st.sampled_from([0, 1, 255, 256, -1]),
+       offset=st.sampled_from([0, 1, MAX_OFFSET - MAX_PAYLOAD, MAX_OFFSET - 1, MAX_OFFSET, MAX_OFFSET + 1, -1]),
+       size=st.sampled_from([0, 1, 4096, MAX_PAYLOAD, MAX_PAYLOAD + 1]))
+def test_send_data_head_checks_what_send_checks(stream: int, offset: int, size: int) -> None:
+    """The head of a DATA frame whose payload the sender passes through
+    (sendmsg, sendfile) is legal exactly when the whole frame would be, and
+    with the payload after it is the frame `send` makes."""
+    payload = bytes(size)
+    try:
+        frame = streaming_agent().send(Data(stream, offset, payload))
+    except LocalProtocolError:
+        frame = None
+    agent = streaming_agent()
+    if frame is None:
+        with pytest.raises(LocalProtocolError):
+            agent.send_data_head(stream, offset, size)
+    else:
+        assert agent.send_data_head(stream, offset, size) + payload == frame
+    assert agent.state is State.STREAMING
+
+
+def test_send_data_head_only_where_data_is_legal() -> None:
+    with pytest.raises(LocalProtocolError):
+        agent_after_hello().send_data_head(1, 0, 1)  # before WELCOME
+    exiting = streaming_agent()
+    exiting.send(EXIT)
+    with pytest.raises(LocalProtocolError):
+        exiting.send_data_head(1, 0, 1)
+    with pytest.raises(LocalProtocolError):
+        streaming_shadow().send_data_head(1, 0, 1)  # the shadow sends no DATA
+
+
 # -- (c) hypothesis round trips ----------------------------------------------
 
 u8 = st.integers(0, 255)

@@ -172,13 +172,22 @@ def _encode(event: Event) -> bytes:
     return encoder(event)
 
 
-def _encode_data(event: Data) -> bytes:
-    _check_offset(event.offset, "offset")
-    _check_offset(event.offset + len(event.payload), "end offset")
-    if len(event.payload) > MAX_PAYLOAD:
+def data_head(stream: int, offset: int, size: int) -> bytes:
+    """`data_header`, checked as a DATA frame with a `size`-byte payload is
+    (LocalProtocolError if a field is out of range)."""
+    _check_offset(offset, "offset")
+    _check_offset(offset + size, "end offset")
+    if size > MAX_PAYLOAD:
         raise LocalProtocolError("DATA payload too large")
+    try:
+        return data_header(stream, offset, size)
+    except struct.error as e:
+        raise LocalProtocolError(f"cannot encode Data: {e}") from None
+
+
+def _encode_data(event: Data) -> bytes:
     # One copy of the payload, not two (header + body, then frame + body).
-    return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
+    return b"".join((data_head(event.stream, event.offset, len(event.payload)), event.payload))
 
 
 def _encode_zdata(event: ZData) -> bytes:

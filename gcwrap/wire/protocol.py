@@ -75,6 +75,7 @@ from .frames import (
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
+    data_head,
     data_header,
     decode,
     decode_data,
@@ -149,6 +150,7 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
 }
 
 
+_DATA_PROBE = Data(0, 0, b"")  # (what `send_data_head` asks the transitions about)
 _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
@@ -208,6 +210,17 @@ class Connection:
             self._magic_sent = True
             return MAGIC + frame
         return frame
+
+    def send_data_head(self, stream: int, offset: int, size: int) -> bytes:
+        """The bytes of a DATA frame before its `size`-byte payload, which
+        the caller sends right after them, unjoined (sendmsg, sendfile), as
+        h11's send_with_data_passthrough lets a body bypass it: the frame is
+        checked as `send(Data(...))` checks it, without the payload in hand
+        (LocalProtocolError if DATA is illegal now or a field out of range)."""
+        if _next_state(self.state, self.role, _DATA_PROBE, self.features) is None:
+            raise LocalProtocolError(f"{self.role.value} may not send Data in state {self.state.value}",
+                                     ErrorCode.UNEXPECTED)
+        return data_head(stream, offset, size)
 
     # -- receiving -------------------------------------------------------
 
