@@ -351,20 +351,28 @@ def test_cache_keeps_a_file_open_while_a_frame_is_half_written(tmp_path: Path) -
 
 
 def test_read_buffers_are_lent_again_only_when_nothing_views_them() -> None:
-    buffers = Buffers(size=64, keep=2)
+    buffers = Buffers(size=64, cap=2)
     buf = buffers.take()
+    assert buf is not None
     view = memoryview(buf)[:10]
     buffers.give(buf)
     assert buffers.free == [], "a buffer a payload still views is not lent again"
     del view
+    buf = buffers.take()
+    assert buf is not None and buffers.made == 2
     buffers.give(buf)
-    assert buffers.free == [buf]
-    assert buffers.take() is buf and buffers.made == 1
-    more = [buffers.take() for _ in range(4)]
-    for b in more:
-        buffers.give(b)
-    assert len(buffers.free) == 2  # at most `keep` are kept
-    assert all(len(b) == 64 for b in more)
+    assert buffers.free == [buf] and len(buf) == 64
+    assert buffers.take() is buf and buffers.made == 2
+
+
+def test_no_more_read_buffers_are_lent_than_the_cap() -> None:
+    """Sessions that wait while acting on a read (10 000 EXITs waiting for
+    their flush) hold at most `cap` buffers: past it a read gets its own."""
+    buffers = Buffers(size=64, cap=3)
+    lent = [buffers.take() for _ in range(3)]
+    assert all(b is not None for b in lent) and buffers.take() is None
+    buffers.give(lent.pop())  # type: ignore[arg-type]
+    assert buffers.take() is not None and buffers.take() is None and buffers.made == 3
 
 
 @pytest.mark.timeout(30)

@@ -8,16 +8,21 @@ between reads is at most a frame's head or one control frame.
 On a plain socket the bytes are read (`readv`) straight into a buffer taken
 from `Buffers` once the socket has bytes, and the buffer goes back once that
 read's events are acted on: no buffer is allocated per read, and a
-connection waiting for its agent holds none (10 000 idle connections hold
-no read buffers). A buffer something still views (a payload kept past its
-read) is never handed out again: it is left to be freed. Over TLS, or any
-other stream, a read is `receive_some` as before.
+connection waiting for its agent, or for the CPU, holds none (a read's
+scheduling point comes before it takes a buffer). At most `Buffers.cap` are
+lent at once (sessions acting on a read's events may wait: an EXIT for its
+flush); past that a read gets a buffer of its own, sized to what it read,
+as a stream's read does. A buffer something still views (a payload kept
+past its read) is never lent again: it is left to be freed. Over TLS, or
+any other stream, a read is `receive_some`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -29,19 +34,25 @@ from .files import FileCache, JobFiles
 # Up to a DATA frame and its head in one read: a bulk frame is written in
 # one or two pieces, with a read and a wake-up each.
 READ_SIZE = (1 << 20) + 64
-KEEP = 4  # free buffers kept for the next reads (more are only in use while sessions wait within a read's events)
+CAP = 8  # buffers lent at once, at most: 10 000 sessions at an EXIT each must not hold 10 000 of them
+OWN_READ = 120 << 10  # a read past the cap: its own buffer (below glibc's mmap threshold)
 
 
 class Buffers:
     """Read buffers lent to one read and its events at a time."""
 
-    def __init__(self, size: int = READ_SIZE, keep: int = KEEP) -> None:
+    def __init__(self, size: int = READ_SIZE, cap: int = CAP) -> None:
         self.size = size
-        self.keep = keep
+        self.cap = cap
         self.free: list[bytearray] = []
+        self.lent = 0
         self.made = 0  # buffers allocated (for tests and the debug log)
 
-    def take(self) -> bytearray:
+    def take(self) -> bytearray | None:
+        """A buffer for one read, or None while `cap` are lent."""
+        if self.lent >= self.cap:
+            return None
+        self.lent += 1
         if self.free:
             return self.free.pop()
         self.made += 1
@@ -50,13 +61,25 @@ class Buffers:
     def give(self, buf: bytearray) -> None:
         """`buf` is no longer used by its read: keep it for another, unless a
         view of it is still alive somewhere (then it cannot be resized)."""
-        if len(self.free) < self.keep:
+        self.lent -= 1
+        if len(self.free) < self.cap:
             try:
                 buf.append(0)  # (in place once it has had room to grow: bytearrays over-allocate)
             except BufferError:
                 return
             del buf[-1]
             self.free.append(buf)
+
+
+    @contextlib.contextmanager
+    def lending(self, lent: Callable[[], bytearray | None]) -> Iterator[None]:
+        """Give back, when the block ends however it ends, the buffer `lent()` names then."""
+        try:
+            yield
+        finally:
+            buf = lent()
+            if buf is not None:
+                self.give(buf)
 
 
 def _events(conn: Connection) -> list[Event]:
@@ -73,31 +96,40 @@ def _events(conn: Connection) -> list[Event]:
 
 async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[Event], bytearray | None]:
     """The events of the next read of socket `fd`, made from a lent buffer
-    (`buffers.give` it back once they are acted on; None at EOF). Raises
-    trio.BrokenResourceError when the connection fails, as a stream would."""
-    await trio.lowlevel.checkpoint_if_cancelled()
+    (`buffers.give` it back once they are acted on; None when the read had
+    a buffer of its own, or at EOF). Raises trio.BrokenResourceError when
+    the connection fails, as a stream would."""
+    await trio.lowlevel.checkpoint()  # (a read is a scheduling point, as a stream's: taken before any buffer is)
     while True:
         buf = buffers.take()
         try:
+            if buf is None:
+                data = os.read(fd, OWN_READ)
+                conn.receive_data(data)
+                return _events(conn), None
             n = os.readv(fd, [buf])
-        except BlockingIOError:
+            if n:
+                conn.receive_data(memoryview(buf)[:n], borrowed=True)
+                return _events(conn), buf
             buffers.give(buf)
-            del buf
+            buf = None
+            conn.receive_data(b"")
+            return _events(conn), None
+        except BlockingIOError:
+            if buf is not None:
+                buffers.give(buf)
+                del buf
             await trio.lowlevel.wait_readable(fd)
-            continue
         except OSError as e:
+            if buf is not None:
+                buffers.give(buf)
             if e.errno == errno.EBADF:
                 raise trio.ClosedResourceError("the connection was closed") from e
             raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
-        break
-    if not n:
-        buffers.give(buf)
-        conn.receive_data(b"")
-        return _events(conn), None
-    conn.receive_data(memoryview(buf)[:n], borrowed=True)
-    events = _events(conn)
-    await trio.lowlevel.cancel_shielded_checkpoint()  # (as a stream's read: let the other sessions run)
-    return events, buf
+        except BaseException:
+            if buf is not None:
+                buffers.give(buf)  # (a protocol error: a view of it may live on in its traceback; then it is dropped)
+            raise
 
 
 async def read_some(stream: trio.abc.Stream, conn: Connection, size: int) -> list[Event]:

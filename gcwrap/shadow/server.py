@@ -534,7 +534,7 @@ class Shadow:
         conn.pieces = True  # DATA as it arrives, each piece written at its offset
         fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         buf: bytearray | None = None
-        with trio.CancelScope() as idle:  # one scope, its deadline moved per read: cheaper than fail_after
+        with trio.CancelScope() as idle, self.buffers.lending(lambda: buf):  # (one scope, its deadline moved)
             while True:
                 if pending:  # what arrived with the handshake
                     events, pending[:] = list(pending), []
