@@ -70,7 +70,6 @@ class Buffers:
             del buf[-1]
             self.free.append(buf)
 
-
     @contextlib.contextmanager
     def lending(self, lent: Callable[[], bytearray | None]) -> Iterator[None]:
         """Give back, when the block ends however it ends, the buffer `lent()` names then."""
