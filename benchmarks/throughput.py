@@ -304,6 +304,29 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
         proc.wait(timeout)
 
 
+PERF_EVENTS = ("page-faults", "task-clock", "syscalls:sys_enter_fdatasync", "syscalls:sys_enter_syncfs",
+               "syscalls:sys_enter_pwrite64", "syscalls:sys_enter_recvfrom", "syscalls:sys_enter_readv")
+
+
+def perf_counts(perf: subprocess.Popen[bytes], out: Path) -> dict[str, float]:
+    """Stop a `perf stat` (SIGINT) and read its counts: {event: count}, task-clock in ms."""
+    perf.send_signal(signal.SIGINT)
+    try:
+        perf.wait(10)
+    except subprocess.TimeoutExpired:
+        signal_tree(perf, signal.SIGKILL)
+        perf.wait(10)
+    counts: dict[str, float] = {}
+    for line in out.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) >= 3 and not line.startswith("#"):
+            try:
+                counts[fields[2].removeprefix("syscalls:sys_enter_")] = float(fields[0])
+            except ValueError:
+                pass  # "<not counted>"
+    return counts
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     buf = bytearray(1 << 20)
@@ -443,6 +466,7 @@ class Bench:
             time.sleep(0.2)
             if profile is not None:
                 return self._profiled(index, shadow, wrap_cmd, wrap_log, home, profile)
+            perf = self._perf_stat(shadow.pid, rundir / "perf.csv") if self.args.perf_stat else None
             shadow_cpu0, _ = proc_times(shadow.pid)
             with open(wrap_log, "wb") as log:
                 t0 = time.monotonic()
@@ -453,6 +477,7 @@ class Bench:
             wall = r.end - t0
             time.sleep(0.25)  # let the shadow finish its book-keeping for the job
             shadow_cpu1, _ = proc_times(shadow.pid)
+            counts = perf_counts(perf, rundir / "perf.csv") if perf is not None else {}
             shadow_hwm = vm_hwm_kib(shadow.pid) or 0
             log_text = wrap_log.read_text(errors="replace")
             if r.timed_out:
@@ -469,7 +494,7 @@ class Bench:
                 sender_rss_mib=r.peak_rss_kib / 1024, receiver_rss_mib=shadow_hwm / 1024,
                 job_cpu_s=r.children_cpu,
                 notes={"stderr_lines": len(log_text.splitlines()), "spool_leftover": leftover,
-                       "wrapper_rusage_cpu_s": r.rusage_cpu},
+                       "wrapper_rusage_cpu_s": r.rusage_cpu, "shadow_perf": counts},
             )
         finally:
             if wrapper is not None and wrapper.returncode is None:
@@ -478,6 +503,20 @@ class Bench:
             stop(shadow)
             if not self.args.keep:
                 shutil.rmtree(rundir, ignore_errors=True)
+
+    @staticmethod
+    def _perf_stat(pid: int, out: Path) -> subprocess.Popen[bytes]:
+        """`perf stat` counting PERF_EVENTS of gcshadow (all its threads) until perf_counts stops it."""
+        perf = subprocess.Popen(["perf", "stat", "-x", ",", "-o", str(out), "-e", ",".join(PERF_EVENTS),
+                                 "-p", str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        ready_by = time.monotonic() + 10
+        while not out.exists():  # (perf opens its output file first, then attaches: give it a moment)
+            if perf.poll() is not None or time.monotonic() > ready_by:
+                raise BenchError(f"perf stat did not start (status {perf.poll()})")
+            time.sleep(0.01)
+        time.sleep(0.3)
+        return perf
 
     def _profiled(self, index: int, shadow: subprocess.Popen[bytes], wrap_cmd: list[str], wrap_log: Path,
                   home: Path, profile: Path) -> Run:
@@ -643,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the source, spool, and landed files go (default: the system temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's figures to this file")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (and the landed files)")
+    parser.add_argument("--perf-stat", action="store_true",
+                        help="count gcshadow's page faults, syncs, writes and reads in each timed gcwrap run "
+                             "(perf stat -p; needs perf and tracepoint access); printed under each run")
     parser.add_argument("--profile", type=Path, default=None,
                         help="after the timed runs, one more gcwrap run under py-spy (gcshadow attached by pid, "
                              "gcwrap launched by it): raw stacks and summaries go to this directory; not timed")
@@ -690,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"sender CPU {run.sender_cpu_s:6.2f} s  receiver CPU {run.receiver_cpu_s:6.2f} s  "
                       f"RSS {run.sender_rss_mib:6.1f} / {run.receiver_rss_mib:6.1f} MiB  sha256 OK{extra}",
                       flush=True)
+                if run.notes.get("shadow_perf"):
+                    print("        gcshadow (perf stat): " + ", ".join(
+                        f"{k} {v:,.0f}" for k, v in run.notes["shadow_perf"].items()), flush=True)  # type: ignore[union-attr]
         print()
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         print("commands (first run):")

@@ -28,6 +28,7 @@ from gcwrap.wire.events import (
     Challenge,
     ConnectionClosed,
     Data,
+    DataPiece,
     Done,
     Error,
     ErrorCode,
@@ -254,7 +255,8 @@ def test_conversation_round_trips_every_event_type() -> None:
 
 
 def test_conversation_covers_every_event_class() -> None:
-    sent = {type(ev) for _, ev in CONVERSATION} | {Error, ConnectionClosed}
+    # (DataPiece is a DATA frame as a shadow receives it in pieces: section (b2).)
+    sent = {type(ev) for _, ev in CONVERSATION} | {Error, ConnectionClosed, DataPiece}
     assert sent == set(Event.__subclasses__())
 
 
@@ -388,6 +390,184 @@ def test_whole_agent_side_in_one_buffer() -> None:
     assert drain(shadow) == agent_events[2:]
     assert shadow.state is State.EXITING
     assert shadow.buffered == 0
+
+
+# -- (b2) DATA in pieces ------------------------------------------------------
+
+
+def streaming_shadow(pieces: bool = True) -> Connection:
+    """A shadow connection past its handshake (it sent WELCOME)."""
+    shadow = Connection(Role.SHADOW, pieces=pieces)
+    shadow.receive_data(MAGIC + encode(HELLO))
+    assert shadow.next_event() == HELLO
+    shadow.send(WELCOME)
+    return shadow
+
+
+def feed_pieces(shadow: Connection, wire: bytes, cuts: list[int]) -> list[Event]:
+    """Feed `wire` cut at `cuts` (sizes, cycled) from one reused buffer;
+    the events, each DATA piece's payload copied as it comes. After every
+    read the connection holds no payload bytes: at most a frame's head."""
+    events: list[Event] = []
+    buffer = bytearray(max(cuts))
+    pos, i = 0, 0
+    while pos < len(wire):
+        chunk = wire[pos : pos + cuts[i % len(cuts)]]
+        pos, i = pos + len(chunk), i + 1
+        buffer[: len(chunk)] = chunk
+        shadow.receive_data(memoryview(buffer)[: len(chunk)], borrowed=True)
+        while (ev := shadow.next_event()) is not NEED_DATA:
+            assert isinstance(ev, Event)
+            events.append(replace(ev, payload=bytes(ev.payload)) if isinstance(ev, DataPiece) else ev)
+        assert shadow.buffered < 14, "a read's payload bytes were kept"
+        buffer[:] = b"\xee" * len(buffer)
+    return events
+
+
+data_frames = st.lists(
+    st.tuples(st.sampled_from([1, 2]), st.binary(max_size=300) | st.sampled_from([b"", bytes(range(256)) * 20])),
+    min_size=1, max_size=6,
+)
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(frames=data_frames, cuts=st.lists(st.integers(1, 700), min_size=1, max_size=20), ping=st.booleans())
+def test_data_pieces_at_their_offsets_are_the_payload_for_any_split(
+    frames: list[tuple[int, bytes]], cuts: list[int], ping: bool,
+) -> None:
+    """Whatever the reads, concatenating a frame's pieces at their offsets
+    gives its payload: every piece lies inside its frame, the first at its
+    start, the next where the last ended, the last at its end."""
+    sent: list[Event] = []
+    offsets = {1: 100, 2: 0}
+    for sid, payload in frames:
+        sent.append(Data(sid, offsets[sid], payload))
+        offsets[sid] += len(payload)
+        if ping:
+            sent.append(Ping(len(sent)))
+    wire = b"".join(encode(ev) for ev in sent)
+    events = feed_pieces(streaming_shadow(), wire, cuts)
+    assert folded(events) == sent
+    for ev in sent:
+        if isinstance(ev, Data):
+            got = bytearray(len(ev.payload))
+            for piece in events:
+                if isinstance(piece, DataPiece) and (piece.stream, piece.start, piece.end) == (
+                        ev.stream, ev.offset, ev.offset + len(ev.payload)):
+                    got[piece.offset - piece.start : piece.offset - piece.start + len(piece.payload)] = piece.payload
+            assert got == ev.payload
+
+
+def test_data_pieces_byte_by_byte() -> None:
+    payload = bytes(range(200))
+    wire = encode(Data(1, 7, payload)) + encode(Data(1, 207, b"")) + encode(Ping(1))
+    events = feed_pieces(streaming_shadow(), wire, [1])
+    assert events[0] == DataPiece(1, 7, payload[:1], 7, 207)  # the first byte of the payload, at once
+    assert len(events) == 200 + 2
+    assert events[-2] == DataPiece(1, 207, b"", 207, 207)  # an empty frame is one empty piece
+    assert events[-1] == Ping(1)
+    assert folded(events) == [Data(1, 7, payload), Data(1, 207, b""), Ping(1)]
+
+
+def test_a_data_frame_head_is_checked_before_its_first_piece() -> None:
+    """Too large, or running past the largest offset: refused from the
+    head, before any payload byte is given out."""
+    for head, code in (
+        (HEADER.pack(1 + 9 + MAX_PAYLOAD + 1, FrameType.DATA) + struct.pack("!BQ", 1, 0), ErrorCode.FRAME_TOO_LARGE),
+        (HEADER.pack(1 + 9 + 10, FrameType.DATA) + struct.pack("!BQ", 1, MAX_OFFSET - 9), ErrorCode.BAD_FRAME),
+    ):
+        shadow = streaming_shadow()
+        shadow.max_frame = 1 << 30
+        shadow.receive_data(head[:13])
+        assert shadow.next_event() is NEED_DATA
+        shadow.receive_data(head[13:] + bytes(10))
+        with pytest.raises(RemoteProtocolError) as info:
+            shadow.next_event()
+        assert info.value.code is code
+
+
+def test_eof_in_the_middle_of_data_pieces_is_an_error() -> None:
+    shadow = streaming_shadow()
+    frame = encode(Data(1, 0, bytes(100)))
+    shadow.receive_data(frame[:50])
+    assert isinstance(shadow.next_event(), DataPiece)
+    assert shadow.next_event() is NEED_DATA
+    assert shadow.buffered == 0
+    shadow.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+        shadow.next_event()
+
+
+def test_data_pieces_only_where_data_is_legal() -> None:
+    """Before the handshake is over, or after EXIT, a DATA frame is not cut
+    into pieces: it is refused as before."""
+    early = Connection(Role.SHADOW, pieces=True)
+    early.receive_data(MAGIC + encode(Data(1, 0, b"x")))
+    with pytest.raises(RemoteProtocolError) as info:
+        early.next_event()
+    assert info.value.code is ErrorCode.UNEXPECTED
+    late = streaming_shadow()
+    late.receive_data(encode(EXIT) + encode(Data(1, 0, b"x")))
+    assert late.next_event() == EXIT
+    with pytest.raises(RemoteProtocolError) as info:
+        late.next_event()
+    assert info.value.code is ErrorCode.UNEXPECTED
+
+
+def test_pieces_of_bytes_kept_from_an_earlier_read() -> None:
+    """receive_data twice without next_event in between: the first read's
+    bytes are kept (copied, for a borrowed buffer) and come out in order."""
+    shadow = streaming_shadow()
+    payload = bytes(range(256)) * 40
+    wire = encode(Data(1, 0, payload))
+    buffer = bytearray(wire[:6000])
+    shadow.receive_data(memoryview(buffer), borrowed=True)
+    shadow.receive_data(wire[6000:])
+    buffer[:] = bytes(len(buffer))
+    events = []
+    while (ev := shadow.next_event()) is not NEED_DATA:
+        events.append(ev)
+    assert folded(events) == [Data(1, 0, payload)]
+
+
+def streaming_agent() -> Connection:
+    agent = agent_after_hello()
+    agent.receive_data(encode(WELCOME))
+    assert agent.next_event() == WELCOME
+    return agent
+
+
+@budget(ROUND_TRIP_EXAMPLES)
+@given(stream=st.sampled_from([0, 1, 255, 256, -1]),
+       offset=st.sampled_from([0, 1, MAX_OFFSET - MAX_PAYLOAD, MAX_OFFSET - 1, MAX_OFFSET, MAX_OFFSET + 1, -1]),
+       size=st.sampled_from([0, 1, 4096, MAX_PAYLOAD, MAX_PAYLOAD + 1]))
+def test_send_data_head_checks_what_send_checks(stream: int, offset: int, size: int) -> None:
+    """The head of a DATA frame whose payload the sender passes through
+    (sendmsg, sendfile) is legal exactly when the whole frame would be, and
+    with the payload after it is the frame `send` makes."""
+    payload = bytes(size)
+    try:
+        frame = streaming_agent().send(Data(stream, offset, payload))
+    except LocalProtocolError:
+        frame = None
+    agent = streaming_agent()
+    if frame is None:
+        with pytest.raises(LocalProtocolError):
+            agent.send_data_head(stream, offset, size)
+    else:
+        assert agent.send_data_head(stream, offset, size) + payload == frame
+    assert agent.state is State.STREAMING
+
+
+def test_send_data_head_only_where_data_is_legal() -> None:
+    with pytest.raises(LocalProtocolError):
+        agent_after_hello().send_data_head(1, 0, 1)  # before WELCOME
+    exiting = streaming_agent()
+    exiting.send(EXIT)
+    with pytest.raises(LocalProtocolError):
+        exiting.send_data_head(1, 0, 1)
+    with pytest.raises(LocalProtocolError):
+        streaming_shadow().send_data_head(1, 0, 1)  # the shadow sends no DATA
 
 
 # -- (c) hypothesis round trips ----------------------------------------------
@@ -706,10 +886,13 @@ def test_escaped_surrogate_pairs_are_fine() -> None:
 EXPECTED_CODES = {ErrorCode.BAD_FRAME, ErrorCode.UNEXPECTED, ErrorCode.FRAME_TOO_LARGE}
 
 
-def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tuple[list[Event], ProtocolError | None]:
+def play(conn: Connection, data: bytes, pieces: list[int] | None = None,
+         borrowed: bool = False) -> tuple[list[Event], ProtocolError | None]:
     """Feed `data` then EOF to `conn`, answering like the real peer would
     (CHALLENGE to HELLO, WELCOME to AUTH, AUTH to CHALLENGE, EXIT to WELCOME, PONG to PING). Returns the events and the
-    RemoteProtocolError, if any; any other exception propagates."""
+    RemoteProtocolError, if any; any other exception propagates. With
+    `borrowed`, each chunk is fed from one reused buffer, overwritten once
+    the connection asks for more; DATA pieces are copied as they come."""
     chunks: list[bytes] = []
     if pieces:
         pos, i = 0, 0
@@ -720,15 +903,23 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None) -> tupl
     else:
         chunks = [data]
     events: list[Event] = []
+    buffer = bytearray(max(map(len, chunks), default=0))
     try:
         for chunk in [*chunks, b""]:
-            conn.receive_data(chunk)
+            if borrowed and chunk:
+                buffer[: len(chunk)] = chunk
+                conn.receive_data(memoryview(buffer)[: len(chunk)], borrowed=True)
+            else:
+                conn.receive_data(chunk)
             # Each event consumes at least a header: more rounds than bytes would be a loop.
             for _ in range(conn.buffered + 2):
                 ev = conn.next_event()
                 if ev is NEED_DATA:
+                    buffer[:] = b"\xee" * len(buffer)  # what the connection kept must not be the caller's buffer
                     break
                 assert isinstance(ev, Event)
+                if isinstance(ev, DataPiece):
+                    ev = replace(ev, payload=bytes(ev.payload))
                 events.append(ev)
                 if isinstance(ev, ConnectionClosed):
                     assert chunk == b"", "ConnectionClosed before EOF"
@@ -852,6 +1043,43 @@ def mutated_wires(draw: st.DrawFn) -> tuple[Role, bytes]:
     return role, bytes(wire)
 
 
+def folded(events: list[Event]) -> list[Event]:
+    """`events` with every DATA frame's pieces joined into the DATA event
+    (checked to be in order, gapless, each at its own offset); the pieces
+    of a frame that never completed are left out."""
+    out: list[Event] = []
+    frame: list[DataPiece] = []
+    for ev in events:
+        if not isinstance(ev, DataPiece):
+            assert not frame or isinstance(ev, ConnectionClosed), f"{ev!r} in the middle of a DATA frame"
+            out.append(ev)
+            continue
+        prev = frame[-1] if frame else None
+        if prev is None:
+            assert ev.first, ev
+        else:
+            assert (ev.stream, ev.start, ev.end) == (prev.stream, prev.start, prev.end)
+            assert ev.offset == prev.offset + len(prev.payload) and ev.payload
+        assert ev.start <= ev.offset <= ev.offset + len(ev.payload) <= ev.end
+        frame.append(ev)
+        if ev.last:
+            out.append(Data(ev.stream, ev.start, b"".join(bytes(p.payload) for p in frame)))
+            frame = []
+    return out
+
+
+def play_both(wire: bytes, pieces: list[int] | None) -> tuple[list[Event], ProtocolError | None]:
+    """Play `wire` into a shadow that gathers DATA frames and one that gives
+    them out in pieces (into a buffer it reuses, scribbled over after every
+    read): the same events come out, DATA whole or in pieces, and both
+    refuse the input or neither does. Returns the whole-frame shadow's play."""
+    events, error = play(Connection(Role.SHADOW), wire, pieces)
+    piece_events, piece_error = play(Connection(Role.SHADOW, pieces=True), wire, pieces, borrowed=True)
+    assert (error is None) == (piece_error is None), (error, piece_error)
+    assert folded(piece_events) == events
+    return events, error
+
+
 def receiver(role: Role) -> Connection:
     """The connection that receives what `role` sent."""
     return Connection(Role.SHADOW) if role is A else agent_after_hello()
@@ -870,8 +1098,11 @@ def test_garbage_random_bytes() -> None:
     def run(data: bytes, magic: bool, to: Role, pieces: list[int] | None) -> None:
         nonlocal tried
         tried += 1
-        conn = Connection(Role.SHADOW) if to is S else agent_after_hello()
-        play(conn, (MAGIC if magic and to is S else b"") + data, pieces)
+        wire = (MAGIC if magic and to is S else b"") + data
+        if to is S:
+            play_both(wire, pieces)
+        else:
+            play(agent_after_hello(), wire, pieces)
 
     run()
     assert tried >= GARBAGE_EXAMPLES // 2, tried
@@ -888,7 +1119,7 @@ def test_garbage_mutated_frames() -> None:
         nonlocal tried, refused
         tried += 1
         role, wire = mutated
-        _, error = play(receiver(role), wire, pieces)
+        _, error = play_both(wire, pieces) if role is A else play(receiver(role), wire, pieces)
         refused += error is not None
 
     run()

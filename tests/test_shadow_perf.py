@@ -27,6 +27,7 @@ from helpers import Wrapper, tool, wait_until
 
 from gcwrap.shadow import files as shadow_files
 from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow.receive import Buffers
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
 from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, Role, encode
@@ -329,6 +330,52 @@ def test_cache_closes_only_clean_unpinned_files_and_reopens_them(tmp_path: Path)
 
 
 @pytest.mark.timeout(30)
+def test_cache_keeps_a_file_open_while_a_frame_is_half_written(tmp_path: Path) -> None:
+    """Bytes of a DATA frame not yet whole are past `written`: the file looks
+    clean, but its own sync must still see their writeback errors, so the
+    cache does not close it until the frame is whole."""
+    root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        cache = FileCache(root_fd)
+        sf = _output(root_fd, "half")
+        cache.add(sf)
+        os.pwrite(sf.fd, b"first piece", 0)
+        sf.partial = True
+        cache.trim(0)
+        assert sf.fd >= 0 and len(cache) == 1
+        sf.partial = False
+        cache.trim(0)
+        assert sf.fd < 0 and len(cache) == 0
+    finally:
+        os.close(root_fd)
+
+
+def test_read_buffers_are_lent_again_only_when_nothing_views_them() -> None:
+    buffers = Buffers(size=64, cap=2)
+    buf = buffers.take()
+    assert buf is not None
+    view = memoryview(buf)[:10]
+    buffers.give(buf)
+    assert buffers.free == [], "a buffer a payload still views is not lent again"
+    del view
+    buf = buffers.take()
+    assert buf is not None and buffers.made == 2
+    buffers.give(buf)
+    assert buffers.free == [buf] and len(buf) == 64
+    assert buffers.take() is buf and buffers.made == 2
+
+
+def test_no_more_read_buffers_are_lent_than_the_cap() -> None:
+    """Sessions that wait while acting on a read (10 000 EXITs waiting for
+    their flush) hold at most `cap` buffers: past it a read gets its own."""
+    buffers = Buffers(size=64, cap=3)
+    lent = [buffers.take() for _ in range(3)]
+    assert all(b is not None for b in lent) and buffers.take() is None
+    buffers.give(lent.pop())  # type: ignore[arg-type]
+    assert buffers.take() is not None and buffers.take() is None and buffers.made == 3
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("change", ["removed", "replaced", "truncated", "symlinked"])
 def test_cache_refuses_a_file_changed_while_closed(tmp_path: Path, change: str) -> None:
     root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
@@ -503,6 +550,93 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
     finally:
         files.close()
         store.close()
+
+
+# -- durable groups under bulk output ---------------------------------------------------------------------
+
+
+def _grouping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: Any) -> list[int]:
+    """Run `steps(durability, job, sf)` against a real Store's Durability,
+    with the fill bounds in time set far out (so only bytes, a flush or
+    small batches can end a wait); the length each batch synced the file to."""
+    from gcwrap.shadow import durability as dmod
+
+    monkeypatch.setattr(dmod, "GROUP_INTERVAL", 60.0)
+    monkeypatch.setattr(dmod, "GROUP_IDLE", 60.0)
+    store = Store(tmp_path)
+    synced: list[int] = []
+    real_sync = store.syncer.sync
+
+    def sync(files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
+        synced.append(sum(n for _, n in files))
+        return real_sync(files)
+
+    store.syncer.sync = sync  # type: ignore[method-assign]
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    try:
+        async def main() -> None:
+            with trio.fail_after(30):
+                durability = dmod.Durability(store)
+                job = dmod.LiveJob("j")
+                job.files = files
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(durability.run)
+                    await steps(durability, job, files.outputs[1])
+                    nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        files.close()
+        store.close()
+    return synced
+
+
+async def _mark(durability: Any, job: Any, sf: StreamFile, n: int) -> None:
+    _write(sf, b"x" * n)
+    durability.mark(sf, job, n)
+
+
+@pytest.mark.timeout(60)
+def test_small_batches_never_wait_to_fill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Line output and small agents: each frame is synced as it comes, with
+    the time bounds of a bulk batch a minute away."""
+    async def steps(durability: Any, job: Any, sf: StreamFile) -> None:
+        for i in range(1, 4):
+            await _mark(durability, job, sf, 100)
+            while sf.durable < 100 * i:
+                await job.durable_changed.wait()
+
+    assert _grouping(tmp_path, monkeypatch, steps) == [100, 200, 300]
+
+
+@pytest.mark.timeout(60)
+def test_under_bulk_output_a_batch_waits_to_fill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a batch of GROUP_BULK bytes or more, the next one waits for
+    GROUP_BYTES (with the time bounds a minute away): whole frames marked
+    one by one are synced together; a flush takes the batch at once."""
+    from gcwrap.shadow.durability import GROUP_BULK, GROUP_BYTES
+
+    mib = 1 << 20
+
+    async def steps(durability: Any, job: Any, sf: StreamFile) -> None:
+        await _mark(durability, job, sf, GROUP_BULK)
+        while sf.durable < GROUP_BULK:
+            await job.durable_changed.wait()
+        for _ in range(GROUP_BYTES // mib - 1):
+            await _mark(durability, job, sf, mib)
+        await trio.to_thread.run_sync(wait_until, lambda: durability.filling, 10, "the batch waiting to fill")
+        assert durability.batches == 1
+        await _mark(durability, job, sf, mib)  # GROUP_BYTES pending: the batch goes
+        while sf.durable < GROUP_BULK + GROUP_BYTES:
+            await job.durable_changed.wait()
+        await _mark(durability, job, sf, 10)
+        await trio.to_thread.run_sync(wait_until, lambda: durability.filling, 10, "the next batch waiting to fill")
+        await durability.flush(job)  # EXIT, or the shadow stopping: no waiting to fill
+        assert sf.durable == GROUP_BULK + GROUP_BYTES + 10
+
+    assert _grouping(tmp_path, monkeypatch, steps) == [GROUP_BULK, GROUP_BULK + GROUP_BYTES,
+                                                      GROUP_BULK + GROUP_BYTES + 10]
 
 
 # -- acknowledgements never run ahead of the state database, on either sync path -------------------------

@@ -474,3 +474,39 @@ def test_an_agent_that_offers_nothing_gets_the_welcome_older_agents_know(shadow:
         raw += chunk
     assert raw[4] == 2 and b'"features"' not in raw[5 : 4 + int.from_bytes(raw[:4], "big")]  # WELCOME
     del conn
+
+
+# -- DATA written in pieces, as it arrives -------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_lands_as_it_arrives_but_counts_only_whole(shadow: ShadowProc, home: Path) -> None:
+    """The pieces of a DATA frame are in the file before the frame is whole
+    (a frame gathered first would show nothing of it); none of it is
+    acknowledged or recorded durable until all of it is in; after the
+    connection died mid-frame the resend writes the same bytes at the same
+    offsets, once."""
+    a = RawAgent(shadow.port)
+    welcome(a, hello("pieces", out="p.out"))
+    a.send(Data(1, 0, b"head:"))
+    _acked_to(a, 5)
+    payload = os.urandom(900_000)
+    frame = a.conn.send(Data(1, 5, payload))
+    half = 500_000
+    a.sock.sendall(frame[:half])
+    wait_until(lambda: file_size(home / "p.out") >= 5 + half - 14, 20, "the frame's first half in the file")
+    assert (home / "p.out").read_bytes()[5:] == payload[: file_size(home / "p.out") - 5]
+    b = RawAgent(shadow.port)  # a newer session of the job fences the first, mid-frame
+    assert welcome(b, hello("pieces", out="p.out")).durable == ((1, 5),)  # nothing of the half frame
+    seen = []
+    while not isinstance(ev := a.next(), (Error, ConnectionClosed)):
+        seen.append(ev)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.FENCED, ev
+    assert all(not isinstance(e, Ack) or e.offset <= 5 for e in seen), seen  # never acked past the whole frames
+    assert (home / "p.out").read_bytes() == b"head:"  # the new session cut the file back to its durable length
+    b.send(Data(1, 0, b"head:" + payload[:1000]))  # a resend overlapping what is held
+    b.send(Data(1, 1005, payload[1000:]))
+    _acked_to(b, 5 + len(payload))
+    assert (home / "p.out").read_bytes() == b"head:" + payload
+    b.send(Exit(0, None, ((1, 5 + len(payload)),)))
+    assert isinstance(b.until(Done), Done)

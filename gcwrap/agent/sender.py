@@ -45,7 +45,6 @@ from ..wire.events import (
     Auth,
     Challenge,
     ConnectionClosed,
-    Data,
     Done,
     Error,
     ErrorCode,
@@ -59,7 +58,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role, State, data_header
+from ..wire.protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
@@ -168,12 +167,13 @@ class Session:
 
     async def _send_data(self, stream: trio.abc.Stream, sid: int, offset: int, payload: bytes | memoryview) -> None:
         """DATA without joining header and payload: with plain TCP one
-        sendmsg gathers both (the payload is never copied in user space)."""
-        if self.conn.state is not State.STREAMING or len(payload) > MAX_PAYLOAD or isinstance(stream, trio.SSLStream):
-            await self._send(stream, Data(sid, offset, bytes(payload)))
-            return
+        sendmsg gathers both (the payload is never copied in user space).
+        The protocol checks the frame (`send_data_head`), as for any other."""
         async with self.send_lock:
-            header = data_header(sid, offset, len(payload))
+            header = self.conn.send_data_head(sid, offset, len(payload))
+            if isinstance(stream, trio.SSLStream):
+                await stream.send_all(b"".join((header, payload)))
+                return
             sock = self.sock
             parts: list[bytes | memoryview] = [header, payload]
             while parts:
@@ -195,7 +195,7 @@ class Session:
         source = self.source
         size = min(source.placed_size(offset, end), MAX_PAYLOAD)
         self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
-        if self.conn.state is not State.STREAMING or isinstance(stream, trio.SSLStream):
+        if isinstance(stream, trio.SSLStream):
             await self._send_data(stream, sid, offset, await source.read_placed(sid, offset, size))
             self.handed[sid] = offset + size
             return
@@ -207,7 +207,7 @@ class Session:
         except trio.WouldBlock:
             await self.send_lock.acquire()
         try:
-            header = memoryview(data_header(sid, offset, size))
+            header = memoryview(self.conn.send_data_head(sid, offset, size))
             try:
                 try:
                     header = header[self._raw().send(header, socket.MSG_MORE) :]

@@ -324,6 +324,7 @@ class StreamFile:
     # synced: a file's fdatasync() does not make its name durable (POSIX),
     # so none of its bytes is durable before they are (Syncer.sync).
     new_entries: tuple[str, ...] = ()
+    partial: bool = False  # holds bytes past `written` of a DATA frame not yet whole
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
 
@@ -333,8 +334,9 @@ class StreamFile:
 
     @property
     def closable(self) -> bool:
-        """Open, clean (everything written is durable) and not being synced."""
-        return self.fd >= 0 and not self.pins and self.written == self.durable and not self.locked
+        """Open, clean (everything written is durable, no frame half
+        written) and not being synced."""
+        return self.fd >= 0 and not self.pins and self.written == self.durable and not self.locked and not self.partial
 
     def reopen(self, root_fd: int) -> None:
         """Open the file again after the cache closed it: confined as the

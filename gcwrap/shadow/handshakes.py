@@ -15,7 +15,8 @@ from typing import Any
 import trio
 
 from ..wire.events import ConnectionClosed, Error, ErrorCode, Event
-from ..wire.protocol import NEED_DATA, Connection, ProtocolError
+from ..wire.protocol import Connection, ProtocolError
+from .receive import read_some
 
 # Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
 RECEIVE_SIZE = 120 << 10
@@ -110,17 +111,7 @@ async def refuse(
 
 
 async def next_events(stream: trio.abc.Stream, conn: Connection, size: int = RECEIVE_SIZE) -> list[Event]:
-    data = await stream.receive_some(size)
-    conn.receive_data(data)
-    events: list[Event] = []
-    while True:
-        ev = conn.next_event()
-        if ev is NEED_DATA:
-            return events
-        assert isinstance(ev, Event)
-        events.append(ev)
-        if isinstance(ev, (ConnectionClosed, Error)):
-            return events
+    return await read_some(stream, conn, size)
 
 
 

@@ -1,8 +1,11 @@
 """The shadow: receives the output of any number of jobs and serves their stdin.
 
 One trio task per connection (no process per job). A connection's handler
-writes DATA inline with pwrite at the frame's offset (a page-cache write is
-cheaper than a thread hop), trims bytes it already has and refuses gaps.
+writes DATA inline with pwrite (a page-cache write is cheaper than a thread
+hop), each piece of a frame at its offset as it arrives (`receive`), trims
+bytes it already has and refuses gaps; a file's written length, and so what
+can become durable and be acknowledged, moves to a frame's end only once
+the whole frame is in.
 `Durability` makes the bytes of every job durable in groups, in a thread of
 its own: sync the dirty files (one syncfs of the root's file system when
 that is cheaper than their fdatasyncs), record the new lengths in the state
@@ -50,6 +53,7 @@ from ..wire.events import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     Data,
+    DataPiece,
     Done,
     Error,
     ErrorCode,
@@ -58,7 +62,6 @@ from ..wire.events import (
     Hello,
     Ping,
     Pong,
-    StdinData,
     StdinRead,
     Welcome,
     ZData,
@@ -70,8 +73,9 @@ from .backends import StateBackend, open_store
 from .collector import keep_collections_short
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
-from .files import FileCache, JobFiles, Problem, StoreError, StreamFile
+from .files import FileCache, Problem, StoreError, StreamFile
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
+from .receive import Buffers, inflate, read_into, read_stdin
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -141,6 +145,7 @@ class Shadow:
         self.handshakes = HandshakeMemory(opts.handshake_memory)  # what unauthenticated connections hold
         # Job handshakes, exits and disconnections recorded in groups, one state transaction each.
         self.records = GroupCommit(store.grouped, self._worker)
+        self.buffers = Buffers()  # what streaming sessions read into, lent a read at a time
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -530,18 +535,27 @@ class Shadow:
         self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, peer: str,
         pending: list[Event],
     ) -> None:
-        with trio.CancelScope() as idle:  # one scope, its deadline moved per read: cheaper than fail_after
+        conn.pieces = True  # DATA as it arrives, each piece written at its offset
+        fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        buf: bytearray | None = None
+        with trio.CancelScope() as idle, self.buffers.lending(lambda: buf):  # (one scope, its deadline moved)
             while True:
                 if pending:  # what arrived with the handshake
                     events, pending[:] = list(pending), []
                 else:
                     idle.deadline = trio.current_time() + self.opts.idle_timeout
-                    events = await next_events(stream, conn)
+                    if fd >= 0:
+                        events, buf = await read_into(fd, conn, self.buffers)
+                    else:
+                        events = await next_events(stream, conn)
                     idle.deadline = math.inf
                 over = await self._process(stream, conn, job, sender, peer, events)
-                # DATA payloads are views of the received bytes: keep none of
-                # them while waiting for the next read (memory per connection).
+                # DATA payloads are views of the read's buffer: keep none of
+                # them while waiting for the next read, and lend the buffer on.
                 del events
+                if buf is not None:
+                    self.buffers.give(buf)
+                    buf = None
                 if over:
                     return
         if idle.cancelled_caught:
@@ -554,19 +568,23 @@ class Shadow:
         files = job.files
         for ev in events:
             self._check(job)
-            if isinstance(ev, (Data, ZData)):
+            if type(ev) is DataPiece:
                 sf = files.outputs.get(ev.stream)
-                if sf is not None:
-                    if sf.fd < 0:
-                        await self._open(sf)
-                    sf.wire += len(ev.payload)
-                self.stats["wire"] += len(ev.payload)
-                self._write(job, ev if isinstance(ev, Data) else _inflate(ev))
+                if sf is not None and sf.fd < 0:
+                    await self._open(sf)
+                self._write(job, ev.stream, ev.offset, ev.payload, ev.start, ev.end)
+            elif isinstance(ev, (Data, ZData)):
+                sf = files.outputs.get(ev.stream)
+                if sf is not None and sf.fd < 0:
+                    await self._open(sf)
+                data = ev if isinstance(ev, Data) else inflate(ev)
+                self._write(job, ev.stream, ev.offset, data.payload, ev.offset, ev.offset + len(data.payload),
+                            len(ev.payload))
             elif isinstance(ev, StdinRead):
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
                 self._check(job)
-                await sender.send(conn.send(self._read_stdin(files, ev)))
+                await sender.send(conn.send(read_stdin(self.files, files, ev)))
             elif isinstance(ev, Ping):
                 await sender.send(conn.send(Pong(ev.nonce)))
             elif isinstance(ev, Exit):
@@ -581,44 +599,47 @@ class Shadow:
                 pass
         return False
 
-    def _write(self, job: LiveJob, ev: Data) -> None:
-        sf = job.files.outputs.get(ev.stream)
+    def _write(self, job: LiveJob, stream: int, offset: int, payload: bytes, start: int, end: int,
+               wire: int = -1) -> None:
+        """Write the piece at `offset` of a DATA frame covering start..end,
+        less what the file holds. The frame is checked at its first piece;
+        `written` moves to its end at its last, so nothing of a frame becomes
+        durable before all of it is in. `wire`: its size on the wire, if compressed."""
+        sf = job.files.outputs.get(stream)
         if sf is None:
-            raise ProtocolError(f"DATA for stream {ev.stream}, which the handshake did not declare",
+            raise ProtocolError(f"DATA for stream {stream}, which the handshake did not declare",
                                 ErrorCode.UNKNOWN_STREAM)
-        if ev.offset > sf.written:
-            raise ProtocolError(
-                f"DATA at offset {ev.offset} of {sf.name!r} would leave a gap after byte {sf.written}",
-                ErrorCode.OFFSET_GAP,
-            )
-        skip = sf.written - ev.offset
-        if skip >= len(ev.payload):
-            return  # a resend of bytes we hold: trimmed, not written twice
-        quota = self.opts.quota
-        if quota:
-            total = sum(f.written for f in job.files.outputs.values())
-            if total + len(ev.payload) - skip > quota:
-                raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
-        payload = memoryview(ev.payload)[skip:] if skip else ev.payload
-        offset = sf.written
-        self._check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
-        self.files.use(sf)
-        while payload:
-            n = os.pwrite(sf.fd, payload, offset)
-            offset += n
-            sf.written = offset
-            payload = payload[n:]
-        self.stats["bytes"] += len(ev.payload) - skip
-        self.durability.mark(sf, job)
-
-    def _read_stdin(self, files: JobFiles, ev: StdinRead) -> StdinData:
-        if files.stdin is None or ev.stream != files.stdin_stream:
-            raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin",
-                                ErrorCode.UNKNOWN_STREAM)
-        fd = self.files.use(files.stdin)
-        data = os.pread(fd, ev.max_bytes, ev.offset)
-        size = os.fstat(fd).st_size
-        return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
+        if offset == start:
+            if start > sf.written:
+                raise ProtocolError(
+                    f"DATA at offset {start} of {sf.name!r} would leave a gap after byte {sf.written}",
+                    ErrorCode.OFFSET_GAP,
+                )
+            quota = self.opts.quota
+            if quota and end > sf.written:
+                total = sum(f.written for f in job.files.outputs.values())
+                if total + end - sf.written > quota:
+                    raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
+        last = offset + len(payload) == end
+        skip = sf.written - offset  # (`written` holds still until the frame's end)
+        if skip < len(payload):
+            view = memoryview(payload)[skip:] if skip > 0 else payload
+            at = offset + max(skip, 0)
+            self._check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
+            self.files.use(sf)
+            while view:
+                n = os.pwrite(sf.fd, view, at)
+                at += n
+                view = view[n:]
+            sf.partial = not last  # (a file with bytes of a frame not yet whole is not closed by the cache)
+        if last:
+            wire = end - start if wire < 0 else wire
+            sf.wire += wire
+            self.stats["wire"] += wire
+            if end > sf.written:
+                grown, sf.written = end - sf.written, end  # (before the mark: a batch takes `written` as it is)
+                self.stats["bytes"] += grown
+                self.durability.mark(sf, job, grown)
 
     async def _finish(
         self, conn: Connection, job: LiveJob, ev: Exit, sender: Sender, peer: str
@@ -678,11 +699,3 @@ async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
                 return
             nursery.start_soon(shadow.stop, f"{signal.Signals(signum).name} received")
 
-
-def _inflate(ev: ZData) -> Data:
-    """The DATA a ZDATA frame carries; a frame that does not decode to
-    exactly the bytes it announced is malformed (nothing of it is written)."""
-    try:
-        return Data(ev.stream, ev.offset, compress.codec().decompress(ev.payload, ev.size))
-    except compress.CodecError as e:
-        raise ProtocolError(f"ZDATA for stream {ev.stream} at offset {ev.offset}: {e}", ErrorCode.BAD_FRAME) from None

@@ -124,6 +124,31 @@ class Data(Event):
 
 
 @dataclass(frozen=True)
+class DataPiece(Event):
+    """Agent → shadow, as it arrives: the bytes of a DATA frame's payload
+    that belong at `offset`, of the frame that covers `start`..`end` of
+    `stream`. A frame's pieces come in order, without gaps: the first at
+    `start`, the last ending at `end` (one empty piece for an empty frame).
+    Only from a receiving `Connection` with `pieces` set; the frame's head
+    (its length, stream field, offset range) is checked before its first
+    piece. Whether the frame is whole is known only at its last piece."""
+
+    stream: int
+    offset: int
+    payload: bytes
+    start: int
+    end: int
+
+    @property
+    def first(self) -> bool:
+        return self.offset == self.start
+
+    @property
+    def last(self) -> bool:
+        return self.offset + len(self.payload) == self.end
+
+
+@dataclass(frozen=True)
 class ZData(Event):
     """Agent → shadow: `size` bytes of an output stream at `offset`, as one
     zstd frame. Only once WELCOME accepted the "zstd" feature. Offsets and

@@ -172,13 +172,22 @@ def _encode(event: Event) -> bytes:
     return encoder(event)
 
 
-def _encode_data(event: Data) -> bytes:
-    _check_offset(event.offset, "offset")
-    _check_offset(event.offset + len(event.payload), "end offset")
-    if len(event.payload) > MAX_PAYLOAD:
+def data_head(stream: int, offset: int, size: int) -> bytes:
+    """`data_header`, checked as a DATA frame with a `size`-byte payload is
+    (LocalProtocolError if a field is out of range)."""
+    _check_offset(offset, "offset")
+    _check_offset(offset + size, "end offset")
+    if size > MAX_PAYLOAD:
         raise LocalProtocolError("DATA payload too large")
+    try:
+        return data_header(stream, offset, size)
+    except struct.error as e:
+        raise LocalProtocolError(f"cannot encode Data: {e}") from None
+
+
+def _encode_data(event: Data) -> bytes:
     # One copy of the payload, not two (header + body, then frame + body).
-    return b"".join((data_header(event.stream, event.offset, len(event.payload)), event.payload))
+    return b"".join((data_head(event.stream, event.offset, len(event.payload)), event.payload))
 
 
 def _encode_zdata(event: ZData) -> bytes:
@@ -473,16 +482,28 @@ def _fixed(st: struct.Struct, body: bytes | memoryview, ftype: FrameType, exact:
     return st.unpack_from(body)
 
 
-def decode_data(body: bytes | memoryview) -> Data:
-    if len(body) < _DATA.size:
-        raise _bad(f"DATA frame has the wrong length ({len(body)} bytes)")
-    stream, offset = _DATA.unpack_from(body)
-    payload = body[_DATA.size :]
-    if len(payload) > MAX_PAYLOAD:
+DATA_HEAD = HEADER.size + _DATA.size  # the bytes of a DATA frame before its payload
+
+
+def decode_data_head(body_length: int, head: bytes | memoryview) -> tuple[int, int, int]:
+    """(stream, offset, payload size) of a DATA frame whose body is
+    `body_length` bytes, from the body's first bytes (`head`, at least
+    _DATA.size of them unless the body is shorter), or RemoteProtocolError:
+    everything a DATA frame is checked for, known before its payload."""
+    if body_length < _DATA.size:
+        raise _bad(f"DATA frame has the wrong length ({body_length} bytes)")
+    stream, offset = _DATA.unpack_from(head)
+    size = body_length - _DATA.size
+    if size > MAX_PAYLOAD:
         raise RemoteProtocolError("DATA payload too large", ErrorCode.FRAME_TOO_LARGE)
-    if offset + len(payload) > MAX_OFFSET:
+    if offset + size > MAX_OFFSET:
         raise _bad("DATA runs past the largest offset")
-    return Data(stream, offset, cast(bytes, payload))  # a memoryview when `body` is one: bytes-like, no copy
+    return stream, offset, size
+
+
+def decode_data(body: bytes | memoryview) -> Data:
+    stream, offset, _ = decode_data_head(len(body), body)
+    return Data(stream, offset, cast(bytes, body[_DATA.size :]))  # a memoryview when `body` is one: bytes-like, no copy
 
 
 def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:

@@ -26,6 +26,15 @@ body is buffered, so a peer cannot make us hold more than one frame.
 Nothing here does I/O, reads a clock or imports trio: feed bytes in with
 `receive_data()` (b"" for EOF), pull events with `next_event()`, and turn
 events into bytes with `send()`.
+
+A shadow's connection with `pieces` set does not gather a DATA frame: once
+its head (length, type, stream, offset) has arrived and been checked, each
+read's share of its payload comes out as a `DataPiece` at its own offset
+(as h11 gives a body's data as it arrives), so what a connection buffers is
+bounded by one read, not one frame, and no frame is joined. A receiver that
+reuses its read buffer says so (`receive_data(..., borrowed=True)`): what the
+connection keeps past the read is then copied, and the events' payloads are
+valid until the next `receive_data`.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from .events import (
     Challenge,
     ConnectionClosed,
     Data,
+    DataPiece,
     Done,
     Error,
     ErrorCode,
@@ -54,6 +64,7 @@ from .events import (
     ZData,
 )
 from .frames import (
+    DATA_HEAD,
     DATA_TYPE,
     DEFAULT_MAX_FRAME,
     HEADER,
@@ -64,9 +75,11 @@ from .frames import (
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
+    data_head,
     data_header,
     decode,
     decode_data,
+    decode_data_head,
     encode,
 )
 
@@ -137,6 +150,7 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
 }
 
 
+_DATA_PROBE = Data(0, 0, b"")  # (what `send_data_head` asks the transitions about)
 _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
 
@@ -156,7 +170,7 @@ def _next_state(state: State, role: Role, event: Event, features: frozenset[str]
 class Connection:
     """One end of a gcwrap connection, agent or shadow."""
 
-    def __init__(self, role: Role, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, role: Role, max_frame: int = DEFAULT_MAX_FRAME, *, pieces: bool = False) -> None:
         self.role = role
         self.peer_role = Role.SHADOW if role is Role.AGENT else Role.AGENT
         self.state = State.AWAIT_HELLO
@@ -169,6 +183,11 @@ class Connection:
         self._data = b""
         self._pos = 0
         self._eof = False
+        self._borrowed = False  # `_data` is the caller's buffer: what outlives the read is copied
+        # DATA as DataPiece events (shadow, streaming); `_body` is the frame
+        # whose payload is arriving: (stream, next offset, start, end).
+        self.pieces = pieces
+        self._body: tuple[int, int, int, int] | None = None
         self._magic_seen = role is Role.AGENT  # only the shadow expects the magic
         self._magic_sent = role is Role.SHADOW
         self.features: frozenset[str] = frozenset()  # what the WELCOME accepted, for this connection
@@ -192,21 +211,38 @@ class Connection:
             return MAGIC + frame
         return frame
 
+    def send_data_head(self, stream: int, offset: int, size: int) -> bytes:
+        """The bytes of a DATA frame before its `size`-byte payload, which
+        the caller sends right after them, unjoined (sendmsg, sendfile), as
+        h11's send_with_data_passthrough lets a body bypass it: the frame is
+        checked as `send(Data(...))` checks it, without the payload in hand
+        (LocalProtocolError if DATA is illegal now or a field out of range)."""
+        if _next_state(self.state, self.role, _DATA_PROBE, self.features) is None:
+            raise LocalProtocolError(f"{self.role.value} may not send Data in state {self.state.value}",
+                                     ErrorCode.UNEXPECTED)
+        return data_head(stream, offset, size)
+
     # -- receiving -------------------------------------------------------
 
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed bytes from the peer; b"" means the peer closed (EOF)."""
+    def receive_data(self, data: bytes | bytearray | memoryview, *, borrowed: bool = False) -> None:
+        """Feed bytes from the peer; b"" means the peer closed (EOF).
+
+        `borrowed`: `data` is the caller's buffer, which it reuses once
+        `next_event` has returned NEED_DATA: the events' payloads are views
+        of it, valid until then, and whatever the connection keeps longer
+        it copies. Otherwise a buffer that is not `bytes` is copied first."""
         if self._eof and data:
             raise LocalProtocolError("data received after EOF")
         if not data:
             self._eof = True
             return
-        if type(data) is not bytes:
+        if type(data) is not bytes and not borrowed:
             data = bytes(data)  # the caller may reuse its buffer: frames are cut from ours
         if self._pos < len(self._data):
             self._stash(memoryview(self._data)[self._pos :])
-        self._data = data
+        self._data = data  # type: ignore[assignment]  # (a bytes-like buffer, sliced only through memoryview)
         self._pos = 0
+        self._borrowed = borrowed
 
     def _stash(self, piece: memoryview) -> None:
         """Keep `piece` of the latest chunk (the start of a frame that goes on
@@ -215,7 +251,7 @@ class Connection:
         per idle connection) and a peer sending tiny reads costs no per-read
         objects: small pieces are gathered in one bytearray."""
         n = len(piece)
-        if n >= _SMALL and 2 * n >= len(self._data):
+        if n >= _SMALL and 2 * n >= len(self._data) and not self._borrowed:
             self._parts.append(piece)
         else:
             last = self._parts[-1] if self._parts else None
@@ -239,6 +275,18 @@ class Connection:
         if self._pos >= len(self._data):
             self._data = b""
             self._pos = 0
+
+    def _drop_gathered(self, n: int) -> None:
+        """Drop the first n bytes gathered in `_parts` (n <= _parts_len)."""
+        self._parts_len -= n
+        while n:
+            first = self._parts[0]
+            if len(first) <= n:
+                del self._parts[0]
+                n -= len(first)
+            else:
+                self._parts[0] = memoryview(first)[n:]
+                n = 0
 
     def _gathered(self, n: int) -> bytes:
         """The first n bytes gathered in `_parts` (n <= _parts_len)."""
@@ -275,6 +323,8 @@ class Connection:
             return NEED_DATA
         if not self._magic_seen and not self._check_magic():
             return self._need_data()
+        if self._body is not None:
+            return self._piece()
         body: bytes | memoryview
         if not self._parts_len:
             data, pos = self._data, self._pos
@@ -283,6 +333,8 @@ class Connection:
                 return self._need_data()
             length, ftype = HEADER.unpack_from(data, pos)
             self._check_length(length)
+            if ftype == DATA_TYPE and self._in_pieces(length):
+                return self._start_data(length)
             end = pos + 4 + length
             if end > len(data):
                 self._take(end - pos)
@@ -300,6 +352,8 @@ class Connection:
                     return self._need_data()
             length, ftype = HEADER.unpack(self._gathered(HEADER.size))
             self._check_length(length)
+            if ftype == DATA_TYPE and self._in_pieces(length):
+                return self._start_data(length)
             total = 4 + length
             if self._parts_len < total:
                 self._take(total - self._parts_len)
@@ -322,6 +376,52 @@ class Connection:
             self.features = frozenset(event.features)
         return event
 
+    def _in_pieces(self, length: int) -> bool:
+        """Whether a DATA frame of `length` comes out in pieces: legal here,
+        and long enough to have a head (a shorter one is refused whole)."""
+        return (self.pieces and length >= DATA_HEAD - 4 and self.state is State.STREAMING
+                and self.role is Role.SHADOW)
+
+    def _start_data(self, length: int) -> Event | NeedData:
+        """A DATA frame's header is here: once its head is whole, check it
+        and give out its first piece (NEED_DATA until then)."""
+        if self._parts_len:
+            self._take(DATA_HEAD - self._parts_len)
+            if self._parts_len < DATA_HEAD:
+                return self._need_data()
+            head: bytes | memoryview = self._gathered(DATA_HEAD)
+            self._drop_gathered(DATA_HEAD)
+        else:
+            if len(self._data) - self._pos < DATA_HEAD:
+                self._take(DATA_HEAD)
+                return self._need_data()
+            head = memoryview(self._data)[self._pos : self._pos + DATA_HEAD]
+            self._advance(DATA_HEAD)
+        stream, offset, size = decode_data_head(length - 1, head[HEADER.size :])
+        self._body = (stream, offset, offset, offset + size)
+        return self._piece()
+
+    def _piece(self) -> Event | NeedData:
+        """The next piece of the DATA frame whose payload is arriving: what
+        is here of it, up to its end, without copying."""
+        assert self._body is not None
+        stream, offset, start, end = self._body
+        want = end - offset
+        payload: bytes | memoryview
+        if self._parts_len:  # (bytes kept from an earlier read: receive_data ran twice without next_event)
+            first = self._parts[0]
+            n = min(len(first), want)
+            payload = bytes(memoryview(first)[:n]) if isinstance(first, bytearray) else memoryview(first)[:n]
+            self._drop_gathered(n)
+        else:
+            n = min(len(self._data) - self._pos, want)
+            if not n and want:
+                return self._need_data()
+            payload = memoryview(self._data)[self._pos : self._pos + n]
+            self._advance(n)
+        self._body = None if n == want else (stream, offset + n, start, end)
+        return DataPiece(stream, offset, payload, start, end)  # type: ignore[arg-type]  # (bytes-like: a view)
+
     def _check_length(self, length: int) -> None:
         if length < 1:
             raise RemoteProtocolError("frame length 0", ErrorCode.BAD_FRAME)
@@ -338,7 +438,7 @@ class Connection:
 
     def _need_data(self) -> Event | NeedData:
         if self._eof:
-            if self.buffered:
+            if self.buffered or self._body is not None:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
             return ConnectionClosed()
         return NEED_DATA
