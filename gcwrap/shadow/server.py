@@ -1,11 +1,10 @@
 """The shadow: receives the output of any number of jobs and serves their stdin.
 
 One trio task per connection (no process per job). A connection's handler
-writes DATA inline with pwrite (a page-cache write is cheaper than a thread
-hop), each piece of a frame at its offset as it arrives (`receive`), trims
-bytes it already has and refuses gaps; a file's written length, and so what
-can become durable and be acknowledged, moves to a frame's end only once
-the whole frame is in.
+pwrites DATA inline (cheaper than a thread hop), each piece of a frame at
+its offset as it arrives (`receive`), trims what it has, refuses gaps; a
+file's written length (what can become durable) moves to a frame's end
+only once the frame is whole.
 `Durability` makes the bytes of every job durable in groups, in a thread of
 its own: sync the dirty files (one syncfs of the root's file system when
 that is cheaper than their fdatasyncs), record the new lengths in the state
