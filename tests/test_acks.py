@@ -9,8 +9,11 @@ path. A length is acknowledged only once synced and recorded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,11 +22,11 @@ import trio.testing
 
 from gcwrap.shadow.acks import Sender
 from gcwrap.shadow.durability import Durability, Fenced, LiveJob
-from gcwrap.shadow.files import StreamFile
+from gcwrap.shadow.files import JobFiles, StreamFile
 from gcwrap.shadow.state import Store
 from gcwrap.sync import first_error
-from gcwrap.wire.events import Ack, Hello, StreamSpec, Welcome
-from gcwrap.wire.protocol import NEED_DATA, Connection, Role
+from gcwrap.wire.events import Ack, Event, Hello, Pong, StreamSpec, Welcome
+from gcwrap.wire.protocol import Connection, Role
 
 
 def _pair() -> tuple[Connection, Connection]:
@@ -36,18 +39,57 @@ def _pair() -> tuple[Connection, Connection]:
     return agent, shadow
 
 
-def _received(sock: trio.socket.SocketType, agent: Connection) -> list[Ack]:
-    """The ACKs waiting in the agent's socket, read without waiting."""
-    out: list[Ack] = []
+@dataclass
+class Rig:
+    """A job with one output open in a Store, an agent's and a shadow's
+    connection past the handshake, and the job as the durability batches
+    see it."""
+
+    store: Store
+    files: JobFiles
+    agent: Connection
+    shadow: Connection
+    job: LiveJob
+
+    @property
+    def sf(self) -> StreamFile:
+        return self.files.outputs[1]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    store = Store(tmp_path)
+    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                           streams=[StreamSpec(1, "stdout", "out")])
+    job = LiveJob("j")
+    job.files = files
+    try:
+        yield Rig(store, files, *_pair(), job)
+    finally:
+        files.close()
+        store.close()
+
+
+@contextlib.contextmanager
+def _sockets() -> Iterator[tuple[trio.socket.SocketType, trio.socket.SocketType]]:
+    """The shadow's end and the agent's (non-blocking, read by _received)."""
+    left, right = trio.socket.socketpair()
+    os.set_blocking(right.fileno(), False)
+    try:
+        yield left, right
+    finally:
+        left.close()
+        right.close()
+
+
+def _received(sock: trio.socket.SocketType, agent: Connection) -> list[Event]:
+    """The frames waiting in the agent's socket, read without waiting."""
     try:
         data = os.read(sock.fileno(), 65536)
     except BlockingIOError:
-        return out
+        return []
     agent.receive_data(data)
-    while (ev := agent.next_event()) is not NEED_DATA:
-        assert isinstance(ev, Ack), ev
-        out.append(ev)
-    return out
+    return agent.events()
 
 
 def _recorded(root: Path) -> int:
@@ -69,23 +111,15 @@ async def _batch(durability: Durability, sf: StreamFile, job: LiveJob, data: byt
 
 
 @pytest.mark.timeout(30)
-def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path: Path) -> None:
-    store = Store(tmp_path)
-    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
-                           streams=[StreamSpec(1, "stdout", "out")])
-    sf = files.outputs[1]
-    agent, shadow = _pair()
+def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(rig: Rig, tmp_path: Path) -> None:
+    sf, agent, job = rig.sf, rig.agent, rig.job
     holding = [True]
 
     async def main() -> None:
-        left, right = trio.socket.socketpair()
-        os.set_blocking(right.fileno(), False)
-        durability = Durability(store)
-        job = LiveJob("j")
-        job.files = files
-        stream = trio.SocketStream(left)
-        sender = Sender(stream, shadow, job, lambda: holding[0])
-        with trio.fail_after(20):
+        with _sockets() as (left, right), trio.fail_after(20):
+            durability = Durability(rig.store)
+            stream = trio.SocketStream(left)
+            sender = Sender(stream, rig.shadow, job, lambda: holding[0])
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(durability.run)
                 with pytest.raises(Fenced), first_error():
@@ -123,35 +157,21 @@ def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(tmp_path:
                 assert (sender.sync_acks, sender.task_acks) == (1, 1)
                 assert job.on_durable is None
                 nursery.cancel_scope.cancel()
-        left.close()
-        right.close()
 
-    try:
-        trio.run(main)
-    finally:
-        files.close()
-        store.close()
+    trio.run(main)
 
 
 @pytest.mark.timeout(30)
-def test_the_ack_task_starts_only_when_needed_and_ends_uncancelled(tmp_path: Path) -> None:
+def test_the_ack_task_starts_only_when_needed_and_ends_uncancelled(rig: Rig) -> None:
     """Attached to a session, a Sender acknowledges inline with no task at
     all; the task starts the first time an ACK has to wait (a send in
     flight), and when the session closes it ends by itself, not cancelled."""
-    store = Store(tmp_path)
-    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
-                           streams=[StreamSpec(1, "stdout", "out")])
-    sf = files.outputs[1]
-    agent, shadow = _pair()
+    sf, agent, job = rig.sf, rig.agent, rig.job
 
     async def main() -> None:
-        left, right = trio.socket.socketpair()
-        os.set_blocking(right.fileno(), False)
-        durability = Durability(store)
-        job = LiveJob("j")
-        job.files = files
-        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
-        with trio.fail_after(20):
+        with _sockets() as (left, right), trio.fail_after(20):
+            durability = Durability(rig.store)
+            sender = Sender(trio.SocketStream(left), rig.shadow, job, lambda: True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(durability.run)
                 async with trio.open_nursery() as connection:
@@ -171,14 +191,8 @@ def test_the_ack_task_starts_only_when_needed_and_ends_uncancelled(tmp_path: Pat
                 await _batch(durability, sf, job, b"c" * 100)  # after the session: nothing sent, no task
                 assert _received(right, agent) == []
                 nursery.cancel_scope.cancel()
-        left.close()
-        right.close()
 
-    try:
-        trio.run(main)
-    finally:
-        files.close()
-        store.close()
+    trio.run(main)
 
 
 @pytest.mark.timeout(30)
@@ -265,96 +279,61 @@ def test_the_collector_walks_the_old_generation_only_at_the_thaws() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_frame_goes_out_at_once_when_nothing_else_is_being_sent(tmp_path: Path) -> None:
+def test_a_frame_goes_out_at_once_when_nothing_else_is_being_sent(rig: Rig) -> None:
     """On a plain socket with nothing being sent, a frame (a WELCOME, PONG,
     DONE) is written right away, with no lock taken and no task switch;
     while a send is in flight it waits for it, and follows it."""
-    from gcwrap.wire.events import Pong
-
-    store = Store(tmp_path)
-    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
-                           streams=[StreamSpec(1, "stdout", "out")])
-    agent, shadow = _pair()
-
-    def pongs(sock: trio.socket.SocketType) -> list[object]:
-        try:
-            agent.receive_data(os.read(sock.fileno(), 65536))
-        except BlockingIOError:
-            return []
-        out: list[object] = []
-        while (ev := agent.next_event()) is not NEED_DATA:
-            out.append(ev)
-        return out
+    agent, shadow = rig.agent, rig.shadow
 
     async def main() -> None:
-        left, right = trio.socket.socketpair()
-        os.set_blocking(right.fileno(), False)
-        job = LiveJob("j")
-        job.files = files
-        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
-        with trio.fail_after(10):
+        with _sockets() as (left, right), trio.fail_after(10):
+            sender = Sender(trio.SocketStream(left), shadow, rig.job, lambda: True)
             with trio.testing.assert_no_checkpoints():
                 await sender.send(shadow.send(Pong(1)))
-            assert pongs(right) == [Pong(1)]
+            assert _received(right, agent) == [Pong(1)]
             async with trio.open_nursery() as nursery, sender.lock:  # a send in flight
                 nursery.start_soon(sender.send, shadow.send(Pong(2)))
                 await trio.testing.wait_all_tasks_blocked()
-                assert pongs(right) == []
-            assert pongs(right) == [Pong(2)]
-        left.close()
-        right.close()
+                assert _received(right, agent) == []
+            assert _received(right, agent) == [Pong(2)]
 
-    try:
-        trio.run(main)
-    finally:
-        files.close()
-        store.close()
+    trio.run(main)
 
 
 @pytest.mark.timeout(30)
-def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(tmp_path: Path) -> None:
+def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(rig: Rig) -> None:
     """The synchronous write finds the socket's buffer full: the ack task
     sends the ACK once there is room, and a reply sent meanwhile follows it,
     whole (no frame is interleaved with another)."""
-    from gcwrap.wire.events import Pong
-
-    store = Store(tmp_path)
-    files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
-                           streams=[StreamSpec(1, "stdout", "out")])
-    sf = files.outputs[1]
-    agent, shadow = _pair()
-    got: list[object] = []
+    sf, agent, shadow, job = rig.sf, rig.agent, rig.shadow, rig.job
+    got: list[Event] = []
 
     async def main() -> None:
-        left, right = trio.socket.socketpair()
-        junk = 0
-        while True:  # fill the shadow's side until the kernel takes no more
-            try:
-                junk += os.write(left.fileno(), b"\0" * 4096)
-            except BlockingIOError:
-                break
-        durability = Durability(store)
-        job = LiveJob("j")
-        job.files = files
-        sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+        with _sockets() as (left, right), trio.fail_after(20):
+            junk = 0
+            while True:  # fill the shadow's side until the kernel takes no more
+                try:
+                    junk += os.write(left.fileno(), b"\0" * 4096)
+                except BlockingIOError:
+                    break
+            durability = Durability(rig.store)
+            sender = Sender(trio.SocketStream(left), shadow, job, lambda: True)
+            both = trio.Event()
 
-        async def read() -> None:
-            skip = junk
-            while len(got) < 2:
-                data = await right.recv(65536)
-                assert data
-                if skip:
+            async def read() -> None:
+                skip = junk
+                while len(got) < 2:
+                    await trio.lowlevel.wait_readable(right)
+                    data = os.read(right.fileno(), 65536)
+                    assert data
                     cut = min(skip, len(data))
                     assert data[:cut] == b"\0" * cut
                     skip -= cut
-                    data = data[cut:]
-                if not data:
-                    continue  # (an empty read would say the connection ended)
-                agent.receive_data(data)
-                while (ev := agent.next_event()) is not NEED_DATA:
-                    got.append(ev)
+                    if data[cut:]:  # (an empty read would say the connection ended)
+                        agent.receive_data(data[cut:])
+                        got.extend(agent.events())
+                both.set()
 
-        with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(durability.run)
                 nursery.start_soon(sender.run)
@@ -363,15 +342,8 @@ def test_an_ack_the_socket_had_no_room_for_goes_out_whole_before_the_next_frame(
                 assert sender.rest, "the socket had room after all"
                 nursery.start_soon(read)  # makes room
                 await sender.send(shadow.send(Pong(7)))  # behind the ACK, whichever task sends that
-                while len(got) < 2:
-                    await trio.sleep(0.01)
+                await both.wait()
                 nursery.cancel_scope.cancel()
-        left.close()
-        right.close()
 
-    try:
-        trio.run(main)
-    finally:
-        files.close()
-        store.close()
+    trio.run(main)
     assert got == [Ack(1, 100), Pong(7)]

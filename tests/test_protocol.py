@@ -278,6 +278,22 @@ def test_error_round_trips_and_closes(refuser: Role, after: int) -> None:
     assert pair.agent.next_event() == ConnectionClosed()
 
 
+def test_events_gives_what_is_complete_and_stops_at_an_error() -> None:
+    """Connection.events(), the read loops' one drain: every complete event
+    in order, a frame cut short left for the next read, and nothing past an
+    ERROR (the connection is over)."""
+    agent, shadow = Connection(Role.AGENT), Connection(Role.SHADOW)
+    hello = agent.send(HELLO)
+    shadow.receive_data(hello[:-3])
+    assert shadow.events() == []
+    shadow.receive_data(hello[-3:])
+    assert shadow.events() == [HELLO]
+    error = Error(ErrorCode.TIMEOUT, "bye")
+    shadow.receive_data(agent.send(error) + b"\x00\x00\x00\x05\x09more")
+    assert shadow.events() == [error]
+    assert shadow.state is State.CLOSED
+
+
 def test_error_before_hello_from_the_shadow() -> None:
     """The shadow refuses (BUSY) before reading anything from the agent."""
     pair = Pair()

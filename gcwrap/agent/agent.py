@@ -346,16 +346,15 @@ class Agent:
                 spooler.keep_spares(room.spares)
             batch = min(COMMIT_BATCH, room.bytes) if room is not None else COMMIT_BATCH
             chunks, short = outbox.to_spool(batch, FLUSH_MIN)
-            waiting = any(o.unsafe_bytes for o in self.out.values())
-            caught_up = sum(c.size for c in chunks) >= outbox.unsafe_bytes  # (this commit catches the spool up)
-            full, bound = (room.reason, room.bound) if room is not None else ("", "")
             # The spool is full when it cannot take what waits: it takes
             # nothing, or less than waits because its room ran out (not the
             # batch's size). A nearly full disk gives room in ever smaller
             # pieces (half of what is free each time): each is taken, and the
             # episode is one, said once, until the spool catches up again.
-            if room is None or room.bytes >= COMMIT_BATCH:
-                short = False
+            short = short and batch < COMMIT_BATCH
+            waiting = any(o.unsafe_bytes for o in self.out.values())
+            caught_up = sum(c.size for c in chunks) >= outbox.unsafe_bytes  # (this commit catches the spool up)
+            full, bound = (room.reason, room.bound) if room is not None else ("", "")
             if waiting and not chunks:
                 self._disk_failed(full or bound or "the spool cannot take more bytes")
             acked = {s: o.acked for s, o in self.out.items() if o.acked > o.ack_recorded}
@@ -434,8 +433,7 @@ class Agent:
     def _disk_failed(self, reason: str, partial: bool = False) -> None:
         first, say = self.disk.failed(trio.current_time(), reason, partial)
         if first:
-            self.note(last_error=reason)
-            self.changed.fire()  # (a paused reader says why, now that the spool refuses)
+            self.note(last_error=reason)  # (and wakes a paused reader, to say why)
         if say == "warning":  # once per episode (see DISK_CALM): not at every commit a full disk refuses
             log.warning("%s; output goes home from memory until the spool takes it again", reason)
         elif say == "info":
@@ -552,11 +550,10 @@ class Agent:
         after the job's end)."""
         reason = describe(error, where)
         self.net_error = reason
-        self.changed.fire()  # (a paused reader says why)
         shutting_down = isinstance(error, ShadowRefused) and error.code is ErrorCode.SHUTTING_DOWN
         if not shutting_down:
             self.stats["failures"] += 1
-        self.note(last_error=reason, retries=int(self.stats["failures"]))
+        self.note(last_error=reason, retries=int(self.stats["failures"]))  # (a paused reader then says why)
         refused = isinstance(error, ShadowRefused) and error.permanent
         if refused and self.outbox.stdin_starved and not self.child_exited:
             # A job whose stdin can never be fed must not wait for it (nor

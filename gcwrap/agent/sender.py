@@ -58,7 +58,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import MAX_PAYLOAD, NEED_DATA, Connection, ProtocolError, Role
+from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
@@ -288,15 +288,7 @@ class Session:
         self.liveness.heard(trio.current_time())
         try:
             self.conn.receive_data(data)
-            events: list[Event] = []
-            while True:
-                ev = self.conn.next_event()
-                if ev is NEED_DATA:
-                    return events
-                assert isinstance(ev, Event)
-                events.append(ev)
-                if isinstance(ev, (ConnectionClosed, Error)):
-                    return events
+            return self.conn.events()
         except ProtocolError as e:
             with trio.move_on_after(1):
                 await self._send(stream, Error(e.code, str(e)))

@@ -18,8 +18,6 @@ from ..wire.events import ConnectionClosed, Error, ErrorCode, Event
 from ..wire.protocol import Connection, ProtocolError
 from .receive import read_some
 
-# Below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read.
-RECEIVE_SIZE = 120 << 10
 HANDSHAKE_READ = 4 << 10  # reads before a connection has authenticated: what it holds stays small
 LINGER_READ = 16 << 10  # reads of what a refused peer still sends (dropped): a thousand of them hold little
 TRIM_AFTER = 4 << 20  # once unauthenticated connections held this much, give it back to the system when they go
@@ -109,12 +107,6 @@ async def refuse(
             pass
 
 
-
-async def next_events(stream: trio.abc.Stream, conn: Connection, size: int = RECEIVE_SIZE) -> list[Event]:
-    return await read_some(stream, conn, size)
-
-
-
 async def await_event(
     stream: trio.abc.Stream, conn: Connection, kind: type[Event], pending: list[Event], memory: HandshakeMemory,
 ) -> Event | None:
@@ -122,7 +114,7 @@ async def await_event(
     protocol); None if it closed or gave up. Events that arrived in the
     same read stay in `pending`, in order, for whoever reads next."""
     while not pending:
-        pending.extend(await next_events(stream, conn, HANDSHAKE_READ))
+        pending.extend(await read_some(stream, conn, HANDSHAKE_READ))
         memory.charge(conn)
     ev = pending.pop(0)
     if isinstance(ev, kind):
@@ -130,7 +122,6 @@ async def await_event(
     if isinstance(ev, (ConnectionClosed, Error)):
         return None
     raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}", ErrorCode.UNEXPECTED)
-
 
 
 def _trim_heap() -> None:

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 import trio
 
 from ..wire import compress
-from ..wire.events import ConnectionClosed, Data, Error, ErrorCode, Event, StdinData, StdinRead, ZData
-from ..wire.protocol import NEED_DATA, Connection, ProtocolError
+from ..wire.events import Data, ErrorCode, Event, StdinData, StdinRead, ZData
+from ..wire.protocol import Connection, ProtocolError
 from .files import FileCache, JobFiles
 
 # Up to a DATA frame and its head in one read: a bulk frame is written in
@@ -81,18 +81,6 @@ class Buffers:
                 self.give(buf)
 
 
-def _events(conn: Connection) -> list[Event]:
-    events: list[Event] = []
-    while True:
-        ev = conn.next_event()
-        if ev is NEED_DATA:
-            return events
-        assert isinstance(ev, Event)
-        events.append(ev)
-        if isinstance(ev, (ConnectionClosed, Error)):
-            return events
-
-
 async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[Event], bytearray | None]:
     """The events of the next read of socket `fd`, made from a lent buffer
     (`buffers.give` it back once they are acted on; None when the read had
@@ -105,15 +93,15 @@ async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[E
             if buf is None:
                 data = os.read(fd, OWN_READ)
                 conn.receive_data(data)
-                return _events(conn), None
+                return conn.events(), None
             n = os.readv(fd, [buf])
             if n:
                 conn.receive_data(memoryview(buf)[:n], borrowed=True)
-                return _events(conn), buf
+                return conn.events(), buf
             buffers.give(buf)
             buf = None
             conn.receive_data(b"")
-            return _events(conn), None
+            return conn.events(), None
         except BlockingIOError:
             if buf is not None:
                 buffers.give(buf)
@@ -131,10 +119,10 @@ async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[E
             raise
 
 
-async def read_some(stream: trio.abc.Stream, conn: Connection, size: int) -> list[Event]:
+async def read_some(stream: trio.abc.Stream, conn: Connection, size: int = OWN_READ) -> list[Event]:
     """The events of the next read of `stream` (`receive_some`, into a new buffer)."""
     conn.receive_data(await stream.receive_some(size))
-    return _events(conn)
+    return conn.events()
 
 
 def inflate(ev: ZData) -> Data:

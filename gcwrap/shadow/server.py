@@ -73,8 +73,8 @@ from .collector import keep_collections_short
 from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, Problem, StoreError, StreamFile
-from .handshakes import HandshakeBusy, HandshakeMemory, await_event, next_events, refuse
-from .receive import Buffers, inflate, read_into, read_stdin
+from .handshakes import HandshakeBusy, HandshakeMemory, await_event, refuse
+from .receive import Buffers, inflate, read_into, read_some, read_stdin
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -546,7 +546,7 @@ class Shadow:
                     if fd >= 0:
                         events, buf = await read_into(fd, conn, self.buffers)
                     else:
-                        events = await next_events(stream, conn)
+                        events = await read_some(stream, conn)
                     idle.deadline = math.inf
                 over = await self._process(stream, conn, job, sender, peer, events)
                 # DATA payloads are views of the read's buffer: keep none of

@@ -314,6 +314,18 @@ class Connection:
         if self._parts_len:
             self._parts.append(memoryview(gathered)[n:])
 
+    def events(self) -> list[Event]:
+        """Every complete event received so far, in order, up to NEED_DATA or
+        the connection's end (ConnectionClosed, or an Error frame: nothing
+        after it counts). RemoteProtocolError as next_event()."""
+        out: list[Event] = []
+        while (ev := self.next_event()) is not NEED_DATA:
+            assert isinstance(ev, Event)
+            out.append(ev)
+            if isinstance(ev, (ConnectionClosed, Error)):
+                break
+        return out
+
     def next_event(self) -> Event | NeedData:
         """The next complete event, NEED_DATA, or RemoteProtocolError.
 
