@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,58 @@ def test_first_shadow_refuses_the_second_takes_it(shadow: ShadowProc, home: Path
     assert f"trying the shadow {show(live)} now (failover 1)" in err
     assert f"shadow in use: {show(live)}; 1 failover(s) to another shadow" in err
     assert "next attempt in" not in err, "a second shadow is tried at once, not after a backoff"
+
+
+@pytest.mark.timeout(120)
+def test_a_shadow_that_hangs_up_mid_frame_is_a_lost_connection(shadow: ShadowProc, home: Path,
+                                                               spool_dir: Path) -> None:
+    """The first shadow welcomes the job, then dies in the middle of sending
+    a frame: the agent says it lost the connection (the shadow sent nothing
+    malformed) and carries on at the second, byte-exact."""
+    from gcwrap.wire.events import PROTOCOL_VERSION, Ack, Hello, Welcome
+    from gcwrap.wire.protocol import NEED_DATA, Connection, Role
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(30)
+    dying: Address = ("127.0.0.1", srv.getsockname()[1])
+    live: Address = ("127.0.0.1", shadow.port)
+    addresses = [dying, live]
+    job_id = job_first_at(addresses, dying, "hangup")
+    done: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(30)
+                proto = Connection(Role.SHADOW)
+                hello = None
+                while hello is None:
+                    proto.receive_data(conn.recv(65536))
+                    while (ev := proto.next_event()) is not NEED_DATA:
+                        hello = ev if isinstance(ev, Hello) else hello
+                conn.sendall(proto.send(Welcome(PROTOCOL_VERSION, 1, tuple((s.id, 0) for s in hello.streams))))
+                ack = proto.send(Ack(hello.streams[0].id, 0))
+                conn.sendall(ack[: len(ack) // 2])
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            done.append(e)
+        finally:
+            srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    size = 3 * MB
+    w = Wrapper(["--shadow", listed(addresses), "--spool", str(spool_dir), "--job-id", job_id,
+                 "--retry-timeout", "30", "-v", "--stdout", "h.out", "--", *genjob(size, 0, seed=83)])
+    assert w.wait(60) == 0, w.err.decode()
+    t.join(10)
+    assert done == [None], done
+    assert sha256_file(home / "h.out") == expected(size, 83)
+    err = w.err.decode()
+    assert "the shadow closed the connection in the middle of a frame" in err, err
+    assert "TruncatedFrame" not in err and "protocol" not in err.lower(), err
+    assert f"trying the shadow {show(live)} now (failover 1)" in err, err
 
 
 @pytest.mark.timeout(120)

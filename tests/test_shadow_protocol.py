@@ -510,3 +510,26 @@ def test_a_frame_lands_as_it_arrives_but_counts_only_whole(shadow: ShadowProc, h
     assert (home / "p.out").read_bytes() == b"head:" + payload
     b.send(Exit(0, None, ((1, 5 + len(payload)),)))
     assert isinstance(b.until(Done), Done)
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_hangs_up_mid_frame_is_a_lost_connection(shadow: ShadowProc, home: Path) -> None:
+    """An agent gone in the middle of a DATA frame (it gave up on a shadow
+    that seemed dead, its host died) sent nothing malformed: the shadow says
+    the connection was lost, not that the agent broke the protocol, and
+    holds only the whole frames before it."""
+    a = RawAgent(shadow.port)
+    welcome(a, hello("hangup", out="h.out"))
+    a.send(Data(1, 0, b"whole"))
+    _acked_to(a, 5)
+    frame = a.conn.send(Data(1, 5, os.urandom(300_000)))
+    a.sock.sendall(frame[:100_000])
+    wait_until(lambda: file_size(home / "h.out") > 5, 20, "part of the frame in the file")
+    a.close()
+    wait_until(lambda: "middle of a frame" in shadow.log(), 20, "the shadow's word on the hang-up")
+    said = [line for line in shadow.log().splitlines() if "middle of a frame" in line]
+    assert len(said) == 1 and "connection lost (connection closed in the middle of a frame)" in said[0], said
+    assert "protocol error" not in shadow.log(), shadow.log()
+    b = RawAgent(shadow.port)
+    assert welcome(b, hello("hangup", out="h.out")).durable == ((1, 5),)
+    assert (home / "h.out").read_bytes() == b"whole"

@@ -58,7 +58,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role
+from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role, TruncatedFrame
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
@@ -289,6 +289,8 @@ class Session:
         try:
             self.conn.receive_data(data)
             return self.conn.events()
+        except TruncatedFrame:  # the shadow hung up mid-frame: lost, nothing to tell it
+            raise ConnectionLost("the shadow closed the connection in the middle of a frame") from None
         except ProtocolError as e:
             with trio.move_on_after(1):
                 await self._send(stream, Error(e.code, str(e)))

@@ -65,7 +65,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
+from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role, TruncatedFrame
 from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .backends import StateBackend, open_store
@@ -302,7 +302,7 @@ class Shadow:
         try:
             with first_error():
                 await self._serve_connection(stream, conn, peer, identity, cn, who)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as e:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, TruncatedFrame) as e:
             log.info("%s [%s]: connection lost (%s)", peer, who[0], e)
         except ProtocolError as e:
             log.warning("%s [%s]: protocol error: %s", peer, who[0], e)

@@ -100,6 +100,13 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol does not allow."""
 
 
+class TruncatedFrame(RemoteProtocolError):
+    """The peer closed the connection in the middle of a frame. Nothing it
+    sent was malformed: it hung up (or its host or the path died) mid-send,
+    and the side serving it reports a lost connection, not a protocol
+    error."""
+
+
 
 
 _DATA_HEADER = struct.Struct("!IBBQ")  # HEADER then _DATA: a DATA frame up to its payload

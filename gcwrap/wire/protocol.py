@@ -75,6 +75,7 @@ from .frames import (
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
+    TruncatedFrame,
     data_head,
     data_header,
     decode,
@@ -86,7 +87,7 @@ from .frames import (
 __all__ = [  # the codec's names, for who speaks the protocol through this module
     "DEFAULT_MAX_FRAME", "MAGIC", "MAX_CONTROL", "MAX_OFFSET", "MAX_PAYLOAD", "NEED_DATA", "SUPPORTED_VERSIONS",
     "Connection", "FrameType", "LocalProtocolError", "NeedData", "ProtocolError", "RemoteProtocolError", "Role",
-    "State", "data_header", "decode", "encode",
+    "State", "TruncatedFrame", "data_header", "decode", "encode",
 ]
 
 MAGIC = b"GCWRAP\r\n"
@@ -451,7 +452,7 @@ class Connection:
     def _need_data(self) -> Event | NeedData:
         if self._eof:
             if self.buffered or self._body is not None:
-                raise RemoteProtocolError("connection closed in the middle of a frame")
+                raise TruncatedFrame("connection closed in the middle of a frame")
             return ConnectionClosed()
         return NEED_DATA
 
