@@ -307,15 +307,18 @@ def _race_two_hellos(port: int, h: Hello, content: bytes, chunk: int = 16 << 10)
                 return
             log.append("welcome")
             pos = dict(ev.durable)[1]
+            # A WELCOME that holds it all (the other session made every byte
+            # durable before it was fenced) is the acknowledgement: nothing
+            # is sent, and no ACK will come.
+            waiting = pos < len(content)
             while pos < len(content):
                 a.send(Data(1, pos, content[pos : pos + chunk]))
                 pos = min(len(content), pos + chunk)
-            while True:
+            while waiting:
                 ev = a.next()
                 if isinstance(ev, Ack):
                     log.append("ack")
-                    if ev.offset == len(content):
-                        break
+                    waiting = ev.offset < len(content)
                     continue
                 if isinstance(ev, Error):
                     log.append("fenced" if ev.code is ErrorCode.FENCED else f"error:{ev.code.name}")
@@ -533,3 +536,23 @@ def test_an_agent_that_hangs_up_mid_frame_is_a_lost_connection(shadow: ShadowPro
     b = RawAgent(shadow.port)
     assert welcome(b, hello("hangup", out="h.out")).durable == ((1, 5),)
     assert (home / "h.out").read_bytes() == b"whole"
+
+
+@pytest.mark.timeout(60)
+def test_a_welcome_that_holds_everything_is_the_acknowledgement(shadow: ShadowProc, home: Path) -> None:
+    """A session fenced after it made all of the job's bytes durable: the
+    newer session's WELCOME says the shadow holds them all, which is their
+    acknowledgement (no ACK follows: nothing new became durable); the agent
+    sends no byte again and its EXIT finishes the job."""
+    content = os.urandom(200_000)
+    a = RawAgent(shadow.port)
+    welcome(a, hello("all-held", out="all.out"))
+    a.send(Data(1, 0, content))
+    _acked_to(a, len(content))
+    b = RawAgent(shadow.port)
+    assert welcome(b, hello("all-held", out="all.out")).durable == ((1, len(content)),)
+    ev = a.until(Error)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.FENCED, ev
+    b.send(Exit(0, None, ((1, len(content)),)))
+    assert isinstance(b.next(), Done)  # the very next frame: no ACK came before it
+    assert (home / "all.out").read_bytes() == content
