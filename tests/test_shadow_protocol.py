@@ -556,3 +556,19 @@ def test_a_welcome_that_holds_everything_is_the_acknowledgement(shadow: ShadowPr
     b.send(Exit(0, None, ((1, len(content)),)))
     assert isinstance(b.next(), Done)  # the very next frame: no ACK came before it
     assert (home / "all.out").read_bytes() == content
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_hangs_up_between_frames_is_said(shadow: ShadowProc, home: Path) -> None:
+    """An agent that closes its connection before its EXIT, between two
+    frames (it gave up on the connection), ends the session with a word in
+    the log, as one cut off mid-frame does: not in silence."""
+    a = RawAgent(shadow.port)
+    welcome(a, hello("between", out="b.out"))
+    a.send(Data(1, 0, b"whole frame"))
+    _acked_to(a, 11)
+    a.close()
+    wait_until(lambda: "closed by the agent" in shadow.log(), 20, "the shadow's word on the hang-up")
+    (said,) = [line for line in shadow.log().splitlines() if "closed by the agent" in line]
+    assert "[anonymous]: connection lost (closed by the agent)" in said, said
+    assert (home / "b.out").read_bytes() == b"whole frame"

@@ -302,8 +302,11 @@ def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
     # The job's run time: its gcwrap's start to the job's end (its times come with the summary).
     assert truth["end"] - spawned - STARTUP <= rec["duration_s"] <= truth["end"] - spawned + 0.05, rec
     assert rec["rate_bytes_s"] == pytest.approx(2 * n / rec["duration_s"], rel=0.01)
-    # (first_seen is taken as the job is opened; the log line once it is welcomed, a few ms later)
-    assert 0 <= session - rec["first_seen"] <= 0.1, (rec["first_seen"], session)
+    # first_seen is taken as the job is opened: after the shadow came back, before the log line
+    # of its welcome (a few ms later on a quiet machine; 0.3 s was seen with the cores busy; the
+    # log's clock is cut to the millisecond).
+    assert back <= rec["first_seen"] <= session + 0.001, (back, rec["first_seen"], session)
+    assert session - rec["first_seen"] <= 1.0, (rec["first_seen"], session)
     assert 0 <= ended - rec["last_seen"] <= 0.5, (ended, rec["last_seen"])  # the end: EXIT, just before gcwrap exits
     check_jobs_row(rec, text, window, "finished with status 3")
 

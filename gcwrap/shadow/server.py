@@ -592,7 +592,8 @@ class Shadow:
             elif isinstance(ev, Error):
                 log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
                 return True
-            elif isinstance(ev, ConnectionClosed):
+            elif isinstance(ev, ConnectionClosed):  # between frames, before its EXIT: the agent gave up on it
+                log.info("%s: connection lost (closed by the agent)", peer)
                 return True
             elif isinstance(ev, Pong):
                 pass
