@@ -117,15 +117,28 @@ class Wrapper:
 
     started: list[Wrapper] = []
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: int | None = None) -> None:
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: int | None = None,
+                 err_file: Path | None = None) -> None:
+        """`err_file`: stderr goes there, readable while it runs (`err_so_far`)."""
         self.args = [*tool("gcwrap"), *args]
-        self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, stdin=stdin or subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.err_file = err_file
+        err = open(err_file, "wb") if err_file is not None else subprocess.PIPE  # noqa: SIM115 - closed below
+        try:
+            self.proc = subprocess.Popen(
+                self.args, stdout=subprocess.PIPE, stderr=err, env=env, stdin=stdin or subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            if err_file is not None:
+                err.close()  # type: ignore[union-attr]
         self.out = b""
         self.err = b""
         Wrapper.started.append(self)
+
+    def err_so_far(self) -> str:
+        """What it wrote to stderr so far (with `err_file`)."""
+        assert self.err_file is not None
+        return self.err_file.read_text(errors="replace")
 
     @classmethod
     def kill_leftovers(cls) -> None:
@@ -150,12 +163,18 @@ class Wrapper:
         except subprocess.TimeoutExpired:
             Wrapper.kill_leftovers()
             self.out, self.err = self.proc.communicate()
+            if self.err_file is not None:
+                self.err = self.err_file.read_bytes()
             raise AssertionError(f"gcwrap did not finish in {timeout} s; stderr: {self.err.decode(errors='replace')}")
+        if self.err_file is not None:
+            self.err = self.err_file.read_bytes()
         return self.proc.returncode
 
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.out, self.err = self.proc.communicate(timeout=10)
+        if self.err_file is not None:
+            self.err = self.err_file.read_bytes()
 
 
 def _children(pid: int) -> list[int]:

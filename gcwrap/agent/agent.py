@@ -439,12 +439,12 @@ class Agent:
         elif say == "info":
             log.info("the spool still cannot take output: %s", reason)
 
-    async def final_flush(self) -> None:
+    async def final_flush(self, quiet: bool = False) -> None:
         """Last chance at the end: spool what is still only in memory,
         ignoring the reserve (the job no longer needs the disk), as much of
         each stream as the disk takes, in order, in pieces that fit its free
         space. What does not fit is the tail of its stream, and lost: its
-        range goes to `self.lost`."""
+        range goes to `self.lost`. `quiet`: the spool's error was said already."""
         spooler = self.spooler
         if spooler.spool is not None and spooler.spool.segments is not None:
             spooler.spool.segments.drop_spares()  # their blocks can hold output now
@@ -459,7 +459,7 @@ class Agent:
                 try:
                     await spooler.commit(chunks, {}, [], {})
                 except SpoolError as e:
-                    if not error:
+                    if not error and not quiet:
                         log.error("%s", e)
                     error = str(e)
                     piece = sum(cached(c) for c in chunks) // 2

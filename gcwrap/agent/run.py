@@ -25,6 +25,7 @@ from pathlib import Path
 import trio
 
 from .. import exitcodes
+from ..render import human_bytes
 from ..sync import first_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
@@ -246,6 +247,7 @@ async def _run_job(
             status = await _supervise(agent, running)
         if not agent.delivered.is_set():
             await agent.final_flush()
+            await _keep(agent)  # (refused: what the disk did not take has no other copy)
         outcome = _finish(agent, status)
         outcome.stats = agent.summary()
         nursery.cancel_scope.cancel()
@@ -342,6 +344,47 @@ async def _report_progress(agent: Agent, progress: Callable[[int, int], None], s
             await trio.sleep(0.2)
     finally:
         progress(sum(o.acked - start[sid] for sid, o in agent.out.items()), total)
+
+
+async def _keep(agent: Agent) -> None:
+    """The end, when home will never take the output (the shadow refused
+    the job for good) and the disk took none of what memory holds: that
+    copy is the only one, so the spool is tried again until it takes it,
+    at the retry policy's pace, each try that leaves bytes out counted as
+    a failed attempt while the output can go nowhere (--retry-limit; 0:
+    until it does), and no later than a stop signal's deadline. What is
+    still out then is lost, and said (`final_flush`)."""
+    if not (agent.lost and agent.refusal is not None):
+        return
+    retry = agent.retry
+    retry.succeeded()  # (the spool's tries count from the last one, not the connection attempts before)
+    log.warning("the shadow refused the job for good, and the spool cannot take the %s held only in memory: "
+                "trying the spool again until it does (%s)",
+                human_bytes(sum(end - start for start, end in agent.lost.values())),
+                f"at most {retry.limit} tries in all, --retry-limit" if retry.limit else "no --retry-limit")
+    while agent.lost:
+        held = sum(end - start for start, end in agent.lost.values())
+        nxt = retry.failed(blocked=True, refused=False)  # (the last try, the first being the final flush)
+        if nxt.give_up:
+            log.error("the spool took none of the %s held only in memory in %d tries: giving up",
+                      human_bytes(held), retry.failures_blocked)
+            return
+        until = trio.current_time() + nxt.delay
+        while trio.current_time() < min(until, agent.stop.deadline):  # (a signal moves the deadline: look again)
+            signals = agent.stop.signals
+            with trio.move_on_at(min(until, agent.stop.deadline)):
+                await agent.changed.wait()
+            if agent.stop.signals == 1 and not signals:
+                log.warning("%s received: trying the spool for at most %g s more (again to stop now)",
+                            agent.stop.name, agent.stop.grace)
+        if trio.current_time() >= agent.stop.deadline:
+            log.warning("%s received: keeping no more of the output held in memory", agent.stop.name)
+            return
+        await agent.final_flush(quiet=True)
+        if not agent.lost:
+            log.warning("the spool took the output held in memory")
+        elif sum(end - start for start, end in agent.lost.values()) < held:
+            retry.succeeded()  # (it took some: the count starts again)
 
 
 def _finish(agent: Agent, job_status: int | None) -> Outcome:
