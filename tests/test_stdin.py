@@ -8,6 +8,7 @@ nothing; nor does one that comes after the job has had all its stdin.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,32 +165,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _refused_with_the_disk_full(home: Path, tmp_path: Path, job_id: str, size: int,
-                                *limits: str) -> tuple[Wrapper, Tmpfs, ShadowProc, Path]:
+@contextlib.contextmanager
+def refused_with_the_disk_full(home: Path, tmp_path: Path, job_id: str, size: int,
+                               *limits: str) -> Iterator[tuple[Wrapper, Tmpfs, Path]]:
     """A job refused for good (its stdin is missing at home) whose output
     the spool could not take: the spool's file system is full from the
     moment the job writes, which is before home answers (nothing listens at
-    first). Returns the wrapper, the file system, the shadow and its filler."""
-    fs = Tmpfs(tmp_path / "small", "8m").__enter__()
-    spool_dir = fs.path / "spool"
-    port = free_port()
-    gate = tmp_path / "gate"
-    job = ("import os, random, sys, time\n"
-           f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)\n"
-           f"os.write(1, random.Random(5).randbytes({size}))\n"
-           "time.sleep(60)\n")
-    w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", job_id,
-                 "--retry-timeout", "0.3", *limits, "--stdin", "missing.bin", "--stdout", "kept.out", "--",
-                 sys.executable, "-c", job], err_file=tmp_path / "gcwrap.err")
-    wait_until(lambda: any(spool_dir.glob("*.spool")), 30, "the spool")
-    filler = fs.fill(leave=0)
-    gate.touch()
-    wait_until(lambda: "disk full" in w.err_so_far(), 30, "the spool to refuse the job's output")
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    sh.start(port)
-    return w, fs, sh, filler
+    first). Gives the wrapper, the file system and its filler."""
+    with Tmpfs(tmp_path / "small", "8m") as fs:
+        spool_dir = fs.path / "spool"
+        port = free_port()
+        gate = tmp_path / "gate"
+        job = ("import os, random, sys, time\n"
+               f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)\n"
+               f"os.write(1, random.Random(5).randbytes({size}))\n"
+               "time.sleep(60)\n")
+        w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", job_id,
+                     "--retry-timeout", "0.3", *limits, "--stdin", "missing.bin", "--stdout", "kept.out", "--",
+                     sys.executable, "-c", job], err_file=tmp_path / "gcwrap.err")
+        wait_until(lambda: any(spool_dir.glob("*.spool")), 30, "the spool")
+        filler = fs.fill(leave=0)
+        gate.touch()
+        wait_until(lambda: "disk full" in w.err_so_far(), 30, "the spool to refuse the job's output")
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        sh = ShadowProc(home, logs)
+        try:
+            sh.start(port)
+            yield w, fs, filler
+        finally:
+            sh.stop()
 
 
 @pytest.mark.timeout(120)
@@ -198,8 +204,7 @@ def test_refused_with_the_disk_full_the_output_waits_for_room(home: Path, tmp_pa
     tries the spool again until it takes it (the disk freed), exits 123 as
     for any refusal, and `resume --include-refused` delivers it byte-exact."""
     size = 300_000
-    w, fs, sh, filler = _refused_with_the_disk_full(home, tmp_path, "kept-when-refused", size)
-    try:
+    with refused_with_the_disk_full(home, tmp_path, "kept-when-refused", size) as (w, fs, filler):
         wait_until(lambda: "trying the spool again until it does" in w.err_so_far(), 30, "gcwrap to wait for room")
         assert w.proc.poll() is None
         filler.unlink()
@@ -213,9 +218,6 @@ def test_refused_with_the_disk_full_the_output_waits_for_room(home: Path, tmp_pa
                               "--retry-timeout", "1"], capture_output=True, timeout=60, check=False)
         assert res.returncode == 0, res.stderr.decode()
         assert (home / "kept.out").read_bytes() == random.Random(5).randbytes(size)
-    finally:
-        sh.stop()
-        fs.__exit__(None, None, None)
 
 
 @pytest.mark.timeout(120)
@@ -223,17 +225,13 @@ def test_refused_with_the_disk_full_for_good_the_loss_is_said_past_the_retry_lim
                                                                                   tmp_path: Path) -> None:
     """The same, and the disk never frees: past --retry-limit tries gcwrap
     gives up, says what is lost and exits 121 (not waiting forever)."""
-    w, fs, sh, _ = _refused_with_the_disk_full(home, tmp_path, "lost-when-refused", 300_000, "--retry-limit", "3")
-    try:
+    with refused_with_the_disk_full(home, tmp_path, "lost-when-refused", 300_000, "--retry-limit", "3") as (w, _, _):
         rc = w.wait(60)
         err = w.err.decode()
         assert rc == 121, err
         assert "trying the spool again until it does (at most 3 tries in all, --retry-limit)" in err, err
         assert "held only in memory in 3 tries: giving up" in err, err
         assert "LOST: the last 300,000 bytes of stdout" in err, err
-    finally:
-        sh.stop()
-        fs.__exit__(None, None, None)
 
 
 @pytest.mark.timeout(120)
@@ -242,9 +240,8 @@ def test_refused_with_the_disk_full_and_no_retry_limit_a_second_signal_ends_the_
     """With --retry-limit 0 gcwrap would wait for the disk for ever: a
     SIGTERM bounds the wait (by the grace a signal leaves), a second one
     ends it at once, and the loss is said."""
-    w, fs, sh, _ = _refused_with_the_disk_full(home, tmp_path, "signalled-when-refused", 300_000,
-                                               "--retry-limit", "0")
-    try:
+    with refused_with_the_disk_full(home, tmp_path, "signalled-when-refused", 300_000,
+                                    "--retry-limit", "0") as (w, _, _):
         wait_until(lambda: "trying the spool again until it does (no --retry-limit)" in w.err_so_far(), 30,
                    "gcwrap to wait for room")
         os.kill(w.proc.pid, signal.SIGTERM)
@@ -258,6 +255,3 @@ def test_refused_with_the_disk_full_and_no_retry_limit_a_second_signal_ends_the_
         assert rc == 121, err
         assert "SIGTERM received: keeping no more of the output held in memory" in err, err
         assert "LOST: the last 300,000 bytes of stdout" in err, err
-    finally:
-        sh.stop()
-        fs.__exit__(None, None, None)
