@@ -595,9 +595,7 @@ class Shadow:
             elif isinstance(ev, ConnectionClosed):  # between frames, before its EXIT: the agent gave up on it
                 log.info("%s: connection lost (closed by the agent)", peer)
                 return True
-            elif isinstance(ev, Pong):
-                pass
-        return False
+        return False  # (a PONG asks nothing)
 
     def _write(self, job: LiveJob, stream: int, offset: int, payload: bytes, start: int, end: int,
                wire: int = -1) -> None:
