@@ -350,24 +350,28 @@ async def _keep(agent: Agent) -> None:
     """The end, when home will never take the output (the shadow refused
     the job for good) and the disk took none of what memory holds: that
     copy is the only one, so the spool is tried again until it takes it,
-    at the retry policy's pace, each try that leaves bytes out counted as
+    at the retry policy's pace, each try that takes none of it counted as
     a failed attempt while the output can go nowhere (--retry-limit; 0:
-    until it does), and no later than a stop signal's deadline. What is
-    still out then is lost, and said (`final_flush`)."""
+    until it does; a try that takes some starts the count again), and no
+    later than a stop signal's deadline. What is still out then is lost,
+    and said (`_finish`)."""
     if not (agent.lost and agent.refusal is not None):
         return
+
+    def held() -> int:
+        return sum(end - start for start, end in agent.lost.values())
+
     retry = agent.retry
     retry.succeeded()  # (the spool's tries count from the last one, not the connection attempts before)
     log.warning("the shadow refused the job for good, and the spool cannot take the %s held only in memory: "
-                "trying the spool again until it does (%s)",
-                human_bytes(sum(end - start for start, end in agent.lost.values())),
+                "trying the spool again until it does (%s)", human_bytes(held()),
                 f"at most {retry.limit} tries in all, --retry-limit" if retry.limit else "no --retry-limit")
     while agent.lost:
-        held = sum(end - start for start, end in agent.lost.values())
+        before = held()
         nxt = retry.failed(blocked=True, refused=False)  # (the last try, the first being the final flush)
         if nxt.give_up:
             log.error("the spool took none of the %s held only in memory in %d tries: giving up",
-                      human_bytes(held), retry.failures_blocked)
+                      human_bytes(before), retry.failures_blocked)
             return
         until = trio.current_time() + nxt.delay
         while trio.current_time() < min(until, agent.stop.deadline):  # (a signal moves the deadline: look again)
@@ -383,7 +387,7 @@ async def _keep(agent: Agent) -> None:
         await agent.final_flush(quiet=True)
         if not agent.lost:
             log.warning("the spool took the output held in memory")
-        elif sum(end - start for start, end in agent.lost.values()) < held:
+        elif held() < before:
             retry.succeeded()  # (it took some: the count starts again)
 
 

@@ -77,7 +77,6 @@ from .frames import (
     RemoteProtocolError,
     TruncatedFrame,
     data_head,
-    data_header,
     decode,
     decode_data,
     decode_data_head,
@@ -87,7 +86,7 @@ from .frames import (
 __all__ = [  # the codec's names, for who speaks the protocol through this module
     "DEFAULT_MAX_FRAME", "MAGIC", "MAX_CONTROL", "MAX_OFFSET", "MAX_PAYLOAD", "NEED_DATA", "SUPPORTED_VERSIONS",
     "Connection", "FrameType", "LocalProtocolError", "NeedData", "ProtocolError", "RemoteProtocolError", "Role",
-    "State", "TruncatedFrame", "data_header", "decode", "encode",
+    "State", "TruncatedFrame", "decode", "encode",
 ]
 
 MAGIC = b"GCWRAP\r\n"
