@@ -119,8 +119,8 @@ class SteppedShadow(Shadow):
         self.claimed: list[LiveJob] = []
         self.mine: dict[int, LiveJob] = {}  # each connection's session
 
-    def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
-        job = super()._claim(job_id, identity, tenant)
+    def _claim(self, job_id: str, instance: str, identity: str, tenant: str = "", *, known: bool = False) -> LiveJob:
+        job = super()._claim(job_id, instance, identity, tenant, known=known)
         self.claimed.append(job)
         self.mine[WHO.get()] = job
         return job
@@ -546,7 +546,7 @@ def test_a_session_waits_for_an_earlier_one_a_bounded_time_and_says_why(tmp_path
     (tmp_path / "out").write_bytes(b"kept")
     store = Store(tmp_path)
     shadow = Shadow(ShadowOptions(root=tmp_path, min_free=0), store)
-    stuck = shadow._claim(JOB, "test")  # never gone
+    stuck = shadow._claim(JOB, "i1", "test")  # never gone
     got: list[Event] = []
 
     async def main() -> None:

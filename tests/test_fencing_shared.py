@@ -43,12 +43,13 @@ ATTEMPTS = 10  # connections an agent makes before it gives up
 
 
 def _fresh(url: str) -> None:
-    """An empty state for one run (the schema stays)."""
+    """An empty state for one run (the schema stays; each run has a new root, which the state then serves)."""
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
         if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = 'gcshadow'").fetchone():
             conn.execute("TRUNCATE gcshadow.jobs, gcshadow.streams, gcshadow.instances")
+            conn.execute("DELETE FROM gcshadow.meta WHERE key IN ('root_id', 'root')")
 
 
 def _open_sessions(shadows: list[SteppedShadow]) -> list[LiveJob]:

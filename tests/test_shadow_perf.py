@@ -25,8 +25,9 @@ import pytest
 import trio
 from helpers import Wrapper, tool, wait_until
 
-from gcwrap.shadow import files as shadow_files
-from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, Syncer, open_confined
+from gcwrap.shadow import syncer as shadow_files
+from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, open_confined
+from gcwrap.shadow.syncer import Syncer
 from gcwrap.shadow.receive import Buffers
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome

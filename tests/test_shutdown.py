@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, spool_status, wait_until
 
-from gcwrap.shadow.server import STOP_GRACE, STOP_RETRY_AFTER
+from gcwrap.shadow.replies import STOP_RETRY_AFTER
+from gcwrap.shadow.server import STOP_GRACE
 from gcwrap.wire.events import Challenge, Hello
 from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 

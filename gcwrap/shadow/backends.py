@@ -12,11 +12,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.events import StreamSpec
-from .files import JobFiles, StreamFile, Syncer
+from .files import JobFiles, StreamFile
 from .stateurl import check_state, is_shared, shown
+from .syncer import Syncer
+
+if TYPE_CHECKING:
+    from .state import Attempt
 
 log = logging.getLogger("gcshadow")
 
@@ -38,6 +42,10 @@ class StateBackend(Protocol):
                  command: list[str], peer: str, tenant: str = "") -> JobFiles: ...
 
     def owner(self, job_id: str) -> str | None: ...
+
+    def attempt(self, job_id: str, instance: str) -> Attempt:
+        """"new", "current", or "replaced" (by a newer attempt of the job: refused for good)."""
+        ...
 
     def make_durable(
         self, files: list[tuple[StreamFile, int]]

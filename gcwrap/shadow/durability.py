@@ -11,6 +11,7 @@ batches see it (a session a newer claim fenced records nothing).
 from __future__ import annotations
 
 import collections
+import enum
 import errno
 import logging
 import os
@@ -25,7 +26,7 @@ import trio
 from ..sync import Signal
 from .backends import StateBackend
 from .files import JobFiles, StreamFile
-from .state import Superseded
+from .state import RecordUnknown, Superseded
 
 log = logging.getLogger("gcshadow")
 
@@ -42,8 +43,22 @@ GROUP_INTERVAL = 0.02
 GROUP_IDLE = 0.005
 
 
+class Trouble(enum.Enum):
+    """Why a session must stop: three kinds of trouble, kept apart in code,
+    in the log and on the wire (the server says each with its own code)."""
+
+    TAKEN_OVER = "taken over"  # another session holds the job: FENCED
+    STATE = "state database unavailable"  # retryable: BUSY, with a retry-after
+    SYNC = "sync failed"  # the disk failed a sync: the file was cut back to what synced; IO_ERROR
+
+
 class Fenced(Exception):
-    """This connection must stop: replaced by a newer one, or its files failed."""
+    """This connection must stop (`trouble` says why: taken over, the state
+    database lost, a failed sync)."""
+
+    def __init__(self, why: str, trouble: Trouble = Trouble.TAKEN_OVER) -> None:
+        super().__init__(why)
+        self.trouble = trouble
 
 
 @dataclass(eq=False)
@@ -59,26 +74,30 @@ class LiveJob:
     tenant: str = ""  # the identity whose part of the root the job's files are in ("": the root itself)
     files: JobFiles = field(init=False)
     prev: list[LiveJob] = field(default_factory=list)
+    instance: str = ""  # the attempt this session is of
     scope: trio.CancelScope | None = None
     durable_changed: Signal = field(default_factory=Signal)  # for `Durability.flush`
     on_durable: Callable[[], None] | None = None  # a batch made some of its bytes durable: its ACKs (acks.Sender)
     gone: trio.Event = field(default_factory=trio.Event)  # set once its files are closed
     fenced: str = ""  # why this session must stop, once it must
+    trouble: Trouble = Trouble.TAKEN_OVER  # ...and which kind of trouble that is
     finished: bool = False
 
     def __post_init__(self) -> None:
         self.files = JobFiles(self.job_id, "", session=0)
 
-    def fence(self, why: str) -> None:
-        """Stop this session: no write, record or ACK after this; its handler is cancelled."""
-        self.fenced = self.fenced or why
+    def fence(self, why: str, trouble: Trouble = Trouble.TAKEN_OVER) -> None:
+        """Stop this session: no write, record or ACK after this; its handler
+        is cancelled. The first reason stands."""
+        if not self.fenced:
+            self.fenced, self.trouble = why, trouble
         if self.scope is not None:
             self.scope.cancel()
 
     def check(self) -> None:
         """Raise Fenced unless this session may still act for its job."""
         if self.fenced:
-            raise Fenced(self.fenced)
+            raise Fenced(self.fenced, self.trouble)
 
 
 class Durability:
@@ -193,7 +212,7 @@ class Durability:
             failed = OSError(errno.EIO, "an earlier sync of this file failed")
             results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
             for sf, _, err in results:
-                if err is not None and not isinstance(err, Superseded):
+                if err is not None and not isinstance(err, (Superseded, RecordUnknown)):
                     sf.sync_failed = True  # before the next batch can pick it up
         finally:
             with self.mutex:
@@ -237,13 +256,18 @@ class Durability:
     def apply(
         self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
     ) -> None:
-        """A batch's results: lengths become durable (what the ackers send);
-        a file whose sync failed is cut back and its session fenced."""
-        if db_error:
-            log.error("cannot record durable lengths in the state database: %s", db_error)
+        """A batch's results: lengths become durable (what the ackers send).
+        The three kinds of trouble stop a session each in its own way
+        (`Trouble`): a record refused because a newer session holds the job;
+        a record whose outcome is unknown (the state database failed: it may
+        have applied), where nothing is cut back; a failed sync, where the
+        file is cut back to what synced before."""
         self.batches += 1
+        unknown: set[LiveJob] = set()
         for sf, n, err in results:
             job = batch.get(sf)
+            if err is None or isinstance(err, RecordUnknown):
+                sf.synced = max(sf.synced, n)  # on disk, whatever the state database says
             if err is None:
                 sf.durable = max(sf.durable, n)
                 continue
@@ -254,30 +278,51 @@ class Durability:
                 if job is not None:
                     job.fence(str(err))
                 continue
-            if sf.cut_back:
+            if isinstance(err, RecordUnknown):
+                # The length may or may not be recorded: the bytes it covers
+                # stay (they synced), nothing is acknowledged, and the
+                # session stops; the next one reads what the state holds.
+                if job is not None:
+                    job.fence(f"the state database failed while recording this job's output ({err.strerror}): "
+                              "nothing more is acknowledged until it answers", Trouble.STATE)
+                    unknown.add(job)
                 continue
-            # After a failed fsync the kernel may have dropped the dirty
-            # pages: nothing past `durable` can be trusted. Cut back and
-            # make the agent resend from there (in a new session).
-            sf.cut_back = True
-            log.error("cannot sync %s: %s", sf.name, err.strerror)
-            sf.written = sf.durable
-            if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
-                try:
-                    os.ftruncate(sf.fd, sf.durable)
-                except OSError:
-                    pass
-            if job is not None:
-                job.fence(f"the shadow could not sync {sf.name}: {err.strerror}")
+            self._cut_back(sf, job, err)
+        if db_error:
+            log.error("the state database failed while recording durable lengths: %s; whether they were recorded "
+                      "is unknown: nothing synced is cut back, %d session(s) stopped (they come back, and resume "
+                      "from what the state holds)", db_error, len(unknown))
         for job in set(batch.values()):
             if job.on_durable is not None:
                 job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)
             job.durable_changed.fire()  # (nothing to do when no flush waits)
         self.done.fire()
 
+    def _cut_back(self, sf: StreamFile, job: LiveJob | None, err: OSError) -> None:
+        """After a failed fsync the kernel may have dropped the dirty pages:
+        nothing past what synced before can be trusted. Cut back there and
+        make the agent resend from what was acknowledged (in a new session).
+        Never below `synced`: a length recorded with an unknown outcome may
+        be that long, and bytes that synced are on disk."""
+        if sf.cut_back:
+            return
+        sf.cut_back = True
+        log.error("cannot sync %s: %s; cut back to the %d bytes that synced before", sf.name, err.strerror,
+                  sf.synced)
+        sf.written = sf.synced
+        if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
+            try:
+                os.ftruncate(sf.fd, sf.synced)
+            except OSError:
+                pass
+        if job is not None:
+            job.fence(f"the shadow could not sync {sf.name}: {err.strerror}", Trouble.SYNC)
+
     async def flush(self, job: LiveJob) -> None:
-        """Wait until every byte written for `job` so far is durable."""
+        """Wait until every byte written for `job` so far is durable (Fenced
+        if the session is stopped meanwhile)."""
         while any(sf.durable < sf.written for sf in job.files.outputs.values()):
+            job.check()
             self.hurry()
             await job.durable_changed.wait()
 

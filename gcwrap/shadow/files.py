@@ -22,9 +22,6 @@ import random
 import stat
 import struct
 import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +51,15 @@ class StoreError(Exception):
     def __init__(self, problem: Problem, message: str) -> None:
         super().__init__(message)
         self.problem = problem
+
+
+class StateUnavailable(StoreError):
+    """The state database cannot be reached, or failed: nothing recorded
+    (or, for a write, nothing known of whether it was). Retryable: agents
+    are told BUSY and come back."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Problem.STATE, message)
 
 
 def check_root(root: Path) -> None:
@@ -185,6 +191,36 @@ def claim_root(root: Path, state_id: str, shown: str) -> None:
             raise StoreError(Problem.ROOT, f"cannot write {path}: {e.strerror}") from None
 
 
+ROOT_ID = "root-id"  # under STATE_DIR: the root's identity, made once (`root_identity`)
+
+
+def root_identity(root: Path) -> str:
+    """The root's identity: a random id made by the first shadow that serves
+    it, the same for every shadow that mounts it, wherever (a path is not an
+    identity: one file system may be mounted at several)."""
+    path = root / STATE_DIR / ROOT_ID
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        made = path.read_text().strip()
+    except FileNotFoundError:
+        made = ""
+    except OSError as e:
+        raise StoreError(Problem.ROOT, f"cannot read {path}: {e.strerror}") from None
+    if made:
+        return made
+    tmp = path.with_name(f"{ROOT_ID}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(os.urandom(16).hex() + "\n")
+        try:
+            os.link(tmp, path)  # (two shadows starting at once: one id wins, both read it)
+        except FileExistsError:
+            pass
+        tmp.unlink()
+        return path.read_text().strip()
+    except OSError as e:
+        raise StoreError(Problem.ROOT, f"cannot write {path}: {e.strerror}") from None
+
+
 _OFD_LOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid
 
 
@@ -310,6 +346,7 @@ class StreamFile:
     fd: int
     written: int  # bytes in the file (the end of the last write)
     durable: int  # bytes fsynced and recorded: safe to acknowledge
+    synced: int = -1  # bytes a sync covered (recorded or not: a record's outcome may be unknown); -1: `durable`
     write: bool = True  # an output; False: the job's stdin, read only
     session: int = 0  # the session that opened it: only while it holds the job are its lengths recorded
     dev: int = 0  # the file's identity when first opened: a reopened file must be the same
@@ -327,6 +364,10 @@ class StreamFile:
     partial: bool = False  # holds bytes past `written` of a DATA frame not yet whole
     slot: int = -1  # where FileCache holds it while open
     used: int = 0  # FileCache's clock at its last use
+
+    def __post_init__(self) -> None:
+        if self.synced < 0:
+            self.synced = self.durable
 
     def identify(self) -> None:
         st = os.fstat(self.fd)
@@ -384,6 +425,23 @@ class JobFiles:
     outputs: dict[int, StreamFile] = field(default_factory=dict)
     stdin: StreamFile | None = None
     stdin_stream: int | None = None
+    # Outputs to cut back once the claim is committed (file, its size when
+    # opened): never before, as a claim whose commit fails must leave every
+    # byte the state may still count on.
+    cuts: list[tuple[StreamFile, int]] = field(default_factory=list)
+    fresh: bool = False  # a new attempt: its outputs start afresh
+
+    def cut_back(self) -> None:
+        """Cut each output back to its durable length (a new attempt's to
+        nothing, made durable): what lies beyond was never acknowledged."""
+        while self.cuts:
+            sf, size = self.cuts.pop()
+            if self.fresh:
+                if size:  # (a new, empty file has no old bytes whose removal must be durable)
+                    os.ftruncate(sf.fd, 0)
+                    os.fsync(sf.fd)
+            elif size > sf.durable:
+                os.ftruncate(sf.fd, sf.durable)  # a torn or unacknowledged tail: it will be resent
 
     def all(self) -> list[StreamFile]:
         return [*self.outputs.values(), *([self.stdin] if self.stdin is not None else [])]
@@ -481,166 +539,3 @@ class FileCache:
                 best.close()
                 self.evicted += 1
                 excess -= 1
-
-
-# -- durability -------------------------------------------------------------------
-
-SYNCFS_MIN = 4  # dirty files on the root's file system from which one syncfs() replaces their fdatasync()s
-PARALLEL_MIN = 4  # dirty files from which fdatasync()s run in parallel threads
-SYNC_THREADS = 16
-
-
-def _load_syncfs() -> Callable[[int], None] | None:
-    """syncfs(2) (Python has no os.syncfs), or None where it is missing or,
-    before Linux 5.8, does not report writeback errors."""
-    import platform
-    import re
-
-    if platform.system() != "Linux":
-        return None
-    m = re.match(r"(\d+)\.(\d+)", platform.release())
-    if not m or (int(m.group(1)), int(m.group(2))) < (5, 8):
-        return None
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        func = libc.syncfs
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int]
-    func.restype = ctypes.c_int
-
-    def syncfs(fd: int) -> None:
-        if func(fd) != 0:  # ctypes releases the GIL for the call
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-
-    return syncfs
-
-
-class Syncer:
-    """Makes files durable: syncfs() or fdatasync(), whichever is cheaper.
-
-    syncfs(ROOT) flushes the whole file system that holds the root in one
-    journal commit; since Linux 5.8 it reports any writeback error on that
-    file system since its last call on the same descriptor, so an error is
-    never lost even for a file whose descriptor was closed meanwhile. An
-    error fails every file of the batch. Files on other file systems (a
-    mount below the root), and batches of few files, are fdatasync()ed
-    each, in parallel threads when there are several.
-
-    syncfs also flushes what others wrote to that file system, so it is
-    used only while it costs less than the fdatasync()s it replaces, as
-    measured (moving averages); every PROBE-th batch that could use it does,
-    so that its estimate follows the file system's load.
-    """
-
-    PROBE = 64
-    PARALLEL_GAIN = 2.5  # fdatasync()s in parallel threads: 2.3-4x faster than one after another, measured
-
-    def __init__(self, root_fd: int, use_syncfs: bool = True) -> None:
-        self.root_fd = root_fd
-        self.root_dev = os.fstat(root_fd).st_dev
-        self.syncfs = _load_syncfs() if use_syncfs else None
-        self.pool: ThreadPoolExecutor | None = None
-        self.stats = {"syncfs": 0, "fdatasync": 0, "dirsync": 0}
-        self.per_file = 0.0005  # seconds per fdatasync() (a moving average)
-        self.per_syncfs = 0.0005  # seconds per syncfs()
-        self.skipped = 0
-
-    def _prefer_syncfs(self, n: int) -> bool:
-        if n < SYNCFS_MIN:
-            return False
-        instead = self.per_file * n / (self.PARALLEL_GAIN if n >= PARALLEL_MIN else 1)
-        if self.per_syncfs <= instead:
-            return True
-        self.skipped += 1
-        return self.skipped % self.PROBE == 0
-
-    def sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
-        """(file, length, error) for each (file, length)."""
-        out: list[tuple[StreamFile, int, OSError | None]] = []
-        rest = files
-        if self.syncfs is not None:
-            mine = [f for f in files if f[0].dev == self.root_dev]
-            if self._prefer_syncfs(len(mine)):
-                err: OSError | None = None
-                started = time.monotonic()
-                try:
-                    self.syncfs(self.root_fd)
-                    self.stats["syncfs"] += 1
-                except OSError as e:
-                    if e.errno in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL):
-                        self.syncfs = None  # not allowed here (seccomp, odd file system): fdatasync from now on
-                        return self.sync(files)
-                    err = e
-                self.per_syncfs += (time.monotonic() - started - self.per_syncfs) / 4
-                out = [(sf, n, err) for sf, n in mine]
-                if err is None:
-                    for sf, _ in mine:
-                        sf.new_entries = ()  # (syncfs wrote the directories too)
-                rest = [f for f in files if f[0].dev != self.root_dev]
-        if rest:
-            rest, failed = self._sync_entries(rest)
-            out.extend(failed)
-        if rest:
-            started = time.monotonic()
-            if len(rest) >= PARALLEL_MIN:
-                if self.pool is None:
-                    self.pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="gcshadow-sync")
-                out.extend(self.pool.map(_fdatasync, rest))
-                took = (time.monotonic() - started) * self.PARALLEL_GAIN / len(rest)
-            else:
-                out.extend(_fdatasync(f) for f in rest)
-                took = (time.monotonic() - started) / len(rest)
-            self.per_file += (took - self.per_file) / 16
-            self.stats["fdatasync"] += len(rest)
-        return out
-
-    def _sync_entries(self, files: list[tuple[StreamFile, int]]) -> tuple[
-            list[tuple[StreamFile, int]], list[tuple[StreamFile, int, OSError | None]]]:
-        """fsync() the directories holding names the shadow made for these
-        files (once each, however many files they hold: a hundred agents
-        starting together cost one sync of their directory): the files
-        whose entries are durable now, and the others with the error."""
-        dirs = {d for sf, _ in files for d in sf.new_entries}
-        if not dirs:
-            return files, []
-        errors: dict[str, OSError] = {}
-        for d in sorted(dirs):
-            try:
-                fd = open_dir(self.root_fd, split_name(d) if d else (), create=False)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self.stats["dirsync"] += 1
-            except (OSError, NameError_) as e:
-                errors[d] = e if isinstance(e, OSError) else OSError(errno.EIO, str(e))
-        ok: list[tuple[StreamFile, int]] = []
-        failed: list[tuple[StreamFile, int, OSError | None]] = []
-        for sf, n in files:
-            err = next((errors[d] for d in sf.new_entries if d in errors), None)
-            if err is None:
-                ok.append((sf, n))
-            else:
-                failed.append((sf, n, err))
-        for sf, _ in ok:
-            sf.new_entries = ()
-        return ok, failed
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
-
-
-def _fdatasync(item: tuple[StreamFile, int]) -> tuple[StreamFile, int, OSError | None]:
-    sf, length = item
-    try:
-        os.fdatasync(sf.fd)
-    except OSError as e:
-        return sf, length, e
-    return sf, length, None

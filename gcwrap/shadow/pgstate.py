@@ -27,8 +27,21 @@ Who may act for a job, across processes:
 
 A lost database (refused, reset, or a failing query) makes every call raise
 `StateUnavailable` (a StoreError, told to agents as BUSY): nothing is
-recorded, so nothing is acknowledged; it says so once in the log, and each
-connection reconnects with backoff on its next use.
+acknowledged; it says so once in the log. While it is lost no call waits
+for it: a prober thread tries to connect every PROBE_EVERY seconds, and the
+first that succeeds lets every call through again at once.
+
+A record whose connection was lost during its COMMIT may have applied:
+its bytes stay as they are (`durability`), and the next claim of the job
+reads the truth under the job's row lock, which waits for a transaction in
+doubt to end (committed or rolled back: the server ends it when it sees its
+client gone, or, unheard from, after IDLE_IN_TRANSACTION). A claim waits at
+most LOCK_TIMEOUT for that lock, then is told to come back.
+
+One state serves one root: the root's identity (`files.root_identity`) is
+recorded in the database by the first shadow, and a shadow of another root
+is refused (two roots would share job names, and a durable length is only
+true of the files it was recorded for).
 """
 
 from __future__ import annotations
@@ -37,7 +50,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -49,25 +61,33 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..wire.events import StreamSpec
-from .files import JobFiles, Problem, StoreError, StreamFile, Syncer, claim_root, entry_dirs, lock_file, lock_root
-from .state import LAST_SEEN_EVERY, LAST_SEEN_JOBS, Store
+from .files import (
+    JobFiles,
+    Problem,
+    StateUnavailable,
+    StoreError,
+    StreamFile,
+    claim_root,
+    entry_dirs,
+    lock_file,
+    lock_root,
+    root_identity,
+)
+from .state import LAST_SEEN_EVERY, LAST_SEEN_JOBS, Attempt, Store, _attempt
 from .stateurl import shown
+from .syncer import Syncer
 
 log = logging.getLogger("gcshadow")
 
 MIGRATION_LOCK = 0x6763736864  # the advisory lock two shadows starting at once migrate under
 CONNECT = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
            "keepalives_count": 3, "tcp_user_timeout": 10000}  # a dead server is noticed in seconds, not hours
-RETRY_MIN = 0.2  # seconds between reconnection attempts, doubling up to RETRY_MAX
-RETRY_MAX = 5.0
+PROBE_EVERY = 0.2  # seconds between the prober's connection attempts while the database is lost
+PROBE_TIMEOUT = 2  # seconds a probe's connection attempt may take (libpq's least)
+PROBE_CONNECT = {**CONNECT, "connect_timeout": PROBE_TIMEOUT}
 IDLE_PING = 1.0  # seconds: a connection idle longer is pinged before use
-
-
-class StateUnavailable(StoreError):
-    """The state database cannot be reached, or failed: nothing recorded."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(Problem.STATE, message)
+LOCK_TIMEOUT = "3s"  # a claim waits this long for a job row a transaction in doubt still locks
+IDLE_IN_TRANSACTION = "30s"  # the server ends a transaction of ours left open this long (its client gone)
 
 
 # -- the schema ---------------------------------------------------------------------
@@ -125,11 +145,13 @@ def migrate(conn: psycopg.Connection[Any]) -> None:
 
 class Health:
     """Whether the state database answers: said once in the log when it is
-    lost, once when it is back."""
+    lost, once when it is back. While it is lost (`down`), no connection
+    tries it: `Prober` does, and `ok()` lets them through again."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.down = ""
         self.failures = 0  # how many times a connection failed: the others' may be broken too
 
@@ -140,6 +162,7 @@ class Health:
                 log.error("lost the state database %s: %s; acknowledging nothing and refusing sessions "
                           "until it is back", self.name, why)
             self.down = why
+            self.changed.notify_all()
 
     def ok(self) -> None:
         if self.down:
@@ -149,17 +172,51 @@ class Health:
                 self.down = ""
 
 
+class Prober:
+    """A thread that, while the state database is lost, tries to connect to
+    it every PROBE_EVERY seconds, and says it is back as soon as it is: no
+    claim or record waits for a connection attempt meanwhile."""
+
+    def __init__(self, url: str, health: Health) -> None:
+        self.url = url
+        self.health = health
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="gcshadow-state-prober", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        health = self.health
+        while True:
+            with health.lock:
+                while not health.down and not self.stopping:
+                    health.changed.wait()
+                if self.stopping:
+                    return
+            try:
+                psycopg.connect(self.url, autocommit=True, **PROBE_CONNECT).close()  # type: ignore[arg-type]
+            except psycopg.Error:
+                with health.lock:
+                    if not self.stopping:
+                        health.changed.wait(PROBE_EVERY)
+                continue
+            health.ok()
+
+    def stop(self) -> None:
+        with self.health.lock:
+            self.stopping = True
+            self.health.changed.notify_all()
+        self.thread.join(PROBE_TIMEOUT + 1)
+
+
 class PgConnection:
     """One connection to the state database, for one thread at a time (its
-    lock), opened again after a failure, at most once per backoff delay."""
+    lock), opened again after a failure once the database is back."""
 
     def __init__(self, url: str, health: Health) -> None:
         self.url = url
         self.health = health
         self.lock = threading.Lock()
         self.conn: psycopg.Connection[Any] | None = None
-        self.delay = 0.0
-        self.next_try = 0.0
         self.why = ""
         self.used = 0.0  # when the connection last answered
         self.seen = 0  # health.failures then
@@ -186,25 +243,24 @@ class PgConnection:
             except psycopg.Error:
                 with contextlib.suppress(Exception):
                     conn.close()
-                self.next_try = 0.0
         self.conn = None
-        now = time.monotonic()
-        if now < self.next_try and self.health.down:  # (once another connection is back, at once)
-            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}")
+        if self.health.down:  # (the prober says when it is back)
+            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.health.down}")
         try:
             conn = psycopg.connect(self.url, autocommit=True, **CONNECT)  # type: ignore[arg-type]
+            # A claim waits this long at most for a row a transaction in doubt
+            # holds; the server ends one of ours whose client went silent.
+            conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+            conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'")
         except psycopg.Error as e:
             self._failed(e)
             raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}") from None
-        self.delay = 0.0
         self.conn = conn
         self.used, self.seen = time.monotonic(), self.health.failures
         return conn
 
     def _failed(self, e: BaseException) -> None:
         self.why = self._say(e)
-        self.delay = min(max(self.delay * 2, RETRY_MIN), RETRY_MAX)
-        self.next_try = time.monotonic() + self.delay * random.uniform(0.5, 1.5)
         self.health.failed(self.why)
         if self.conn is not None:
             with contextlib.suppress(Exception):
@@ -214,12 +270,18 @@ class PgConnection:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[psycopg.Connection[Any]]:
         """A transaction on the connection: committed when the block ends,
-        rolled back on an error; StateUnavailable when the database fails."""
+        rolled back on an error; StateUnavailable when the database fails
+        (for a COMMIT whose connection was lost: it may have applied)."""
         with self.lock:
             conn = self._connected()
             try:
                 with conn.transaction():
                     yield conn
+            except psycopg.errors.LockNotAvailable:
+                # Rolled back, on a connection that works: a row is held by a
+                # transaction in doubt (its client gone) until the server ends it.
+                raise StateUnavailable("a job's record is locked by an unfinished transaction "
+                                       "(a connection lost mid-commit): come back shortly") from None
             except psycopg.Error as e:
                 self._failed(e)
                 raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}") from None
@@ -254,6 +316,8 @@ class PgStore(Store):
         self.pg_durable = PgConnection(url, self.health)
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.last_seen: dict[str, float] = {}
+        self.unsettled = ""
+        self._grouped = False  # (claims commit one by one here: `grouped`)
         root.mkdir(parents=True, exist_ok=True)
         try:
             with self.pg.lock:
@@ -267,14 +331,15 @@ class PgStore(Store):
         except BaseException:
             self.close_connections()
             raise
-        assert row is not None
         try:
             self.lock_fd = lock_root(root, shared=True)
         except BaseException:
             self.close_connections()
             raise
+        assert row is not None
         try:
             claim_root(root, f"postgresql {row[0]}", self.health.name)
+            self._bind_root(root)
             self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except BaseException:
             os.close(self.lock_fd)
@@ -283,16 +348,46 @@ class PgStore(Store):
         self.db_lock = threading.RLock()
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self._conn: psycopg.Connection[Any] | None = None  # the claim's, while `_names` asks it
+        self.prober = Prober(url, self.health)
+
+    def _bind_root(self, root: Path) -> None:
+        """Record this root as the state's (the first shadow does), or refuse
+        a root that is not the one the state serves."""
+        mine = root_identity(root)
+        where = f"{root} on {socket.gethostname()}"
+        with self.pg.transaction() as conn:
+            conn.execute("INSERT INTO gcshadow.meta VALUES ('root_id', %s), ('root', %s) ON CONFLICT DO NOTHING",
+                         [mine, where])
+            meta = dict(conn.execute("SELECT key, value FROM gcshadow.meta").fetchall())
+        if meta["root_id"] != mine:
+            raise StoreError(Problem.ROOT, f"the state database {self.health.name} serves another root "
+                                           f"({meta.get('root', '?')}), not {root}: a shared state serves one root "
+                                           "(job names would collide); give this root a database of its own")
 
     def close_connections(self) -> None:
         self.pg.close()
         self.pg_durable.close()
 
     def close(self) -> None:
+        self.prober.stop()
         self.syncer.close()
         self.close_connections()
         os.close(self.root_fd)
         os.close(self.lock_fd)
+
+    def _settle(self) -> None:
+        """Nothing to do here: a claim reads a job's lengths under its row
+        lock, which a transaction in doubt holds until the server has ended
+        it (committed or rolled back), so what it reads is settled."""
+
+    def attempt(self, job_id: str, instance: str) -> Attempt:
+        with self.pg.transaction() as conn:
+            row = conn.execute(
+                "SELECT (SELECT instance FROM gcshadow.jobs WHERE job_id = %s AND state != 'new'), "
+                "EXISTS (SELECT 1 FROM gcshadow.instances WHERE job_id = %s AND instance = %s)",
+                [job_id, job_id, instance]).fetchone()
+        assert row is not None
+        return _attempt(row[0], bool(row[1]), instance)
 
     def grouped(self, calls: list[Callable[[], Any]]) -> list[Any]:
         """Each call in a transaction of its own (the embedded state commits

@@ -65,16 +65,17 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role, TruncatedFrame
+from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
 from .backends import StateBackend, open_store
 from .collector import keep_collections_short
-from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
+from .descriptors import ACCEPT_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, Problem, StoreError, StreamFile
-from .handshakes import HandshakeBusy, HandshakeMemory, await_event, refuse
+from .handshakes import HandshakeMemory, await_event, refuse
 from .receive import Buffers, inflate, read_into, read_some, read_stdin
+from .replies import ShuttingDown, reply_to
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -82,36 +83,12 @@ T = TypeVar("T")
 
 # Stopping (SIGTERM, SIGINT): every session makes what it wrote durable and
 # tells its agent SHUTTING_DOWN, within STOP_GRACE seconds; the agents come
-# back after STOP_RETRY_AFTER, without counting a failure (a restart).
+# back after replies.STOP_RETRY_AFTER, without counting a failure (a restart).
 STOP_GRACE = 10.0
-STOP_RETRY_AFTER = 3.0
-
-# What the agent is told when storage refuses: the one place storage's
-# problems become wire codes.
-WIRE_CODES: dict[Problem, ErrorCode] = {
-    Problem.ROOT: ErrorCode.IO_ERROR,
-    Problem.FORBIDDEN_NAME: ErrorCode.PATH_FORBIDDEN,
-    Problem.NAME_IN_USE: ErrorCode.PATH_OWNED,
-    Problem.MISSING: ErrorCode.NOT_FOUND,
-    Problem.IO: ErrorCode.IO_ERROR,
-    Problem.CHANGED_AT_HOME: ErrorCode.LENGTH_MISMATCH,
-    Problem.NOT_OWNER: ErrorCode.AUTH_FAILED,
-    Problem.STALE_ATTEMPT: ErrorCode.STALE_ATTEMPT,
-    Problem.OTHER_STREAMS: ErrorCode.UNEXPECTED,
-    Problem.HELD: ErrorCode.BUSY,  # another shadow's session lets go of the files: come back
-    Problem.STATE: ErrorCode.BUSY,  # the state database is lost for now: try another shadow, or later
-}
-
 
 
 class ListenError(Exception):
     """The shadow cannot listen where it was asked to (or say where it listens)."""
-
-
-
-class ShuttingDown(Exception):
-    """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
-
 
 
 class Shadow:
@@ -130,7 +107,6 @@ class Shadow:
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
-        self.stale: dict[str, set[str]] = {}  # attempts (instances) of each job the state refused as replaced
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
         self.stopping = ""  # why the shadow stops, once it does (see `stop`)
@@ -302,43 +278,13 @@ class Shadow:
         try:
             with first_error():
                 await self._serve_connection(stream, conn, peer, identity, cn, who)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, TruncatedFrame) as e:
-            log.info("%s [%s]: connection lost (%s)", peer, who[0], e)
-        except ProtocolError as e:
-            log.warning("%s [%s]: protocol error: %s", peer, who[0], e)
-            await refuse(stream, conn, e.code, str(e))
-        except Refused as e:
-            self.stats["refused"] += 1
-            log.warning("%s [%s]: refused: %s", peer, who[0], e)
-            await refuse(stream, conn, e.code, str(e), retry_after=e.retry_after)
-        except HandshakeBusy as e:
-            self.stats["refused"] += 1
-            log.warning("%s [%s]: refused: %s", peer, who[0], e)
-            await refuse(stream, conn, ErrorCode.BUSY, str(e))
-        except StoreError as e:
-            self.stats["refused"] += 1
-            log.warning("%s [%s]: refused: %s", peer, who[0], e)
-            await refuse(stream, conn, WIRE_CODES[e.problem], str(e))
-        except trio.TooSlowError:
-            log.warning("%s [%s]: timed out", peer, who[0])
-            await refuse(stream, conn, ErrorCode.TIMEOUT, "timed out waiting for the agent")
-        except Fenced as e:
-            log.info("%s [%s]: connection stopped: %s", peer, who[0], e)
-            await refuse(stream, conn, ErrorCode.FENCED, str(e))
-        except ShuttingDown as e:
-            log.info("%s [%s]: %s", peer, who[0], e)
-            await refuse(stream, conn, ErrorCode.SHUTTING_DOWN, str(e), retry_after=STOP_RETRY_AFTER)
-        except OSError as e:
-            if e.errno in FD_ERRNOS:  # outside our budget (another process, the system's file table): back off
-                log.warning("%s [%s]: out of descriptors: %s", peer, who[0], e.strerror)
-                await refuse(stream, conn, ErrorCode.BUSY, "the shadow is out of file descriptors",
-                                   retry_after=retry_after())
-            else:
-                log.error("%s [%s]: I/O error: %s", peer, who[0], e)
-                await refuse(stream, conn, ErrorCode.IO_ERROR, f"shadow I/O error: {e.strerror or e}")
-        except Exception as e:  # one bad connection must not stop the shadow
-            log.exception("%s [%s]: internal error", peer, who[0])
-            await refuse(stream, conn, ErrorCode.INTERNAL, f"shadow internal error: {type(e).__name__}")
+        except Exception as e:  # (every failure of one connection ends there: `replies`)
+            said = reply_to(e)
+            if said.refused:
+                self.stats["refused"] += 1
+            log.log(said.level, "%s [%s]: %s", peer, who[0], said.said, exc_info=said.traceback)
+            if said.code is not None:
+                await refuse(stream, conn, said.code, said.message, retry_after=said.retry_after)
 
     async def _serve_connection(
         self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str, who: list[str]
@@ -371,10 +317,16 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
-        if hello.instance in self.stale.get(hello.job_id, ()):
-            # Refused before the claim: a replaced attempt must not take the job from the newer one's session.
-            raise StoreError(Problem.STALE_ATTEMPT,
-                             f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
+        attempt = "new"
+        held = self.live.get(hello.job_id)
+        if held is not None and held.instance != hello.instance:
+            # A session of another attempt holds the job here: the older of
+            # the two must not fence the newer. The state says which is which,
+            # for every shadow (a replaced attempt is refused for good).
+            attempt = await self._worker(lambda: self.store.attempt(hello.job_id, hello.instance))
+            if attempt == "replaced":
+                raise StoreError(Problem.STALE_ATTEMPT,
+                                 f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
         if tenant:
             # Whose the job id is, before claiming it: a claim fences the
             # session holding the job, and no identity may do that to another's.
@@ -384,7 +336,8 @@ class Shadow:
                 raise Refused(ErrorCode.AUTH_FAILED, f"job {hello.job_id} {why}")
         if self.stopping:
             raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
-        job = self._claim(hello.job_id, identity, tenant)  # no await since the handshake was read
+        # (no await since the handshake was read, or since the state said what the attempt is)
+        job = self._claim(hello.job_id, hello.instance, identity, tenant, known=attempt != "new")
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope  # before the first await: a later claim cancels this one wherever it waits
@@ -411,21 +364,26 @@ class Shadow:
                 await self.durability.flush(job)  # what it wrote is durable before the agent is told
                 raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
             if scope.cancelled_caught:
-                raise Fenced(job.fenced or "stopped")
+                raise Fenced(job.fenced or "stopped", job.trouble)
         finally:
             if self.live.get(job.job_id) is job:
                 del self.live[job.job_id]
             await self._release(job)
 
-    def _claim(self, job_id: str, identity: str, tenant: str = "") -> LiveJob:
+    def _claim(self, job_id: str, instance: str, identity: str, tenant: str = "", *, known: bool = False) -> LiveJob:
         """A new session takes the job, at once: no await between looking up
         who holds it and taking it, so one session holds a job at any instant.
         The holder until now is fenced: it writes, records and acknowledges
         nothing more, and its handler is cancelled. Only by a session of the
-        same identity: a job id another identity is streaming is refused."""
+        same identity: a job id another identity is streaming is refused.
+        An attempt the state already `known` when asked, meeting a session
+        of another attempt here, is older than it (that one was new, or
+        current after it): it is refused and fences nobody."""
         held = self.live.get(job_id)
         if held is not None and held.tenant != tenant:
             raise Refused(ErrorCode.AUTH_FAILED, f"job {job_id} belongs to another identity")
+        if held is not None and known and held.instance != instance:
+            raise StoreError(Problem.STALE_ATTEMPT, f"job {job_id}: a newer attempt has replaced attempt {instance}")
         cap = self.opts.max_jobs_per_identity
         if cap and job_id not in self.live:
             mine = sum(1 for j in self.live.values() if j.identity == identity)
@@ -435,7 +393,7 @@ class Shadow:
         if old is not None:
             old.fence("a newer connection of this job took over")
         sessions = self.sessions.setdefault(job_id, [])
-        job = LiveJob(job_id, identity, tenant, prev=list(sessions))
+        job = LiveJob(job_id, identity, tenant, prev=list(sessions), instance=instance)
         sessions.append(job)
         self.live[job_id] = job
         return job
@@ -464,15 +422,10 @@ class Shadow:
         job.prev = []
         await self._room(len(hello.streams) + 2)  # the files it opens, and two directories at a time
         self._check(job)
-        try:
-            files = await self.records.submit(lambda: self.store.open_job(
-                job_id=hello.job_id, instance=hello.instance, streams=hello.streams, host=hello.host,
-                user=hello.user, command=list(hello.command), peer=peer, tenant=tenant,
-            ))
-        except StoreError as e:
-            if e.problem is Problem.STALE_ATTEMPT:
-                self.stale.setdefault(hello.job_id, set()).add(hello.instance)
-            raise
+        files = await self.records.submit(lambda: self.store.open_job(
+            job_id=hello.job_id, instance=hello.instance, streams=hello.streams, host=hello.host,
+            user=hello.user, command=list(hello.command), peer=peer, tenant=tenant,
+        ))
         job.files = files  # before any other await: whatever happens next, _release closes them
         for sf in files.all():
             self.files.add(sf)

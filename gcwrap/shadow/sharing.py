@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from .backends import StateBackend
-from .durability import LiveJob
+from .durability import LiveJob, Trouble
 from .files import StoreError
 
 WATCH_EVERY = 1.0  # seconds: how often a shadow sharing its state asks whether its jobs were taken over
@@ -34,10 +34,10 @@ async def check_holders(store: StateBackend, live: dict[str, LiveJob],
     try:
         taken = await worker(functools.partial(store.superseded, held))
     except StoreError as e:
-        taken, why = set(held), f"the shadow lost its state database: {e}"
+        taken, why, trouble = set(held), f"the shadow lost its state database: {e}", Trouble.STATE
     else:
-        why = "another shadow took this job over"
+        why, trouble = "another shadow took this job over", Trouble.TAKEN_OVER
     for job_id in taken:
         job = live.get(job_id)
         if job is not None and job.files.session == held[job_id]:
-            job.fence(why)
+            job.fence(why, trouble)

@@ -12,7 +12,7 @@ back to `durable` and the agent sends those bytes again. A file shorter than
 `durable` lost acknowledged bytes behind the shadow's back, which is refused.
 
 Durability (`Store.make_durable`, one call per batch in the shadow's
-durability thread): sync the dirty files (`files.Syncer`), then
+durability thread): sync the dirty files (`syncer.Syncer`), then
 commit their new lengths to the state database.
 """
 
@@ -22,6 +22,7 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
 import sqlite3
 import stat
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..db import migrate as db_migrate
 from ..db import transaction, uri
@@ -38,18 +39,21 @@ from ..wire.names import STATE_DIR, NameError_, split_name
 from .files import (
     JobFiles,
     Problem,
+    StateUnavailable,
     StoreError,
     StreamFile,
-    Syncer,
     claim_root,
     entry_dirs,
     lock_root,
     open_confined,
     open_dir,
 )
+from .syncer import Syncer
 
 if TYPE_CHECKING:
     import sqlite_utils
+
+log = logging.getLogger("gcshadow")
 
 LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
 LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
@@ -60,6 +64,16 @@ class Superseded(OSError):
 
     def __init__(self, job_id: str) -> None:
         super().__init__(errno.ESTALE, f"a newer session of job {job_id} holds it")
+
+
+class RecordUnknown(OSError):
+    """A durable length whose record failed part-way (the state database
+    failed, or its connection was lost during COMMIT): it may or may not
+    have been recorded. Nothing is acknowledged, and nothing that synced is
+    cut back: the next session of the job reads what the state holds."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(errno.EIO, why)
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -95,10 +109,16 @@ def _m003_wire(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE streams ADD COLUMN wire INTEGER")
 
 
+def _m004_settled(db: sqlite_utils.Database) -> None:
+    # One row written after a failed commit (`Store._settle`): see there.
+    db.execute("CREATE TABLE settled (id INTEGER PRIMARY KEY CHECK (id = 1), at REAL, why TEXT)")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
     (2, "owner", _m002_owner),
     (3, "wire", _m003_wire),
+    (4, "settled", _m004_settled),
 ]
 
 
@@ -150,11 +170,13 @@ class Store:
             os.close(self.lock_fd)
             raise
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.path = root / STATE_DIR / "state.db"
         self.db = open_state(root)
         self.db_lock = threading.RLock()  # (re-entered by the calls of a group)
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self.last_seen: dict[str, float] = {}  # job -> when its last_seen was last stamped (record_durable)
         self._grouped = False  # inside `open_jobs`' transaction: each job opens in a savepoint
+        self.unsettled = ""  # why the last write failed, until `_settle` has fixed its outcome
 
     def close(self) -> None:
         self.syncer.close()
@@ -181,7 +203,17 @@ class Store:
         With a `tenant` (an identity), the job's names are under ROOT/tenant/
         and the job id is that identity's: another identity's is refused."""
         with self.db_lock:
-            return self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
+            if self._grouped:  # (the group settles, commits, then cuts back)
+                return self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
+            self._settle()
+            try:
+                files = self._open_job(job_id, instance, list(streams), host, user, command, peer, tenant)
+            except sqlite3.Error as e:
+                raise self._failed(e) from None
+            cut = _cut_or_refuse(files)
+            if isinstance(cut, StoreError):
+                raise cut
+            return cut
 
     def open_jobs(self, requests: list[dict[str, Any]]) -> list[JobFiles | Exception]:
         """`open_job` for several jobs in one state transaction (`grouped`)."""
@@ -196,39 +228,43 @@ class Store:
         the jobs opened are closed)."""
         results: list[Any] = []
         with self.db_lock:
+            try:
+                self._settle()
+            except StateUnavailable as e:
+                return [e for _ in calls]
             conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
             self._grouped = True
             try:
+                conn.execute("BEGIN IMMEDIATE")
                 for call in calls:
                     try:
                         results.append(call())
+                    except sqlite3.Error:
+                        raise  # the state database failed: the whole group does
                     except Exception as e:  # noqa: BLE001 - this one's refusal: the others go on
                         results.append(e)
                 conn.execute("COMMIT")
-            except Exception as e:  # noqa: BLE001 - the state database failed: nothing of the group stands
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+            except sqlite3.Error as e:
+                # The state database failed; if in the COMMIT, the group may
+                # or may not stand: nothing was cut back, nothing is served.
                 _close_opened(results)
-                why = f"cannot record the job in the state database: {e}"
-                results = [StoreError(Problem.IO, why) for _ in calls]
+                results = [self._failed(e) for _ in calls]
             except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
                 _close_opened(results)
+                self._rollback()
                 raise
             finally:
                 self._grouped = False
-        return results
+        return [_cut_or_refuse(r) if isinstance(r, JobFiles) else r for r in results]
 
     @contextlib.contextmanager
     def _atomic(self) -> Iterator[None]:
         """One call's changes: a transaction of its own, or a savepoint inside a group (`grouped`)."""
         if not self._grouped:
-            with transaction(self.db.conn):
+            with self._transaction():
                 yield
             return
-        conn = self.db.conn
+        conn = self.db.conn  # (an error of the database itself fails the whole group: `grouped`)
         conn.execute("SAVEPOINT one")
         try:
             yield
@@ -238,11 +274,80 @@ class Store:
             raise
         conn.execute("RELEASE one")
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """A write transaction of its own, on a settled state (`_settle`):
+        StateUnavailable if the state database fails (and it is settled
+        again before the next one)."""
+        with self.db_lock:
+            self._settle()
+            try:
+                with transaction(self.db.conn):
+                    yield
+            except sqlite3.Error as e:
+                raise self._failed(e) from None
+
+    def _failed(self, e: sqlite3.Error) -> StateUnavailable:
+        """The state database failed a write: its outcome is unknown until settled."""
+        self._rollback()
+        if not self.unsettled:
+            log.error("the state database %s failed: %s; whether its last write applied is unknown: "
+                      "acknowledging nothing and refusing sessions until a write succeeds", self.path, e)
+        self.unsettled = str(e) or type(e).__name__
+        return StateUnavailable(f"the state database failed ({self.unsettled}): come back shortly")
+
+    def _rollback(self) -> None:
+        if self.db.conn.in_transaction:
+            try:
+                self.db.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+    def _settle(self) -> None:
+        """After a failed write, fix its outcome before anything reads the
+        state. A COMMIT that raised may still have written its frames to the
+        WAL: this connection does not see them, but a restart's recovery
+        would, and the job's length would grow back after a session had
+        trusted the old one. A write that succeeds overwrites those frames
+        for good: from then on what this connection reads is what every
+        later reader reads. StateUnavailable while the database still fails."""
+        if not self.unsettled:
+            return
+        self._rollback()
+        try:
+            with transaction(self.db.conn):
+                self.db.conn.execute("INSERT OR REPLACE INTO settled VALUES (1, ?, ?)", [time.time(), self.unsettled])
+        except sqlite3.Error as e:
+            self._rollback()
+            raise StateUnavailable(f"the state database still fails ({e or type(e).__name__}): "
+                                   "come back shortly") from None
+        log.warning("the state database %s answers again: serving", self.path)
+        self.unsettled = ""
+
     def owner(self, job_id: str) -> str | None:
         """The identity a job belongs to ("" on a shadow without identities), or None if it is new."""
         with self.db_lock:
-            row = self.db.conn.execute("SELECT owner FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            self._settle()
+            try:
+                row = self.db.conn.execute("SELECT owner FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            except sqlite3.Error as e:
+                raise self._failed(e) from None
         return None if row is None else str(row[0])
+
+    def attempt(self, job_id: str, instance: str) -> Attempt:
+        """Whether `instance` is a new attempt of the job, its current one,
+        or one a newer attempt replaced (refused for good, before it may
+        take the job from anyone)."""
+        with self.db_lock:
+            self._settle()
+            try:
+                row = self.db.conn.execute(
+                    "SELECT (SELECT instance FROM jobs WHERE job_id = ?), "
+                    "EXISTS (SELECT 1 FROM instances WHERE job_id = ? AND instance = ?)",
+                    (job_id, job_id, instance)).fetchone()
+            except sqlite3.Error as e:
+                raise self._failed(e) from None
+        return _attempt(row[0], bool(row[1]), instance)
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],
@@ -279,7 +384,7 @@ class Store:
                 os.close(fd)
             self._unmake(made)
             raise
-        files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1)
+        files = JobFiles(job_id, instance, session=(row[1] if row else 0) + 1, fresh=fresh)
         try:
             with self._atomic():
                 if fresh:
@@ -383,9 +488,6 @@ class Store:
             return
         try:
             if fresh:
-                if st.st_size:  # (a new, empty file has no old bytes whose removal must be durable)
-                    os.ftruncate(fd, 0)
-                    os.fsync(fd)
                 durable = wire = 0
                 db.execute(
                     "INSERT INTO streams (job_id, stream, kind, name, durable, wire) VALUES (?, ?, ?, ?, 0, 0)",
@@ -404,31 +506,31 @@ class Store:
                         f"{norm!r} holds {size} bytes but {durable} were acknowledged: "
                         "it was truncated or replaced at home",
                     )
-                if size > durable:
-                    os.ftruncate(fd, durable)  # a torn or unacknowledged tail: it will be resent
         except BaseException:
             os.close(fd)
             raise
         sf = StreamFile(files.job_id, spec.id, norm, fd, durable, durable, session=files.session, wire=wire,
                         dev=st.st_dev, ino=st.st_ino)
         files.outputs[spec.id] = sf
+        files.cuts.append((sf, st.st_size))  # once the claim is committed
 
     def make_durable(
         self, files: list[tuple[StreamFile, int]]
     ) -> tuple[list[tuple[StreamFile, int, OSError | None]], str]:
         """Sync the files up to their lengths, then commit the lengths of the
         ones that synced: (file, length, error) for each, and why the commit
-        failed ("" if it did not). Only a length with no error, and no commit
-        failure, may be acknowledged. A file whose session no longer holds
-        its job gets `Superseded`: its length is not recorded."""
+        failed ("" if it did not). Only a length with no error may be
+        acknowledged. A file whose session no longer holds its job gets
+        `Superseded`: its length is not recorded. When the record fails, the
+        files that synced get `RecordUnknown`: it may have applied."""
         results = self.syncer.sync(files)
         good = [(sf.job_id, sf.stream, n, sf.session, sf.wire) for sf, n, err in results if err is None]
         if good:
             try:
                 stale = self.record_durable(good)
-            except Exception as e:  # noqa: BLE001 - the state disk failed: acknowledge nothing
-                failed = OSError(errno.EIO, f"cannot record durable lengths in the state database: {e}")
-                return [(sf, n, err or failed) for sf, n, err in results], str(e) or type(e).__name__
+            except StoreError as e:  # the state database failed (StateUnavailable): acknowledge nothing
+                unknown = RecordUnknown(str(e))
+                return [(sf, n, err or unknown) for sf, n, err in results], str(e)
             if stale:
                 results = [(sf, n, Superseded(sf.job_id) if err is None and (sf.job_id, sf.stream) in stale else err)
                            for sf, n, err in results]
@@ -449,7 +551,7 @@ class Store:
         now = time.time()
         stamped = self.last_seen
         refused: set[tuple[str, int]] = set()
-        with self.db_lock, transaction(self.db.conn):
+        with self._transaction():
             conn = self.db.conn
             if conn.executemany(self._RECORD_DURABLE, rows).rowcount != len(rows):
                 # Some session was superseded (rare): find which rows did not apply.
@@ -498,7 +600,7 @@ class Store:
 
     def mark_disconnected(self) -> None:
         """At start-up: no job is connected to a shadow that just started."""
-        with self.db_lock, transaction(self.db.conn):
+        with self._transaction():
             self.db.execute("UPDATE jobs SET state = 'disconnected' WHERE state = 'streaming'")
 
 
@@ -506,6 +608,28 @@ def _close_opened(results: list[Any]) -> None:
     for r in results:
         if isinstance(r, JobFiles):
             r.close()
+
+
+def _cut_or_refuse(files: JobFiles) -> JobFiles | StoreError:
+    """A committed claim's outputs cut back (`JobFiles.cut_back`); one whose
+    files cannot be is refused, for now (its next claim cuts them)."""
+    try:
+        files.cut_back()
+    except OSError as e:
+        files.close()
+        return StoreError(Problem.IO, f"cannot cut back the files of job {files.job_id}: {e.strerror}")
+    return files
+
+
+Attempt = Literal["new", "current", "replaced"]
+
+
+def _attempt(current: str | None, known: bool, instance: str) -> Attempt:
+    """What `instance` is to a job whose current attempt is `current`
+    (None: no such job), `known` if it was ever seen."""
+    if current == instance:
+        return "current"
+    return "replaced" if known else "new"
 
 
 def list_jobs(root: Path) -> list[dict[str, Any]]:
