@@ -469,8 +469,8 @@ class _Link:
                 pass
 
 
-def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequence[str] = ()) -> tuple[
-        subprocess.Popen[bytes], int]:
+def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """Start gcshadow inside the namespace; return (process, port)."""
     gcshadow = shutil.which("gcshadow")
     assert gcshadow
@@ -480,7 +480,7 @@ def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequ
         # --insecure: a test host inside a namespace this test made, reachable from nowhere else.
         [*ns.prefix(), gcshadow, "serve", "--host", NS_IP, "--port", str(port), "--root", str(root),
          "--port-file", str(port_file), "--insecure", *extra],
-        stdout=log, stderr=log, start_new_session=True,
+        stdout=log, stderr=log, start_new_session=True, env=env,
     )
     log.close()
     NS_SHADOWS.append(proc)

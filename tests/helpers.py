@@ -57,10 +57,11 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
 class ShadowProc:
     """A gcshadow serving `root`; restartable on the same port."""
 
-    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = ()) -> None:
+    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         self.root = root
         self.logdir = logdir
         self.extra = list(extra)
+        self.env = env  # (None: this process's)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -73,7 +74,7 @@ class ShadowProc:
         self.proc = subprocess.Popen(
             [*tool("gcshadow"), "serve", "--port", str(want), "--root", str(self.root),
              "--port-file", str(port_file), *self.extra],
-            stdout=log, stderr=log, start_new_session=True,
+            stdout=log, stderr=log, start_new_session=True, env=self.env,
         )
         log.close()
         self.starts += 1

@@ -284,14 +284,14 @@ class Durability:
                 # session stops; the next one reads what the state holds.
                 if job is not None:
                     job.fence(f"the state database failed while recording this job's output ({err.strerror}): "
-                              "nothing more is acknowledged until it answers", Trouble.STATE)
+                              "nothing more is acknowledged until it answers; come back shortly", Trouble.STATE)
                     unknown.add(job)
                 continue
             self._cut_back(sf, job, err)
         if db_error:
-            log.error("the state database failed while recording durable lengths: %s; whether they were recorded "
-                      "is unknown: nothing synced is cut back, %d session(s) stopped (they come back, and resume "
-                      "from what the state holds)", db_error, len(unknown))
+            log.error("%d session(s) stopped: whether their last durable lengths were recorded is unknown (%s); "
+                      "nothing that synced is cut back, and they resume from what the state holds",
+                      len(unknown), db_error)
         for job in set(batch.values()):
             if job.on_durable is not None:
                 job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)

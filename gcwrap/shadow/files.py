@@ -58,8 +58,9 @@ class StateUnavailable(StoreError):
     (or, for a write, nothing known of whether it was). Retryable: agents
     are told BUSY and come back."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(Problem.STATE, message)
+        self.reason = reason or message  # what failed, in a few words
 
 
 def check_root(root: Path) -> None:

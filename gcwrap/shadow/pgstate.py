@@ -245,7 +245,8 @@ class PgConnection:
                     conn.close()
         self.conn = None
         if self.health.down:  # (the prober says when it is back)
-            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.health.down}")
+            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.health.down}",
+                                   self.health.down)
         try:
             conn = psycopg.connect(self.url, autocommit=True, **CONNECT)  # type: ignore[arg-type]
             # A claim waits this long at most for a row a transaction in doubt
@@ -254,7 +255,8 @@ class PgConnection:
             conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'")
         except psycopg.Error as e:
             self._failed(e)
-            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}") from None
+            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}",
+                                   self.why) from None
         self.conn = conn
         self.used, self.seen = time.monotonic(), self.health.failures
         return conn
@@ -284,7 +286,7 @@ class PgConnection:
                                        "(a connection lost mid-commit): come back shortly") from None
             except psycopg.Error as e:
                 self._failed(e)
-                raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}") from None
+                raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}", self.why) from None
             self.used, self.seen = time.monotonic(), self.health.failures
             self.health.ok()
 

@@ -294,7 +294,7 @@ class Store:
             log.error("the state database %s failed: %s; whether its last write applied is unknown: "
                       "acknowledging nothing and refusing sessions until a write succeeds", self.path, e)
         self.unsettled = str(e) or type(e).__name__
-        return StateUnavailable(f"the state database failed ({self.unsettled}): come back shortly")
+        return StateUnavailable(f"the state database failed ({self.unsettled}): come back shortly", self.unsettled)
 
     def _rollback(self) -> None:
         if self.db.conn.in_transaction:
@@ -529,7 +529,7 @@ class Store:
             try:
                 stale = self.record_durable(good)
             except StoreError as e:  # the state database failed (StateUnavailable): acknowledge nothing
-                unknown = RecordUnknown(str(e))
+                unknown = RecordUnknown(getattr(e, "reason", str(e)))
                 return [(sf, n, err or unknown) for sf, n, err in results], str(e)
             if stale:
                 results = [(sf, n, Superseded(sf.job_id) if err is None and (sf.job_id, sf.stream) in stale else err)
