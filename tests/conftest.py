@@ -7,6 +7,7 @@ import pytest
 from faults import kill_ns_shadows
 from helpers import ShadowProc, Wrapper
 from pgserver import pg_url, postgres, postgres_url  # noqa: F401 - fixtures
+from statefaults import failsync  # noqa: F401 - a fixture
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,7 +63,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if totals and totals["seeds"]:
         terminalreporter.write_line(
             "chaos schedule: {seeds} seeds, {bytes} bytes moved, {faults} faults injected, "
-            "{lost} bytes lost, {duplicated} bytes duplicated, {corrupt} bytes corrupt, {hung} hung".format(**totals)
+            "{lost} bytes lost, {duplicated} bytes duplicated, {corrupt} bytes corrupt, {hung} hung, "
+            "{refused} refused for good".format(**totals)
         )
         kinds = getattr(chaos, "CHAOS_KINDS", None)
         if kinds:

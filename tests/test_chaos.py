@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from faults import (
+    HOST_IP,
     NS_IP,
     VETH_HOST,
     DelayProxy,
@@ -36,6 +37,7 @@ from faults import (
     need_tmpfs,
     shadow_in_ns,
 )
+from statefaults import FailingStateSync, PgRelay
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -49,6 +51,7 @@ from helpers import (
 )
 
 from gcwrap.agent.policy import LAST_TRY, SIGNAL_GRACE
+from gcwrap.wire.events import ErrorCode
 from gcwrap.render import human_bytes
 
 MB = 1_000_000
@@ -540,7 +543,8 @@ def test_sigterm_stops_a_shadow_whose_root_vanished_mid_stream(spool_dir: Path, 
 # `gcwrap resume` where the schedule leaves output in the spool, for what landed
 # against what the job wrote: lost, duplicated and corrupt bytes, counted apart.
 
-CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0, "corrupt": 0, "hung": 0}
+CHAOS_TOTALS = {"seeds": 0, "bytes": 0, "faults": 0, "lost": 0, "duplicated": 0, "corrupt": 0, "hung": 0,
+                "refused": 0}
 CHAOS_KINDS: collections.Counter[str] = collections.Counter()  # faults injected, by kind
 MARGIN = 5.0  # seconds for a process's start-up and exit on a loaded machine (test_signals uses 3)
 SLACK = 20.0  # ...and on top of a whole run's bound
@@ -583,7 +587,8 @@ class Chaos:
     spool on a tmpfs, gcwrap and its job; and what the schedule allows the
     run to end with (`allowed`, the exit statuses), which faults widen."""
 
-    def __init__(self, seed: int, netns: NetNS, tmp_path: Path, stack: contextlib.ExitStack) -> None:
+    def __init__(self, seed: int, netns: NetNS, tmp_path: Path, stack: contextlib.ExitStack,
+                 request: pytest.FixtureRequest) -> None:
         rng = self.rng = random.Random(seed)
         self.seed, self.netns, self.tmp = seed, netns, tmp_path
         self.home, self.spool_dir, self.logs = tmp_path / "home", tmp_path / "spool", tmp_path / "logs"
@@ -598,9 +603,11 @@ class Chaos:
         self.auth = rng.choice(("none", "none", "token", "tls"))
         self.front = rng.choice(("direct", "relay", "stall"))
         self.stdin = rng.choice((None, None, None, "file", "missing", "symlink"))
+        self.state = rng.choice(("embedded", "embedded", "postgresql"))
         self.world = (f"out={self.out_n} err={self.err_n} rate={self.rate} heartbeat={self.heartbeat} "
                       f"retry-timeout={self.retry_timeout} memory-limit={self.memory_limit} "
-                      f"write-behind={self.write_behind} auth={self.auth} front={self.front} stdin={self.stdin}")
+                      f"write-behind={self.write_behind} auth={self.auth} front={self.front} stdin={self.stdin} "
+                      f"state={self.state}")
         self.allowed = {0}
         self.events: list[str] = []
         self.hung: list[str] = []
@@ -621,7 +628,20 @@ class Chaos:
         elif self.auth == "tls":
             pki = make_pki(tmp_path / "pki")
             self.shadow_args, self.auth_args = ["--tls-cert", str(pki["server"])], ["--tls-ca", str(pki["ca"])]
-        self.shadow, self.port = shadow_in_ns(netns, self.home, self.logs, extra=self.shadow_args)
+        # The shadow's state: embedded, its WAL syncs made to fail on demand
+        # (FailingStateSync), or PostgreSQL through a relay on this host that
+        # cuts connections at COMMIT (PgRelay): outcomes that cannot be known.
+        self.state_faults: FailingStateSync | None = None
+        self.pg: PgRelay | None = None
+        self.shadow_env: dict[str, str] | None = None
+        if self.state == "postgresql":
+            postgres = request.getfixturevalue("postgres")
+            self.pg = stack.enter_context(PgRelay(("127.0.0.1", postgres.port), host=HOST_IP))
+            self.shadow_args = [*self.shadow_args, "--state", self.pg.url(request.getfixturevalue("pg_url"))]
+        else:
+            self.state_faults = FailingStateSync(request.getfixturevalue("failsync"), tmp_path / "failsync")
+            self.shadow_env = self.state_faults.env()
+        self.shadow, self.port = shadow_in_ns(netns, self.home, self.logs, extra=self.shadow_args, env=self.shadow_env)
         stack.callback(self.stop_shadow)
         self.fs = stack.enter_context(Tmpfs(self.spool_dir, "16m"))
         # What gcwrap dials.
@@ -685,7 +705,8 @@ class Chaos:
             self.shadow.wait(10)
 
     def restart_shadow(self) -> None:
-        self.shadow, _ = shadow_in_ns(self.netns, self.home, self.logs, port=self.port, extra=self.shadow_args)
+        self.shadow, _ = shadow_in_ns(self.netns, self.home, self.logs, port=self.port, extra=self.shadow_args,
+                                      env=self.shadow_env)
 
     # -- the bound: when gcwrap must have ended ------------------------------------------------
 
@@ -815,10 +836,57 @@ def stdin_removed(c: Chaos) -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def state_commit_fails(c: Chaos) -> Iterator[None]:
+    """The embedded state's next 1 to 3 WAL syncs fail after writing: COMMITs
+    whose outcome is unknown (a restart's recovery may find them applied).
+    The sessions stop, told BUSY, and resume from what the state holds; half
+    the time the shadow is killed -9 as soon as one failed, before anything
+    settled them. Exit 0."""
+    assert c.state_faults is not None
+    n = c.rng.randint(1, 3)
+    c.state_faults.arm(n)
+    killed = c.rng.random() < 0.5
+    if killed:
+        deadline = time.monotonic() + 3
+        while c.state_faults.left() == n and time.monotonic() < deadline:  # (none, if nothing was written meanwhile)
+            time.sleep(0.005)
+        os.kill(c.shadow.pid, signal.SIGKILL)
+        c.shadow.wait(10)
+        c.events.append(f"{time.monotonic() - c.started:.2f} s: shadow killed -9 after {n - c.state_faults.left()} "
+                        "failed state sync(s)")
+    yield
+    c.state_faults.arm(0)
+    if killed:
+        c.restart_shadow()
+
+
+@contextlib.contextmanager
+def pg_commit_cut(c: Chaos, mode: str) -> Iterator[None]:
+    """The shadow's next 1 to 3 COMMITs to PostgreSQL cut: after the server
+    committed (the shadow never hears it), or before it saw them. Exit 0."""
+    assert c.pg is not None
+    c.pg.arm(mode, c.rng.randint(1, 3))
+    yield
+    c.pg.disarm()
+
+
+@contextlib.contextmanager
+def pg_down(c: Chaos) -> Iterator[None]:
+    """PostgreSQL lost (every connection reset, every new one refused: a
+    restart, a failover): sessions stop, told BUSY; no refusal for good. Exit 0."""
+    assert c.pg is not None
+    c.pg.down()
+    yield
+    c.pg.up()
+
+
 FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = {
     "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
     "spool-disk-full": spool_disk_full, "racing-sessions": racing_sessions, "bytes-vanish": bytes_vanish,
-    "stdin-removed": stdin_removed,
+    "stdin-removed": stdin_removed, "state-commit-fails": state_commit_fails,
+    "pg-commit-cut-after": lambda c: pg_commit_cut(c, "after"), "pg-commit-cut-before": lambda c: pg_commit_cut(c, "before"),
+    "pg-down": pg_down,
 }
 
 
@@ -828,6 +896,7 @@ def fault_kinds(c: Chaos) -> list[str]:
     kinds += 2 * ["racing-sessions"] if c.relay else []
     kinds += 2 * ["bytes-vanish"] if c.stall else []
     kinds += 2 * ["stdin-removed"] if c.stdin == "file" else []
+    kinds += ["pg-commit-cut-after", "pg-commit-cut-before", "pg-down"] if c.pg else 2 * ["state-commit-fails"]
     return kinds
 
 
@@ -973,6 +1042,14 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
     return problems
 
 
+def refused_for_good(c: Chaos, text: str) -> list[str]:
+    """The permanent codes gcwrap was refused with that the world did not
+    expect (its stdin missing, a link, or removed: NOT_FOUND, PATH_FORBIDDEN)."""
+    expected_codes = {"NOT_FOUND", "PATH_FORBIDDEN"} if c.stdin in ("missing", "symlink", "file") else set()
+    return sorted({code for code in re.findall(r"\[([A-Z_]+)\]", text)
+                   if code in ErrorCode.__members__ and ErrorCode[code].permanent and code not in expected_codes})
+
+
 def check_outcome(c: Chaos, rc: int | None, text: str) -> list[str]:
     """What the schedule's exit status must come with; then `gcwrap resume`
     where output may wait in the spool. Returns the problems found."""
@@ -1007,10 +1084,10 @@ def check_outcome(c: Chaos, rc: int | None, text: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) -> None:
+def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int, request: pytest.FixtureRequest) -> None:
     need_tmpfs()
     with contextlib.ExitStack() as stack:
-        c = Chaos(chaos_seed, netns, tmp_path, stack)
+        c = Chaos(chaos_seed, netns, tmp_path, stack, request)
         stack.callback(Wrapper.kill_leftovers)
         c.start()
         run_schedule(c)
@@ -1033,11 +1110,14 @@ def test_random_fault_schedule(netns: NetNS, tmp_path: Path, chaos_seed: int) ->
     CHAOS_TOTALS["duplicated"] += dup
     CHAOS_TOTALS["corrupt"] += bad
     CHAOS_TOTALS["hung"] += len(c.hung)
+    refused = refused_for_good(c, text)
+    CHAOS_TOTALS["refused"] += bool(refused)
     story = f"seed {chaos_seed}: {c.world}; " + "; ".join(c.events) + f"; exit {rc}"
     print(story)
     assert not c.hung, f"{story}\nhung: {c.hung}\n{text}"
     assert not problems, f"{story}\n{problems}\n{text}"
     assert (lost, dup, bad) == (0, 0, 0), f"{story}\nlost {lost}, duplicated {dup}, corrupt {bad}\n{text}"
+    assert not refused, f"{story}\nrefused for good: {refused}\n{text}"
 
 
 # -- 8. a relay that duplicates connection attempts -----------------------------------------

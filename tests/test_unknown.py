@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from statefaults import FailingStateSync, failsync  # noqa: F401 - the fixture
+from statefaults import FailingStateSync
 
 from gcwrap.shadow.admission import ShadowOptions
 from gcwrap.shadow.durability import Durability, Fenced, LiveJob, Trouble

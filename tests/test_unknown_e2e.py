@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, tool, wait_until
 from pgserver import PgServer
-from statefaults import FailingStateSync, PgRelay, failsync  # noqa: F401 - the fixture
+from statefaults import FailingStateSync, PgRelay
 
 from gcwrap.wire.events import Data, Error, ErrorCode, Event, Hello, Ping, Pong, StreamSpec, Welcome
 from gcwrap.wire.protocol import NEED_DATA, Connection, Role
