@@ -95,7 +95,7 @@ class PgRelay:
         """`url` (a PostgreSQL URL of the target) through this relay, without TLS."""
         parts = urllib.parse.urlsplit(url)
         user = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-        query = urllib.parse.parse_qsl(parts.query) + [("sslmode", "disable"), ("gssencmode", "disable")]
+        query = [*urllib.parse.parse_qsl(parts.query), ("sslmode", "disable"), ("gssencmode", "disable")]
         return urllib.parse.urlunsplit((parts.scheme, f"{user}{self.host}:{self.port}", parts.path,
                                         urllib.parse.urlencode(query), ""))
 

@@ -166,8 +166,8 @@ def test_a_claim_whose_commit_fails_cuts_nothing_back(tmp_path: Path) -> None:
             return real.execute(sql, *args)
 
         flaky.execute = failing_commit  # type: ignore[method-assign]
-        (refused,) = store.open_jobs([dict(job_id="j1", instance="a2", streams=STREAMS, host="h", user="u",
-                                           command=["c"], peer="p")])
+        (refused,) = store.open_jobs([{"job_id": "j1", "instance": "a2", "streams": STREAMS, "host": "h",
+                                       "user": "u", "command": ["c"], "peer": "p"}])
         assert isinstance(refused, StateUnavailable) and refused.problem is Problem.STATE
         assert (tmp_path / "out.bin").stat().st_size == 1000, "a claim that did not commit emptied the file"
         store.db.conn = real
