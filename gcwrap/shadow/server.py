@@ -317,16 +317,7 @@ class Shadow:
                 f"no common protocol version: agent speaks {list(hello.versions)}, shadow {list(SUPPORTED_VERSIONS)}",
                 ErrorCode.VERSION_MISMATCH,
             )
-        attempt = "new"
-        held = self.live.get(hello.job_id)
-        if held is not None and held.instance != hello.instance:
-            # A session of another attempt holds the job here: the older of
-            # the two must not fence the newer. The state says which is which,
-            # for every shadow (a replaced attempt is refused for good).
-            attempt = await self._worker(lambda: self.store.attempt(hello.job_id, hello.instance))
-            if attempt == "replaced":
-                raise StoreError(Problem.STALE_ATTEMPT,
-                                 f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
+        known = await self._known_attempt(hello)
         if tenant:
             # Whose the job id is, before claiming it: a claim fences the
             # session holding the job, and no identity may do that to another's.
@@ -337,7 +328,7 @@ class Shadow:
         if self.stopping:
             raise ShuttingDown(f"the shadow is stopping ({self.stopping}): come back soon")
         # (no await since the handshake was read, or since the state said what the attempt is)
-        job = self._claim(hello.job_id, hello.instance, identity, tenant, known=attempt != "new")
+        job = self._claim(hello.job_id, hello.instance, identity, tenant, known=known)
         try:
             with trio.CancelScope() as scope:
                 job.scope = scope  # before the first await: a later claim cancels this one wherever it waits
@@ -369,6 +360,20 @@ class Shadow:
             if self.live.get(job.job_id) is job:
                 del self.live[job.job_id]
             await self._release(job)
+
+    async def _known_attempt(self, hello: Hello) -> bool:
+        """Whether the state knew this attempt of the job already, when a
+        session of another attempt holds the job here: the older of the two
+        must not fence the newer. The state says which is which, for every
+        shadow; a replaced attempt is refused for good (STALE_ATTEMPT)."""
+        held = self.live.get(hello.job_id)
+        if held is None or held.instance == hello.instance:
+            return False  # (nothing to ask: the claim fences no other attempt)
+        attempt = await self._worker(lambda: self.store.attempt(hello.job_id, hello.instance))
+        if attempt == "replaced":
+            raise StoreError(Problem.STALE_ATTEMPT,
+                             f"job {hello.job_id}: a newer attempt has replaced attempt {hello.instance}")
+        return attempt != "new"
 
     def _claim(self, job_id: str, instance: str, identity: str, tenant: str = "", *, known: bool = False) -> LiveJob:
         """A new session takes the job, at once: no await between looking up
