@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..sync import Signal
 from .backends import StateBackend
 from .files import JobFiles, StreamFile
@@ -42,6 +43,7 @@ GROUP_INTERVAL = 0.02
 GROUP_IDLE = 0.005
 
 
+@ranked(Rank.PROTOCOL)
 class Fenced(Exception):
     """This connection must stop: replaced by a newer one, or its files failed."""
 

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..ranks import Rank, ranked
 from ..wire.names import STATE_DIR, NameError_, split_name
 
 
@@ -48,6 +49,7 @@ class Problem(enum.Enum):
     STATE = "the shadow cannot reach its state database"
 
 
+@ranked(Rank.LOCAL)
 class StoreError(Exception):
     """A refusal or failure of the shadow's storage, and its `problem`."""
 

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..sync import first_error
 from ..wire import compress
 from ..wire.events import (
@@ -103,15 +104,14 @@ WIRE_CODES: dict[Problem, ErrorCode] = {
 }
 
 
-
+@ranked(Rank.LOCAL)
 class ListenError(Exception):
     """The shadow cannot listen where it was asked to (or say where it listens)."""
 
 
-
+@ranked(Rank.PROTOCOL)
 class ShuttingDown(Exception):
     """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
-
 
 
 class Shadow:
