@@ -316,7 +316,8 @@ class StreamFile:
     session: int = 0  # the session that opened it: only while it holds the job are its lengths recorded
     dev: int = 0  # the file's identity when first opened: a reopened file must be the same
     ino: int = 0
-    pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
+    pins: int = 0  # syncs and stdin reads in flight that use `fd`: it must not be closed (its number reused)
+    orphaned: bool = False  # its session let go of it while pinned: the last `unpin` closes it
     sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
     wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
@@ -365,6 +366,13 @@ class StreamFile:
             raise
         self.fd = fd
 
+    def unpin(self) -> None:
+        """A sync or read that used `fd` is over (holding the cache's lock):
+        the last one closes a file its session let go of meanwhile."""
+        self.pins -= 1
+        if not self.pins and self.orphaned:
+            self.close()
+
     def close(self) -> None:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
@@ -391,8 +399,13 @@ class JobFiles:
         return [*self.outputs.values(), *([self.stdin] if self.stdin is not None else [])]
 
     def close(self) -> None:
+        """Close the files (holding the cache's lock): one that a sync or a
+        read still uses (pinned) is closed by it when it is over (`unpin`)."""
         for sf in self.all():
-            sf.close()
+            if sf.pins:
+                sf.orphaned = True
+            else:
+                sf.close()
         self.outputs.clear()
         self.stdin = None
 
@@ -551,6 +564,8 @@ class Syncer:
         self.per_file = 0.0005  # seconds per fdatasync() (a moving average)
         self.per_syncfs = 0.0005  # seconds per syncfs()
         self.skipped = 0
+        self.syncing: list[str] = []  # the names of the files a sync is making durable now
+        self.since = 0.0  # when it began (time.monotonic)
 
     def _prefer_syncfs(self, n: int) -> bool:
         if n < SYNCFS_MIN:
@@ -563,6 +578,13 @@ class Syncer:
 
     def sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
         """(file, length, error) for each (file, length)."""
+        self.since, self.syncing = time.monotonic(), [sf.name for sf, _ in files]  # (for a log: what hangs)
+        try:
+            return self._sync(files)
+        finally:
+            self.syncing = []
+
+    def _sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
         out: list[tuple[StreamFile, int, OSError | None]] = []
         rest = files
         if self.syncfs is not None:
@@ -576,7 +598,7 @@ class Syncer:
                 except OSError as e:
                     if e.errno in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL):
                         self.syncfs = None  # not allowed here (seccomp, odd file system): fdatasync from now on
-                        return self.sync(files)
+                        return self._sync(files)
                     err = e
                 self.per_syncfs += (time.monotonic() - started - self.per_syncfs) / 4
                 out = [(sf, n, err) for sf, n in mine]
@@ -635,7 +657,7 @@ class Syncer:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=not self.syncing)  # (a sync that hangs is not waited for: see Durability._join)
             self.pool = None
 
 

@@ -75,7 +75,7 @@ from .descriptors import ACCEPT_ERRNOS, FD_ERRNOS, FdBudget, nofile, open_fds, r
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, Problem, StoreError, StreamFile
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, refuse
-from .receive import Buffers, inflate, read_into, read_some, read_stdin
+from .receive import Buffers, StdinReader, inflate, read_into, read_some
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -126,6 +126,7 @@ class Shadow:
         self.limiter = trio.CapacityLimiter(1)  # job handshakes and state records
         self.durability = Durability(store)  # a thread of its own
         self.files = FileCache(store.root_fd, self.durability.mutex)
+        self.stdin = StdinReader(self.files)  # the jobs' stdin files, read in threads (often NFS)
         self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
@@ -206,7 +207,8 @@ class Shadow:
         for job in list(self.live.values()):
             if job.scope is not None:
                 job.scope.cancel()
-        with trio.move_on_after(STOP_GRACE):
+        self.durability.stop_by = trio.current_time() + STOP_GRACE  # (nothing waits for a sync that hangs past it)
+        with trio.move_on_at(self.durability.stop_by):
             while self.connections:
                 await self.fds_freed.wait()
         if self.serving is not None:
@@ -507,16 +509,8 @@ class Shadow:
     async def _close_files(self, job: LiveJob) -> None:
         durability = self.durability
         durability.drop(job)
-        files = job.files.all()
         session = job.files.session
-        while True:
-            with durability.mutex:
-                if not any(sf.pins for sf in files):  # no batch in flight uses them
-                    for sf in files:
-                        self.files.forget(sf)
-                    job.files.close()
-                    break
-            await durability.done.wait()
+        await durability.let_go(job.files, self.files, STOP_GRACE)
         if log.isEnabledFor(logging.DEBUG):
             sync = self.store.syncer.stats
             log.debug("job %s: files closed; %d connections, %d files open (budget %d); the cache reopened %d, "
@@ -583,7 +577,7 @@ class Shadow:
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
                 self._check(job)
-                await sender.send(conn.send(read_stdin(self.files, files, ev)))
+                await sender.send(conn.send(await self.stdin.read(files, ev)))
             elif isinstance(ev, Ping):
                 await sender.send(conn.send(Pong(ev.nonce)))
             elif isinstance(ev, Exit):
@@ -669,7 +663,8 @@ class Shadow:
         await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
 
 
-async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
+    """Serve until stopped. True if a sync that hangs was left behind (the process must not wait for it)."""
     try:
         store = await trio.to_thread.run_sync(open_store, state, opts.root)
     except OSError as e:
@@ -683,6 +678,7 @@ async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any =
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
+    return shadow.durability.abandoned
 
 
 async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
