@@ -257,10 +257,8 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, 
     try:
         # (a name at the top of the root is opened from the root's own descriptor)
         dfd = open_dir(root_fd, parts[:-1], create=make, made=made) if len(parts) > 1 else root_fd
-    except (NotADirectoryError, FileNotFoundError) as e:
-        if make or isinstance(e, NotADirectoryError):
-            raise NameError_(f"{name!r}: a parent is not a directory") from None
-        raise
+    except NotADirectoryError:
+        raise NameError_(f"{name!r}: a parent is not a directory") from None
     except OSError as e:
         if e.errno in (40,):  # ELOOP: a symlink in the path
             raise NameError_(f"{name!r}: the path goes through a symlink") from None

@@ -76,6 +76,7 @@ from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, Problem, StoreError, StreamFile
 from .handshakes import HandshakeBusy, HandshakeMemory, await_event, refuse
 from .receive import Buffers, StdinReader, inflate, read_into, read_some
+from .rootwatch import RootWatch
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -130,6 +131,7 @@ class Shadow:
         self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
+        self.root_watch = RootWatch(opts.root, store.root_fd, self.live)  # deleted or replaced: refuse, fence
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.stale: dict[str, set[str]] = {}  # attempts (instances) of each job the state refused as replaced
         self.connections = 0
@@ -171,6 +173,7 @@ class Shadow:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
             nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
+            nursery.start_soon(self.root_watch.run)
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
@@ -363,9 +366,10 @@ class Shadow:
         tenant = named if self.tenancy else ""
         who[0] = named or ("token" if self.opts.token is not None else "anonymous")
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
-        busy = disk_busy(self.opts)
-        if busy:
-            log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
+        busy = self.root_watch.check() or disk_busy(self.opts)
+        if busy:  # (a root that is gone was said once, by its watch)
+            log.log(logging.DEBUG if self.root_watch.gone else logging.WARNING, "%s [%s]: job %s told to come back "
+                    "later: %s", peer, who[0], hello.job_id, busy)
             await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=10)
             return
         if PROTOCOL_VERSION not in hello.versions:
