@@ -22,8 +22,14 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 from fusefs import SlowFS, available
 from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, wait_until
+
+from gcwrap.shadow.files import FileCache
+from gcwrap.shadow.receive import StdinReader
+from gcwrap.shadow.state import Store
+from gcwrap.wire.events import StdinData, StdinRead, StreamSpec
 
 pytestmark = pytest.mark.skipif(bool(available()), reason=f"FUSE: {available()}")
 
@@ -122,3 +128,39 @@ def test_a_sync_that_hangs_does_not_keep_the_shadow_from_stopping(
         finally:
             fs.release()
             sh.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stdin_file_being_read_is_closed_by_neither_the_cache_nor_its_session(nfs: Path, home: Path) -> None:
+    """Its descriptor's number must not be reused under the read: the cache
+    leaves it open, and the session that ends leaves it to the read to close."""
+    with SlowFS(nfs, {"in.txt": INPUT}, hang_reads=True) as fs:
+        store = Store(home)
+        try:
+            files = store.open_job(job_id="j", instance="i", host="h", user="u", command=[], peer="p",
+                                   streams=[StreamSpec(0, "stdin", "nfs/in.txt")])
+            sf = files.stdin
+            assert sf is not None
+            fd = sf.fd
+            cache = FileCache(store.root_fd)
+            cache.add(sf)
+            got: list[StdinData] = []
+
+            async def read() -> None:
+                got.append(await StdinReader(cache).read(files, StdinRead(0, 0, 100)))
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read)
+                    while not fs.waiting(fs.reads):
+                        await trio.sleep(0.01)
+                    cache.trim(0)  # (it would close every clean file)
+                    assert sf.fd == fd
+                    with cache.lock:
+                        files.close()  # the session ends
+                    assert sf.fd == fd and sf.orphaned
+                    fs.release()
+            assert got[0].payload == INPUT[:100]
+            assert sf.fd == -1  # closed by the read, once it returned
+        finally:
+            store.close()

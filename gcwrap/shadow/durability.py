@@ -312,8 +312,10 @@ class Durability:
                 cache.forget(sf)
             files.close()
         if stuck:
-            log.warning("job %s: the sync of %s has not returned after %.0f s: its session ends without it",
-                        files.job_id, ", ".join(stuck), trio.current_time() - began)
+            syncer = self.store.syncer
+            took = time.monotonic() - syncer.since if syncer.syncing else trio.current_time() - began
+            log.warning("job %s: the sync of %s has not returned for %.0f s: its session ends without it",
+                        files.job_id, ", ".join(stuck), took)
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable."""
