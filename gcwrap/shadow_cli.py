@@ -158,13 +158,19 @@ def _serve(opts: Any, state: str = "") -> None:
     try:
         state = check_state(state)  # before anything else: a --state it cannot use, in one line
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
-        trio.run(functools.partial(run_shadow, opts, state=state))
+        stuck = trio.run(functools.partial(run_shadow, opts, state=state))
     except (StoreError, ListenError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"gcshadow failed: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
+    if stuck:  # a thread is stuck in a sync (said in the log): the interpreter's exit would wait for it
+        import logging
+        import os
+
+        logging.shutdown()
+        os._exit(0)
 
 
 def _security(

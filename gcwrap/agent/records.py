@@ -10,11 +10,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ranks import Rank, ranked
+
 # A file system or kernel without splice/sendfile for these files: the bytes
 # then take the copying path, and that is no failure of the disk.
 UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
+@ranked(Rank.LOCAL)
 class SourceError(Exception):
     """Bytes could not be read from where they are kept (the spool): the
     message says which and why, in words."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..ranks import Rank, ranked
+
 
 @dataclass
 class Backoff:
@@ -33,19 +35,23 @@ class Backoff:
         self.failures = 0
 
 
+@ranked(Rank.NETWORK)
 class HeartbeatTimeout(Exception):
     """The peer sent nothing and took nothing for too long (a black hole)."""
 
 
+@ranked(Rank.NETWORK)
 class Stalled(Exception):
     """The peer answers heartbeats but not what we asked of it (a handshake,
     DATA, a STDIN_READ, the EXIT): the connection is replaced."""
 
 
+@ranked(Rank.NETWORK)
 class ConnectionLost(Exception):
     """The shadow closed the connection (or bytes were lost on the way)."""
 
 
+@ranked(Rank.PROTOCOL)
 class ShadowRefused(Exception):
     """The shadow answered with an ERROR frame."""
 

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import trio
 
+from ..ranks import NETWORK_ERRNOS, Rank, ranked
 from ..sync import first_error
 from ..wire import compress as zc
 from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
@@ -79,13 +80,7 @@ DAMAGED_IN_TRANSIT = frozenset({
 })
 
 
-# A send's failure that is the socket's (the peer is gone), not the disk's.
-NETWORK_ERRNOS = frozenset({
-    errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN, errno.ETIMEDOUT,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBADF,
-})
-
-
+@ranked(Rank.PROTOCOL)
 class SessionEnd(Exception):
     """The shadow said DONE: everything is home."""
 

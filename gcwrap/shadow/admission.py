@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..wire.auth import AllowList, SubjectMap, identity_problem, match_token, new_nonce, shadow_proof, subject_cn
 from ..wire.events import Auth, Challenge, ErrorCode, Event, Hello
 from ..wire.protocol import Connection
@@ -45,6 +46,7 @@ class ShadowOptions:
     handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
 
 
+@ranked(Rank.PROTOCOL)
 class Refused(Exception):
     """The shadow will not serve this connection (authentication, rights,
     its limits), with the wire code its agent is told."""

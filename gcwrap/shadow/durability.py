@@ -14,6 +14,7 @@ import collections
 import enum
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -23,9 +24,10 @@ from typing import Any
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..sync import Signal
 from .backends import StateBackend
-from .files import JobFiles, StreamFile
+from .files import FileCache, JobFiles, StreamFile
 from .state import RecordUnknown, Superseded
 
 log = logging.getLogger("gcshadow")
@@ -41,6 +43,7 @@ GROUP_BULK = 1 << 20
 GROUP_BYTES = 16 << 20
 GROUP_INTERVAL = 0.02
 GROUP_IDLE = 0.005
+JOIN_GRACE = 10.0  # seconds the thread may take to end its batch once the shadow ends (see `_join`)
 
 
 class Trouble(enum.Enum):
@@ -50,8 +53,10 @@ class Trouble(enum.Enum):
     TAKEN_OVER = "taken over"  # another session holds the job: FENCED
     STATE = "state database unavailable"  # retryable: BUSY, with a retry-after
     SYNC = "sync failed"  # the disk failed a sync: the file was cut back to what synced; IO_ERROR
+    ROOT = "root gone"  # the root was deleted or replaced under the shadow (rootwatch): BUSY until it is restarted
 
 
+@ranked(Rank.PROTOCOL)
 class Fenced(Exception):
     """This connection must stop (`trouble` says why: taken over, the state
     database lost, a failed sync)."""
@@ -137,6 +142,8 @@ class Durability:
         self.done = Signal()  # fired after every batch is applied: files became clean, pins dropped
         self.batches = 0
         self.token: trio.lowlevel.TrioToken | None = None
+        self.abandoned = False  # the thread was left stuck (see `_join`)
+        self.stop_by = math.inf  # (trio time) the shadow stops by then: nothing waits for a hung sync past it
 
     def mark(self, sf: StreamFile, job: LiveJob, n: int = 0) -> None:
         """`sf` of `job` has `n` more bytes to make durable (a frame became whole)."""
@@ -217,7 +224,7 @@ class Durability:
         finally:
             with self.mutex:
                 for sf, _ in snapshot:
-                    sf.pins -= 1
+                    sf.unpin()
         return batch, results, db_error
 
     def _post(self, item: Any) -> None:
@@ -246,12 +253,27 @@ class Durability:
             with self.cond:
                 self.stopping = True
                 self.cond.notify()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(thread.join)
+            await self._join(thread)
             # The last batch dropped its pins but is never applied: wake who
             # waits for pins to drop (a session closing its files), or it
             # waits forever and the shadow never stops.
             self.done.fire()
+
+    async def _join(self, thread: threading.Thread) -> None:
+        """Wait for the thread to end its batch, but not past the shadow's
+        stop (`stop_by`), nor JOIN_GRACE without one: a sync that hangs (a
+        dead NFS server) must not hang the shadow. Nothing of what a batch
+        makes durable is acknowledged before it ends: nothing is lost."""
+        now = trio.current_time()
+        with trio.CancelScope(deadline=min(max(self.stop_by, now + 1.0), now + JOIN_GRACE), shield=True) as scope:
+            await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            self.abandoned = True
+            syncer = self.store.syncer
+            what = (f"the sync of {', '.join(map(repr, syncer.syncing))}" if syncer.syncing
+                    else "its record of durable lengths in the state database")
+            log.error("the durability thread is stuck in %s, for %.0f s now; exiting anyway (none of it was "
+                      "acknowledged)", what, time.monotonic() - (syncer.since if syncer.syncing else self.began))
 
     def apply(
         self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
@@ -317,6 +339,27 @@ class Durability:
                 pass
         if job is not None:
             job.fence(f"the shadow could not sync {sf.name}: {err.strerror}", Trouble.SYNC)
+
+    async def let_go(self, files: JobFiles, cache: FileCache, grace: float) -> None:
+        """Close a session's files once no batch syncs them, waiting no
+        longer than `grace` (nor past `stop_by`): a sync that hangs (a dead
+        NFS server) keeps what it syncs open, and closes it once it returns
+        (`StreamFile.unpin`). A stdin read in flight does the same, unwaited."""
+        began = trio.current_time()
+        every = files.all()
+        with trio.move_on_at(min(began + grace, self.stop_by)):
+            while any(sf.pins for sf in every if sf.write):
+                await self.done.wait()
+        with self.mutex:
+            stuck = [repr(sf.name) for sf in every if sf.pins and sf.write]
+            for sf in every:
+                cache.forget(sf)
+            files.close()
+        if stuck:
+            syncer = self.store.syncer
+            took = time.monotonic() - syncer.since if syncer.syncing else trio.current_time() - began
+            log.warning("job %s: the sync of %s has not returned for %.0f s: its session ends without it",
+                        files.job_id, ", ".join(stuck), took)
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable (Fenced

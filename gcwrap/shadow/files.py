@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..ranks import Rank, ranked
 from ..wire.names import STATE_DIR, NameError_, split_name
 
 
@@ -45,6 +46,7 @@ class Problem(enum.Enum):
     STATE = "the shadow cannot reach its state database"
 
 
+@ranked(Rank.LOCAL)
 class StoreError(Exception):
     """A refusal or failure of the shadow's storage, and its `problem`."""
 
@@ -292,10 +294,8 @@ def open_confined(root_fd: int, name: str, *, write: bool, create: bool = True, 
     try:
         # (a name at the top of the root is opened from the root's own descriptor)
         dfd = open_dir(root_fd, parts[:-1], create=make, made=made) if len(parts) > 1 else root_fd
-    except (NotADirectoryError, FileNotFoundError) as e:
-        if make or isinstance(e, NotADirectoryError):
-            raise NameError_(f"{name!r}: a parent is not a directory") from None
-        raise
+    except NotADirectoryError:
+        raise NameError_(f"{name!r}: a parent is not a directory") from None
     except OSError as e:
         if e.errno in (40,):  # ELOOP: a symlink in the path
             raise NameError_(f"{name!r}: the path goes through a symlink") from None
@@ -352,7 +352,8 @@ class StreamFile:
     session: int = 0  # the session that opened it: only while it holds the job are its lengths recorded
     dev: int = 0  # the file's identity when first opened: a reopened file must be the same
     ino: int = 0
-    pins: int = 0  # syncs in flight that use `fd`: it must not be closed (its number reused)
+    pins: int = 0  # syncs and stdin reads in flight that use `fd`: it must not be closed (its number reused)
+    orphaned: bool = False  # its session let go of it while pinned: the last `unpin` closes it
     sync_failed: bool = False  # a sync reported an error: nothing more of it may be called durable
     cut_back: bool = False  # the shadow has cut it back to `durable` after that error
     wire: int = 0  # bytes of its frames' payloads received (compressed or not), in every session
@@ -405,6 +406,13 @@ class StreamFile:
             raise
         self.fd = fd
 
+    def unpin(self) -> None:
+        """A sync or read that used `fd` is over (holding the cache's lock):
+        the last one closes a file its session let go of meanwhile."""
+        self.pins -= 1
+        if not self.pins and self.orphaned:
+            self.close()
+
     def close(self) -> None:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
@@ -448,8 +456,13 @@ class JobFiles:
         return [*self.outputs.values(), *([self.stdin] if self.stdin is not None else [])]
 
     def close(self) -> None:
+        """Close the files (holding the cache's lock): one that a sync or a
+        read still uses (pinned) is closed by it when it is over (`unpin`)."""
         for sf in self.all():
-            sf.close()
+            if sf.pins:
+                sf.orphaned = True
+            else:
+                sf.close()
         self.outputs.clear()
         self.stdin = None
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..wire.events import ConnectionClosed, Error, ErrorCode, Event
 from ..wire.protocol import Connection, ProtocolError
 from .receive import read_some
@@ -26,6 +27,7 @@ LINGER_S = 1.0  # after refusing a connection, read and drop what still comes fo
 LINGER_BYTES = 64 << 20  # ...or this many bytes, so the ERROR is not lost to a reset
 
 
+@ranked(Rank.PROTOCOL)
 class HandshakeBusy(Exception):
     """The unauthenticated connections together hold too much: this one is told BUSY."""
 

@@ -29,7 +29,7 @@ import trio
 from ..wire import compress
 from ..wire.events import Data, ErrorCode, Event, StdinData, StdinRead, ZData
 from ..wire.protocol import Connection, ProtocolError
-from .files import FileCache, JobFiles
+from .files import FileCache, JobFiles, Problem, StoreError
 
 # Up to a DATA frame and its head in one read: a bulk frame is written in
 # one or two pieces, with a read and a wake-up each.
@@ -134,12 +134,60 @@ def inflate(ev: ZData) -> Data:
         raise ProtocolError(f"ZDATA for stream {ev.stream} at offset {ev.offset}: {e}", ErrorCode.BAD_FRAME) from None
 
 
-def read_stdin(cache: FileCache, files: JobFiles, ev: StdinRead) -> StdinData:
-    """What a STDIN_READ asks for, from the job's stdin file."""
-    if files.stdin is None or ev.stream != files.stdin_stream:
-        raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin",
-                            ErrorCode.UNKNOWN_STREAM)
-    fd = cache.use(files.stdin)
-    data = os.pread(fd, ev.max_bytes, ev.offset)
-    size = os.fstat(fd).st_size
-    return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)
+# A job's stdin file is read off the event loop (it is often on NFS, whose
+# reads can hang for as long as the server is away), each read bounded: past
+# STDIN_WAIT the session is refused with a retryable code, and its agent
+# asks again later. A read that hangs holds its thread until it returns:
+# at most STDIN_READERS at once, so a dead server costs threads, not the shadow.
+STDIN_WAIT = 10.0
+STDIN_READERS = 16
+
+
+class StdinReader:
+    """The reads of the jobs' stdin files, in threads, bounded in time.
+
+    While a thread reads, the file is pinned (`StreamFile.pins`, under the
+    cache's lock, as a durability batch pins what it syncs): the cache does
+    not close it, and its session's end leaves it to the read to close
+    (`StreamFile.unpin`), so its descriptor's number is never reused under
+    the read."""
+
+    def __init__(self, cache: FileCache) -> None:
+        self.cache = cache
+        self.limiter = trio.CapacityLimiter(STDIN_READERS)
+
+    async def read(self, files: JobFiles, ev: StdinRead) -> StdinData:
+        """What a STDIN_READ asks for, from the job's stdin file."""
+        sf = files.stdin
+        if sf is None or ev.stream != files.stdin_stream:
+            raise ProtocolError(f"STDIN_READ for stream {ev.stream}, which is not the job's stdin",
+                                ErrorCode.UNKNOWN_STREAM)
+        lock = self.cache.lock
+        fd = self.cache.use(sf)
+        with lock:
+            sf.pins += 1
+        began = [False]  # the read began (it unpins the file); once given up on first, it never does
+
+        def read() -> tuple[bytes, int]:
+            with lock:
+                if began[0]:
+                    return b"", 0
+                began[0] = True
+            try:
+                return os.pread(fd, ev.max_bytes, ev.offset), os.fstat(fd).st_size
+            finally:
+                with lock:
+                    sf.unpin()
+
+        try:
+            with trio.move_on_after(STDIN_WAIT) as waited:
+                data, size = await trio.to_thread.run_sync(read, limiter=self.limiter, abandon_on_cancel=True)
+        finally:
+            with lock:
+                if not began[0]:  # (still waiting for a thread: the read never happens)
+                    began[0] = True
+                    sf.unpin()
+        if waited.cancelled_caught:
+            raise StoreError(Problem.IO, f"a read of the stdin file {sf.name!r} did not return within "
+                                         f"{STDIN_WAIT:g} s (its file system at home hangs?)")
+        return StdinData(ev.stream, ev.offset, data, ev.offset + len(data) >= size)

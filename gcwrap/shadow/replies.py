@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..wire.events import ErrorCode
 from ..wire.protocol import ProtocolError, TruncatedFrame
 from .admission import Refused, retry_after
@@ -27,6 +28,7 @@ from .handshakes import HandshakeBusy
 
 # After SHUTTING_DOWN the agents come back after this long, without counting a failure (a restart).
 STOP_RETRY_AFTER = 3.0
+ROOT_RETRY_AFTER = 10.0  # ...and after BUSY for a root gone (the shadow must be restarted) or short of space
 
 # What the agent is told when storage refuses.
 WIRE_CODES: dict[Problem, ErrorCode] = {
@@ -44,6 +46,7 @@ WIRE_CODES: dict[Problem, ErrorCode] = {
 }
 
 
+@ranked(Rank.PROTOCOL)
 class ShuttingDown(Exception):
     """The shadow is stopping: its agent is told SHUTTING_DOWN, and comes back."""
 
@@ -104,6 +107,9 @@ def _stopped(e: Fenced) -> Reply:
     if e.trouble is Trouble.STATE:
         return Reply(logging.WARNING, f"connection stopped (the state database is unavailable): {e}", ErrorCode.BUSY,
                      str(e), come_back_soon())
+    if e.trouble is Trouble.ROOT:  # (said once as an error, by the root's watch)
+        return Reply(logging.INFO, f"connection stopped (the root is gone): {e}", ErrorCode.BUSY, str(e),
+                     ROOT_RETRY_AFTER)
     if e.trouble is Trouble.SYNC:
         return Reply(logging.ERROR, f"connection stopped (a sync failed on disk): {e}", ErrorCode.IO_ERROR, str(e))
     return Reply(logging.INFO, f"connection stopped (fenced): {e}", ErrorCode.FENCED, str(e))

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from ..ranks import Rank, ranked
 from ..sync import first_error
 from ..wire import compress
 from ..wire.events import (
@@ -74,8 +75,9 @@ from .descriptors import ACCEPT_ERRNOS, FdBudget, nofile, open_fds, raise_fd_lim
 from .durability import Durability, Fenced, LiveJob
 from .files import FileCache, Problem, StoreError, StreamFile
 from .handshakes import HandshakeMemory, await_event, refuse
-from .receive import Buffers, inflate, read_into, read_some, read_stdin
-from .replies import ShuttingDown, reply_to
+from .receive import Buffers, StdinReader, inflate, read_into, read_some
+from .replies import ROOT_RETRY_AFTER, ShuttingDown, reply_to
+from .rootwatch import RootWatch
 from .sharing import watch_state
 
 log = logging.getLogger("gcshadow")
@@ -87,6 +89,7 @@ T = TypeVar("T")
 STOP_GRACE = 10.0
 
 
+@ranked(Rank.LOCAL)
 class ListenError(Exception):
     """The shadow cannot listen where it was asked to (or say where it listens)."""
 
@@ -103,9 +106,11 @@ class Shadow:
         self.limiter = trio.CapacityLimiter(1)  # job handshakes and state records
         self.durability = Durability(store)  # a thread of its own
         self.files = FileCache(store.root_fd, self.durability.mutex)
+        self.stdin = StdinReader(self.files)  # the jobs' stdin files, read in threads (often NFS)
         self.fds_freed = self.durability.done  # also fired when a connection or a job's files close
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
+        self.root_watch = RootWatch(opts.root, store.root_fd, self.live)  # deleted or replaced: refuse, fence
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
@@ -146,6 +151,7 @@ class Shadow:
             self.serving = nursery.cancel_scope
             nursery.start_soon(self.durability.run)
             nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
+            nursery.start_soon(self.root_watch.run)
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
@@ -182,7 +188,8 @@ class Shadow:
         for job in list(self.live.values()):
             if job.scope is not None:
                 job.scope.cancel()
-        with trio.move_on_after(STOP_GRACE):
+        self.durability.stop_by = trio.current_time() + STOP_GRACE  # (nothing waits for a sync that hangs past it)
+        with trio.move_on_at(self.durability.stop_by):
             while self.connections:
                 await self.fds_freed.wait()
         if self.serving is not None:
@@ -307,10 +314,11 @@ class Shadow:
         tenant = named if self.tenancy else ""
         who[0] = named or ("token" if self.opts.token is not None else "anonymous")
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
-        busy = disk_busy(self.opts)
-        if busy:
-            log.warning("%s [%s]: job %s told to come back later: %s", peer, who[0], hello.job_id, busy)
-            await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=10)
+        busy = self.root_watch.check() or disk_busy(self.opts)
+        if busy:  # (a root that is gone was said once, by its watch)
+            log.log(logging.DEBUG if self.root_watch.gone else logging.WARNING, "%s [%s]: job %s told to come back "
+                    "later: %s", peer, who[0], hello.job_id, busy)
+            await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=ROOT_RETRY_AFTER)
             return
         if PROTOCOL_VERSION not in hello.versions:
             raise ProtocolError(
@@ -465,16 +473,8 @@ class Shadow:
     async def _close_files(self, job: LiveJob) -> None:
         durability = self.durability
         durability.drop(job)
-        files = job.files.all()
         session = job.files.session
-        while True:
-            with durability.mutex:
-                if not any(sf.pins for sf in files):  # no batch in flight uses them
-                    for sf in files:
-                        self.files.forget(sf)
-                    job.files.close()
-                    break
-            await durability.done.wait()
+        await durability.let_go(job.files, self.files, STOP_GRACE)
         if log.isEnabledFor(logging.DEBUG):
             sync = self.store.syncer.stats
             log.debug("job %s: files closed; %d connections, %d files open (budget %d); the cache reopened %d, "
@@ -541,7 +541,7 @@ class Shadow:
                 if files.stdin is not None and files.stdin.fd < 0 and ev.stream == files.stdin_stream:
                     await self._open(files.stdin)
                 self._check(job)
-                await sender.send(conn.send(read_stdin(self.files, files, ev)))
+                await sender.send(conn.send(await self.stdin.read(files, ev)))
             elif isinstance(ev, Ping):
                 await sender.send(conn.send(Pong(ev.nonce)))
             elif isinstance(ev, Exit):
@@ -627,7 +627,8 @@ class Shadow:
         await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
 
 
-async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
+    """Serve until stopped. True if a sync that hangs was left behind (the process must not wait for it)."""
     try:
         store = await trio.to_thread.run_sync(open_store, state, opts.root)
     except OSError as e:
@@ -641,6 +642,7 @@ async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any =
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
+    return shadow.durability.abandoned
 
 
 async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:

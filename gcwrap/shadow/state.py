@@ -452,7 +452,10 @@ class Store:
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         except FileNotFoundError:
-            raise StoreError(Problem.MISSING, f"stdin file {norm!r} does not exist at the shadow") from None
+            if spec.kind == "stdin":
+                raise StoreError(Problem.MISSING, f"stdin file {norm!r} does not exist at the shadow") from None
+            # An output is made where it is missing: its directory vanished while it was made.
+            raise StoreError(Problem.IO, f"cannot create {norm!r}: a directory of its path vanished at home") from None
         except OSError as e:
             raise StoreError(Problem.IO, f"cannot open {norm!r}: {e.strerror}") from None
 

@@ -81,6 +81,8 @@ class Syncer:
         self.per_file = 0.0005  # seconds per fdatasync() (a moving average)
         self.per_syncfs = 0.0005  # seconds per syncfs()
         self.skipped = 0
+        self.syncing: list[str] = []  # the names of the files a sync is making durable now
+        self.since = 0.0  # when it began (time.monotonic)
 
     def _prefer_syncfs(self, n: int) -> bool:
         if n < SYNCFS_MIN:
@@ -93,6 +95,13 @@ class Syncer:
 
     def sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
         """(file, length, error) for each (file, length)."""
+        self.since, self.syncing = time.monotonic(), [sf.name for sf, _ in files]  # (for a log: what hangs)
+        try:
+            return self._sync(files)
+        finally:
+            self.syncing = []
+
+    def _sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
         out: list[tuple[StreamFile, int, OSError | None]] = []
         rest = files
         if self.syncfs is not None:
@@ -106,7 +115,7 @@ class Syncer:
                 except OSError as e:
                     if e.errno in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL):
                         self.syncfs = None  # not allowed here (seccomp, odd file system): fdatasync from now on
-                        return self.sync(files)
+                        return self._sync(files)
                     err = e
                 self.per_syncfs += (time.monotonic() - started - self.per_syncfs) / 4
                 out = [(sf, n, err) for sf, n in mine]
@@ -165,7 +174,7 @@ class Syncer:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=not self.syncing)  # (a sync that hangs is not waited for: see Durability._join)
             self.pool = None
 
 
