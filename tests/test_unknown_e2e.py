@@ -105,48 +105,49 @@ def test_postgresql_connections_cut_at_commit_cost_no_output(tmp_path: Path, pg_
     assert "cannot sync" not in log, log
 
 
-@pytest.mark.timeout(120)
+def _lost_then_back(shadow: ShadowProc, relay: PgRelay, lost: float, n: int) -> float:
+    """The database lost for `lost` seconds while an agent knocks every
+    0.25 s (told BUSY), then back: how long until a HELLO is welcomed."""
+    relay.down()
+    until = time.monotonic() + lost
+    while time.monotonic() < until:
+        a = Agent(shadow.port)
+        ev = a.hello("back", f"i{n}-lost")
+        a.close()
+        assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
+        time.sleep(0.25)
+    relay.up()
+    back = time.monotonic()
+    while time.monotonic() - back < 15:
+        a = Agent(shadow.port)
+        ev = a.hello("back", f"i{n}")
+        a.close()
+        if isinstance(ev, Welcome):
+            return time.monotonic() - back
+        assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
+        time.sleep(0.05)
+    raise AssertionError("not served again within 15 s of the state database's return")
+
+
+@pytest.mark.timeout(180)
 def test_the_shadow_serves_again_within_a_second_of_its_state_database(tmp_path: Path, pg_url: str,
                                                                        relay: PgRelay) -> None:
-    """The database lost for 5 s while agents keep knocking (told BUSY),
-    then back: the first HELLO after that is welcomed within a second
-    (before: the reconnection backoff had grown to seconds, 4 s and more)."""
+    """Three times: the database lost for 6 s while agents keep knocking
+    (told BUSY), then back: the first HELLO after that is welcomed within a
+    second (before: the reconnection backoff had grown to seconds, up to 7.5 s)."""
     home, logs = tmp_path / "home", tmp_path / "logs"
     home.mkdir()
     logs.mkdir()
     shadow = ShadowProc(home, logs, ["--state", relay.url(pg_url)])
     shadow.start()
     try:
-        relay.down()
-        lost_until = time.monotonic() + 5
-        busy = 0
-        n = 0
-        while time.monotonic() < lost_until:
-            a = Agent(shadow.port)
-            ev = a.hello("back", f"i{n}")
-            a.close()
-            n += 1
-            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
-            busy += 1
-            time.sleep(0.2)
-        relay.up()
-        back = time.monotonic()
-        welcomed = None
-        while time.monotonic() - back < 10:
-            a = Agent(shadow.port)
-            ev = a.hello("back", "i-final")
-            a.close()
-            if isinstance(ev, Welcome):
-                welcomed = time.monotonic() - back
-                break
-            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
-            time.sleep(0.05)
+        took = sorted(_lost_then_back(shadow, relay, 6.0, n) for n in range(3))
     finally:
         shadow.stop()
-    assert busy >= 10
-    assert welcomed is not None and welcomed < 1.0, f"served again {welcomed} s after the database returned"
+    print(f"served again {', '.join(f'{t:.3f}' for t in took)} s after the state database returned")
+    assert took[1] < 1.0 and took[2] < 2.0, took  # (the median within a second; the worst on a busy machine)
     log = shadow.log()
-    assert log.count("lost the state database") == 1 and log.count("is back: serving again") == 1, log
+    assert log.count("lost the state database") == 3 and log.count("is back: serving again") == 3, log
 
 
 @pytest.mark.timeout(180)
