@@ -16,11 +16,14 @@ and an embedded state whose syncs fail.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,32 @@ class _CommitThenRaise:
         return getattr(self._conn, name)
 
 
+@dataclass
+class Flaky:
+    """A store whose COMMITs fail on demand, its durability, and a session
+    of job j1 that made 1000 bytes durable."""
+
+    store: Store
+    commits: _CommitThenRaise
+    durability: Durability
+    job: LiveJob
+
+
+@contextlib.contextmanager
+def flaky_store(root: Path) -> Iterator[Flaky]:
+    store = Store(root)
+    commits = _CommitThenRaise(store.db.conn)
+    store.db.conn = commits  # type: ignore[assignment]
+    try:
+        f = Flaky(store, commits, Durability(store), LiveJob("j1", instance="a1"))
+        f.job.files = _open(store)
+        _batch(f.durability, f.job, b"A" * 1000)
+        yield f
+    finally:
+        store.db.conn = commits._conn
+        store.close()
+
+
 def _batch(durability: Durability, job: LiveJob, data: bytes) -> None:
     """Write `data` at the end of the job's stdout and run one durability batch (inline)."""
     sf = job.files.outputs[1]
@@ -78,14 +107,8 @@ def test_a_record_that_applied_and_raised_cuts_nothing_back_and_never_refuses_th
     """Before: the failed record cut the file back to the old durable length
     while the state held the new one, and every later session was refused
     for good (LENGTH_MISMATCH)."""
-    store = Store(tmp_path)
-    flaky = _CommitThenRaise(store.db.conn)
-    store.db.conn = flaky  # type: ignore[assignment]
-    durability = Durability(store)
-    try:
-        job = LiveJob("j1", instance="a1")
-        job.files = _open(store)
-        _batch(durability, job, b"A" * 1000)
+    with flaky_store(tmp_path) as f:
+        store, flaky, durability, job = f.store, f.commits, f.durability, f.job
         assert job.files.outputs[1].durable == 1000 and not job.fenced
         flaky.armed = 1
         _batch(durability, job, b"B" * 500)
@@ -103,9 +126,6 @@ def test_a_record_that_applied_and_raised_cuts_nothing_back_and_never_refuses_th
         assert again.outputs[1].durable == 1500
         assert (tmp_path / "out.bin").read_bytes() == b"A" * 1000 + b"B" * 500
         again.close()
-    finally:
-        store.db.conn = flaky._conn
-        store.close()
 
 
 @pytest.mark.timeout(30)
@@ -206,15 +226,9 @@ def test_a_failed_sync_cuts_back_to_what_synced_before_never_below_a_record_in_d
     fails in the batch already under way: the file is cut back to the 1500
     bytes that synced, not to the 1000 acknowledged (the state may hold
     1500: a shorter file would be refused for good)."""
-    store = Store(tmp_path)
-    flaky = _CommitThenRaise(store.db.conn)
-    store.db.conn = flaky  # type: ignore[assignment]
-    durability = Durability(store)
-    try:
-        job = LiveJob("j1", instance="a1")
-        job.files = _open(store)
-        _batch(durability, job, b"A" * 1000)
-        flaky.armed = 1
+    with flaky_store(tmp_path) as f:
+        store, durability, job = f.store, f.durability, f.job
+        f.commits.armed = 1
         _batch(durability, job, b"B" * 500)
         sf = job.files.outputs[1]
 
@@ -230,9 +244,6 @@ def test_a_failed_sync_cuts_back_to_what_synced_before_never_below_a_record_in_d
         again = _open(store)
         assert again.outputs[1].durable == 1500
         again.close()
-    finally:
-        store.db.conn = flaky._conn
-        store.close()
 
 
 @pytest.mark.timeout(30)
