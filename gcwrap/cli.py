@@ -284,7 +284,7 @@ def _run(
 
     from .agent.addresses import show_all
     from .agent.identity import default_job_id, hostname, username
-    from .agent.launch import prepare, stream_specs
+    from .agent.launch import not_started, prepare, stream_specs
     from .agent.records import JobRecord
     from .agent.spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
 
@@ -301,6 +301,17 @@ def _run(
     # The spool, then the job, before the event loop and the sender are even
     # loaded: the job starts up while the rest of gcwrap does (see launch).
     start = prepare(opts, command, job, spool_path, catch_signals=True)
+    if start.job is None:
+        # Nothing runs, so nothing is delivered or waited for: no event loop
+        # (out of descriptors, it could not even be set up).
+        assert start.error is not None
+        if start.signals is not None:
+            start.signals.restore()
+        from .render import Reporter
+
+        status, message = not_started(command, start.error)
+        Reporter(fmt=log_format).say(message)
+        return status
 
     import gc
 

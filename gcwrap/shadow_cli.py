@@ -137,12 +137,27 @@ def serve(
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
 
+    _check_descriptors()  # (first: a shadow that could serve no job must not even start)
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
     _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
         max_jobs_per_identity=max_jobs_per_identity, **security), state)
+
+
+def _check_descriptors() -> None:
+    """One line, before anything is opened, when the descriptor limit (once
+    raised as far as the shadow may) is too low for it to serve a job: the
+    state, the event loop or a job's files would fail on it, anywhere."""
+    from .shadow.descriptors import least_limit, nofile, open_fds, raise_fd_limit
+
+    raise_fd_limit()
+    limit, need = nofile(), least_limit(open_fds())
+    if limit < need:
+        raise click.ClickException(f"out of file descriptors: the limit (ulimit -n) is {limit}, a shadow needs at "
+                                   f"least {need} to serve a job (raise `ulimit -n`, or LimitNOFILE= in a systemd "
+                                   "unit)")
 
 
 def _serve(opts: Any, state: str = "") -> None:

@@ -17,6 +17,7 @@ gcwrap's own end, as one that came later would.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from .. import exitcodes
 from ..wire.events import STDERR, STDIN, STDOUT, StreamSpec
 from .pipes import grow_pipe
 from .records import JobRecord
@@ -315,8 +317,7 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
         try:
             start.files = create_spool(spool_path, job, [(s.id, s.kind, s.name) for s in specs], live)
         except SpoolError as e:
-            log.warning("%s; the job runs anyway, its output goes home from memory", e)
-            start.spool_error = str(e)
+            start.spool_error = str(e)  # (said once the job runs: it may not)
     try:
         start.job = launch(
             command, stdin=opts.stdin is not None, stdout=opts.stdout is not None,
@@ -327,10 +328,33 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
         )
     except OSError as e:
         start.error = e
-        if start.files is not None:
-            # The job never ran: nothing to keep, and the descriptors go back
-            # for the event loop that reports it.
-            start.files.spool.remove()
-            os.close(start.files.lock_fd)
-            start.files = None
+        _discard(start, spool_path)
+        return start
+    if start.spool_error:
+        log.warning("%s; the job runs anyway, its output goes home from memory", start.spool_error)
     return start
+
+
+def _discard(start: Start, spool_path: Path) -> None:
+    """The job never ran: nothing of its spool is kept (the spool, its live
+    status file, its ballast), and the descriptors go back."""
+    if start.files is not None:
+        start.files.spool.remove()
+        os.close(start.files.lock_fd)
+        start.files = None
+    if start.live_fd is not None:
+        os.close(start.live_fd)
+        start.live_fd = None
+    for leftover in (f"{spool_path}.live", f"{spool_path}.ballast"):
+        try:
+            os.unlink(leftover)
+        except OSError:
+            pass  # (never made, or a directory that refuses: nothing to undo)
+
+
+def not_started(command: list[str], error: OSError) -> tuple[int, str]:
+    """gcwrap's status and its one line when the job could not be started."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        return exitcodes.CANNOT_EXECUTE, f"cannot run {command[0]}: out of file descriptors (raise `ulimit -n`)"
+    code = exitcodes.NOT_FOUND if error.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
+    return code, f"cannot run {command[0]}: {error.strerror}"

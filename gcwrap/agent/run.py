@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import signal
@@ -30,7 +29,7 @@ from ..sync import first_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
 from .agent import Agent, Outcome
-from .launch import Launched, Start, lock_spool, prepare, stop_signals, stream_specs
+from .launch import Launched, Start, lock_spool, not_started, prepare, stop_signals, stream_specs
 from .options import AgentOptions
 from .records import JobRecord
 from .retry import describe
@@ -229,13 +228,9 @@ async def _run_job(
         agent.disk.error = start.spool_error
     if start.job is None:
         assert start.error is not None
-        e = start.error
         spooler.close(remove=True)
-        code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
-        why = e.strerror
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            why = "out of file descriptors (raise `ulimit -n`)"
-        return Outcome(code, message=f"cannot run {command[0]}: {why}")
+        code, message = not_started(command, start.error)
+        return Outcome(code, message=message)
     proc = Job(start.job)
     agent.note(child_pid=proc.pid, state="running")
     running = JobProcess(proc, proc.pid if start.job.own_group else None)
