@@ -27,6 +27,8 @@ def sample(param: click.Option) -> str:
         return "2.5"
     if param.name == "shadow":
         return "home.example:50000"
+    if param.name == "state":  # (checked as it is parsed)
+        return "postgresql://gcshadow@db.example.org/gcshadow"
     return "some/value"
 
 
