@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from . import __version__, exitcodes
+from .agent.stopsignals import EarlySignals, stop_signals
 from .clitypes import Size
 from .wire.names import NameError_, normalize
 
@@ -168,7 +169,8 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.group(cls=DefaultRunGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="gcwrap")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Run a batch job and bring its output home, live, over an unreliable network.
 
     \b
@@ -180,6 +182,10 @@ def main() -> None:
     Example:
       gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token --stdout out.5 --stderr err.5 -- ./app
     """
+    # The stop signals caught from the first instant (gcwrap.entry) are
+    # `run`'s, for its job; any other command gets them back as they were.
+    if ctx.invoked_subcommand != "run" and isinstance(ctx.obj, EarlySignals):
+        ctx.obj.release()
 
 
 @main.command(context_settings={**CONTEXT, "allow_interspersed_args": False}, epilog=EXIT_HELP)
@@ -256,7 +262,8 @@ def run(
         spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
-    sys.exit(_run(opts, addresses, job_id, spool_dir, list(command), quiet, log_format))
+    caught = click.get_current_context().find_object(EarlySignals)
+    sys.exit(_run(opts, addresses, job_id, spool_dir, list(command), quiet, log_format, caught))
 
 
 def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, list[str | None]]:
@@ -278,7 +285,21 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
 
 def _run(
     opts: Any, addresses: tuple[tuple[str, int], ...], job_id: str | None, spool_dir: Path | None, command: list[str],
-    quiet: bool = False, log_format: str = "text",
+    quiet: bool = False, log_format: str = "text", caught: EarlySignals | None = None,
+) -> int:
+    """Run the job; gcwrap's exit status. `caught`: the stop signals, caught
+    since the process started (else from now on, and given back at the end)."""
+    signals = caught or EarlySignals(stop_signals())
+    try:
+        return _run_caught(opts, addresses, job_id, spool_dir, command, quiet, log_format, signals)
+    finally:
+        if caught is None:
+            signals.restore()
+
+
+def _run_caught(
+    opts: Any, addresses: tuple[tuple[str, int], ...], job_id: str | None, spool_dir: Path | None, command: list[str],
+    quiet: bool, log_format: str, signals: EarlySignals,
 ) -> int:
     import time
 
@@ -300,13 +321,11 @@ def _run(
     )
     # The spool, then the job, before the event loop and the sender are even
     # loaded: the job starts up while the rest of gcwrap does (see launch).
-    start = prepare(opts, command, job, spool_path, catch_signals=True)
+    start = prepare(opts, command, job, spool_path, signals=signals)
     if start.job is None:
         # Nothing runs, so nothing is delivered or waited for: no event loop
         # (out of descriptors, it could not even be set up).
         assert start.error is not None
-        if start.signals is not None:
-            start.signals.restore()
         from .render import Reporter
 
         status, message = not_started(command, start.error)
@@ -324,9 +343,9 @@ def _run(
     # sight, a full collection during the run and the last one at exit
     # (about 20 ms on a small VM) do not walk it again and again.
     gc.freeze()
+    # (A signal that comes once the event loop has ended is caught, and
+    # goes nowhere: the job has ended, and gcwrap is saying its last words.)
     outcome = trio.run(run_job, opts, command, job, spool_path, start)
-    if start.signals is not None:
-        start.signals.restore()
     say = Reporter(fmt=log_format)
     delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:

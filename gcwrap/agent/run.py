@@ -29,12 +29,13 @@ from ..sync import first_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
 from .agent import Agent, Outcome
-from .launch import Launched, Start, lock_spool, not_started, prepare, stop_signals, stream_specs
+from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
 from .options import AgentOptions
 from .records import JobRecord
 from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler
+from .stopsignals import stop_signals
 
 log = logging.getLogger("gcwrap")
 
@@ -194,7 +195,7 @@ async def run_job(
     # before this receiver opened was kept by `start.signals`.)
     with trio.open_signal_receiver(*stop_signals()) as receiver:
         if start is None:
-            start = prepare(opts, command, job, spool_path, catch_signals=False)
+            start = prepare(opts, command, job, spool_path, signals=None)
         early = start.signals.take() if start.signals is not None else []
         return await _run_job(opts, command, job, spool_path, start, _signals(early, receiver))
 
