@@ -215,9 +215,10 @@ def main(ctx: click.Context) -> None:
               show_envvar=True, help="Most bytes the spool may hold (0: only free disk space limits it).")
 @click.option("--min-free", type=Size(), default=None, envvar="GCWRAP_MIN_FREE", show_envvar=True,
               help="Free disk space the spool leaves to the job. Default: 5% of the file system, at most 256MiB.")
-@click.option("--memory-limit", type=Size(), default="32MiB", show_default=True, envvar="GCWRAP_MEMORY_LIMIT",
-              show_envvar=True,
-              help="Output held only in memory (disk failing) before the job is paused by backpressure.")
+@click.option("--memory-limit", type=Size(minimum="1MiB"), default="32MiB", show_default=True,
+              envvar="GCWRAP_MEMORY_LIMIT", show_envvar=True,
+              help="Output held only in memory (disk failing) before the job is paused by backpressure; "
+                   "at least 1MiB.")
 @click.option("--write-behind", type=click.FloatRange(min=0, max=60), default=0.0, show_default=True,
               metavar="SECONDS", envvar="GCWRAP_WRITE_BEHIND", show_envvar=True,
               help="Relaxed mode: spool only output that home has not acknowledged within SECONDS "
@@ -259,7 +260,7 @@ def run(
     opts = AgentOptions(
         shadows=addresses, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
-        spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
+        spool_limit=spool_limit, min_free=min_free, mem_limit=memory_limit,
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
     caught = click.get_current_context().find_object(EarlySignals)
