@@ -225,8 +225,8 @@ async def _run_job(
     if start.files is not None:
         spooler.adopt(start.files)
     agent = Agent(opts, spooler, job, specs)
-    if specs and spooler.spool is None:
-        agent.disk.error = start.spool_error
+    if specs and spooler.spool is None and start.spool_error:
+        agent.disk.refused_at_start(start.spool_error)
     if start.job is None:
         assert start.error is not None
         spooler.close(remove=True)
