@@ -393,12 +393,13 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     from .render import output_width, print_view, status_view, stdout_console
     from .status import read_spools
 
-    spools = read_spools(spool_dir or default_spool_dir())
+    directory = spool_dir or default_spool_dir()
+    spools = read_spools(directory)
     if as_json:
         click.echo(json.dumps(spools, indent=2))
     else:
         console = stdout_console()
-        print_view(console, status_view(spools, output_width(console)))
+        print_view(console, status_view(spools, output_width(console), directory))
 
 
 @main.command(context_settings=CONTEXT)

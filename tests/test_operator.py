@@ -252,11 +252,26 @@ def test_cli_usage_errors_are_clear() -> None:
     assert res.exit_code == 0 and "gcwrap" in res.output
 
 
-def test_status_with_no_spools(tmp_path: Path) -> None:
-    res = CliRunner().invoke(gcwrap_main, ["status", "--spool", str(tmp_path / "none")])
-    assert res.exit_code == 0 and "no spools" in res.output
-    res = CliRunner().invoke(gcwrap_main, ["status", "--json", "--spool", str(tmp_path / "none")])
-    assert json.loads(res.output) == []
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["--spool, absent", "--spool, empty", "GCWRAP_SPOOL", "default"])
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_status_with_no_spools(tmp_path: Path, where: str, terminal: bool) -> None:
+    """No spool: one line saying so and where gcwrap looked, exit 0 (before:
+    an empty table, captioned "no spools", and no directory named);
+    `--json` prints an empty list."""
+    directory = tmp_path / "none" if where == "--spool, absent" else tmp_path / f"gcwrap-{os.getuid()}"
+    if where != "--spool, absent":
+        directory.mkdir()
+    args = ["--spool", str(directory)] if where.startswith("--spool") else []
+    env = {k: v for k, v in os.environ.items() if k not in ("GCWRAP_SPOOL", "_CONDOR_SCRATCH_DIR", "SLURM_TMPDIR")}
+    env.update(TMPDIR=str(tmp_path), COLUMNS="100" if terminal else "", **(
+        {"GCWRAP_SPOOL": str(directory)} if where == "GCWRAP_SPOOL" else {}))
+    res = subprocess.run([*tool("gcwrap"), "status", *args], capture_output=True, text=True, timeout=30, env=env)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == f"no spools in {directory}\n", res.stdout
+    res = subprocess.run([*tool("gcwrap"), "status", "--json", *args], capture_output=True, text=True, timeout=30,
+                         env=env)
+    assert res.returncode == 0 and json.loads(res.stdout) == [], res.stdout
 
 
 @pytest.mark.timeout(60)
