@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from . import __version__, exitcodes
+from .agent.stopsignals import EarlySignals, stop_signals
 from .clitypes import Size
 from .wire.names import NameError_, normalize
 
@@ -168,7 +169,8 @@ def common_delivery_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.group(cls=DefaultRunGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="gcwrap")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Run a batch job and bring its output home, live, over an unreliable network.
 
     \b
@@ -180,6 +182,10 @@ def main() -> None:
     Example:
       gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token --stdout out.5 --stderr err.5 -- ./app
     """
+    # The stop signals caught from the first instant (gcwrap.entry) are
+    # `run`'s, for its job; any other command gets them back as they were.
+    if ctx.invoked_subcommand != "run" and isinstance(ctx.obj, EarlySignals):
+        ctx.obj.release()
 
 
 @main.command(context_settings={**CONTEXT, "allow_interspersed_args": False}, epilog=EXIT_HELP)
@@ -209,9 +215,10 @@ def main() -> None:
               show_envvar=True, help="Most bytes the spool may hold (0: only free disk space limits it).")
 @click.option("--min-free", type=Size(), default=None, envvar="GCWRAP_MIN_FREE", show_envvar=True,
               help="Free disk space the spool leaves to the job. Default: 5% of the file system, at most 256MiB.")
-@click.option("--memory-limit", type=Size(), default="32MiB", show_default=True, envvar="GCWRAP_MEMORY_LIMIT",
-              show_envvar=True,
-              help="Output held only in memory (disk failing) before the job is paused by backpressure.")
+@click.option("--memory-limit", type=Size(minimum="1MiB"), default="32MiB", show_default=True,
+              envvar="GCWRAP_MEMORY_LIMIT", show_envvar=True,
+              help="Output held only in memory (disk failing) before the job is paused by backpressure; "
+                   "at least 1MiB.")
 @click.option("--write-behind", type=click.FloatRange(min=0, max=60), default=0.0, show_default=True,
               metavar="SECONDS", envvar="GCWRAP_WRITE_BEHIND", show_envvar=True,
               help="Relaxed mode: spool only output that home has not acknowledged within SECONDS "
@@ -253,10 +260,11 @@ def run(
     opts = AgentOptions(
         shadows=addresses, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
         merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
-        spool_limit=spool_limit, min_free=min_free, mem_limit=max(memory_limit, 1 << 20),
+        spool_limit=spool_limit, min_free=min_free, mem_limit=memory_limit,
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
-    sys.exit(_run(opts, addresses, job_id, spool_dir, list(command), quiet, log_format))
+    caught = click.get_current_context().find_object(EarlySignals)
+    sys.exit(_run(opts, addresses, job_id, spool_dir, list(command), quiet, log_format, caught))
 
 
 def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, list[str | None]]:
@@ -278,13 +286,27 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
 
 def _run(
     opts: Any, addresses: tuple[tuple[str, int], ...], job_id: str | None, spool_dir: Path | None, command: list[str],
-    quiet: bool = False, log_format: str = "text",
+    quiet: bool = False, log_format: str = "text", caught: EarlySignals | None = None,
+) -> int:
+    """Run the job; gcwrap's exit status. `caught`: the stop signals, caught
+    since the process started (else from now on, and given back at the end)."""
+    signals = caught or EarlySignals(stop_signals())
+    try:
+        return _run_caught(opts, addresses, job_id, spool_dir, command, quiet, log_format, signals)
+    finally:
+        if caught is None:
+            signals.restore()
+
+
+def _run_caught(
+    opts: Any, addresses: tuple[tuple[str, int], ...], job_id: str | None, spool_dir: Path | None, command: list[str],
+    quiet: bool, log_format: str, signals: EarlySignals,
 ) -> int:
     import time
 
     from .agent.addresses import show_all
     from .agent.identity import default_job_id, hostname, username
-    from .agent.launch import prepare, stream_specs
+    from .agent.launch import not_started, prepare, stream_specs
     from .agent.records import JobRecord
     from .agent.spool import SPOOL_SUFFIX, default_spool_dir, new_instance, safe_filename
 
@@ -300,7 +322,16 @@ def _run(
     )
     # The spool, then the job, before the event loop and the sender are even
     # loaded: the job starts up while the rest of gcwrap does (see launch).
-    start = prepare(opts, command, job, spool_path, catch_signals=True)
+    start = prepare(opts, command, job, spool_path, signals=signals)
+    if start.job is None:
+        # Nothing runs, so nothing is delivered or waited for: no event loop
+        # (out of descriptors, it could not even be set up).
+        assert start.error is not None
+        from .render import Reporter
+
+        status, message = not_started(command, start.error)
+        Reporter(fmt=log_format).say(message)
+        return status
 
     import gc
 
@@ -313,9 +344,9 @@ def _run(
     # sight, a full collection during the run and the last one at exit
     # (about 20 ms on a small VM) do not walk it again and again.
     gc.freeze()
+    # (A signal that comes once the event loop has ended is caught, and
+    # goes nowhere: the job has ended, and gcwrap is saying its last words.)
     outcome = trio.run(run_job, opts, command, job, spool_path, start)
-    if start.signals is not None:
-        start.signals.restore()
     say = Reporter(fmt=log_format)
     delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:
@@ -362,12 +393,13 @@ def status(spool_dir: Path | None, as_json: bool) -> None:
     from .render import output_width, print_view, status_view, stdout_console
     from .status import read_spools
 
-    spools = read_spools(spool_dir or default_spool_dir())
+    directory = spool_dir or default_spool_dir()
+    spools = read_spools(directory)
     if as_json:
         click.echo(json.dumps(spools, indent=2))
     else:
         console = stdout_console()
-        print_view(console, status_view(spools, output_width(console)))
+        print_view(console, status_view(spools, output_width(console), directory))
 
 
 @main.command(context_settings=CONTEXT)

@@ -15,7 +15,7 @@ UNDELIVERED = 122  # the job ended, output is still in the spool: run `gcwrap re
 REFUSED = 123  # the shadow refused the job for good (path forbidden, owned, auth...)
 RETRY_LIMIT = 124  # both disk and network failed past --retry-limit; job killed
 INTERNAL = 125  # gcwrap itself failed (spool unusable, internal error)
-CANNOT_EXECUTE = 126  # COMMAND found but could not be run
+CANNOT_EXECUTE = 126  # COMMAND found but could not be run (or too few descriptors to run it)
 NOT_FOUND = 127  # COMMAND not found
 
 TABLE = [
@@ -27,7 +27,7 @@ TABLE = [
     (str(REFUSED), "the shadow refused the job (forbidden path, file owned by another job...)"),
     (str(RETRY_LIMIT), "disk and network both failed past --retry-limit; the job was killed"),
     (str(INTERNAL), "gcwrap failed (spool unusable, internal error)"),
-    (str(CANNOT_EXECUTE), "COMMAND could not be executed"),
+    (str(CANNOT_EXECUTE), "COMMAND could not be executed (also: too few file descriptors to run it, `ulimit -n`)"),
     (str(NOT_FOUND), "COMMAND was not found"),
 ]
 

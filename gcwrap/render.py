@@ -18,6 +18,8 @@ from .agent.records import loss_text
 from .logs import setup_logging as setup_logging  # (re-exported: where it was)
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
+    from pathlib import Path
+
     from rich.console import Console
     from rich.table import Table
 
@@ -234,10 +236,14 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
     return lines
 
 
-def status_view(spools: list[dict[str, Any]], width: int | None) -> Any:
-    """Everything `gcwrap status` prints, laid out for `width` (None: no limit)."""
+def status_view(spools: list[dict[str, Any]], width: int | None, directory: Path | None = None) -> Any:
+    """Everything `gcwrap status` prints, laid out for `width` (None: no
+    limit); with no spool, one line that says so and names the `directory`
+    it looked in."""
     from rich.console import Group
 
+    if not spools and directory is not None:
+        return Group(*_lines([f"no spools in {directory}"]))
     table = status_table(spools, width)
     head = [table] if table is not None else _lines(status_compact(spools, width))
     return Group(*head, *_lines(status_details(spools, width)))

@@ -43,8 +43,23 @@ root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
 )
+
+
+def checked_state(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--state as the commands use it ("" for the root's own), checked as
+    it is parsed: every command that takes it refuses one it cannot use,
+    in one line (exit 1), before it does anything else."""
+    from .shadow.files import StoreError
+    from .shadow.stateurl import check_state
+
+    try:
+        return check_state(value)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
 state_option = click.option(
-    "--state", metavar="URL", default="", envvar="GCSHADOW_STATE", show_envvar=True,
+    "--state", metavar="URL", default="", envvar="GCSHADOW_STATE", show_envvar=True, callback=checked_state,
     help="Where the state is (jobs, durable lengths, exit statuses): postgresql://USER@HOST[:PORT]/DATABASE "
          "for several shadows serving one root (password: PGPASSFILE or PGPASSWORD, never in the URL); "
          "default: the root's own embedded database.",
@@ -137,12 +152,27 @@ def serve(
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
 
+    _check_descriptors()  # (first: a shadow that could serve no job must not even start)
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
     _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
         max_jobs_per_identity=max_jobs_per_identity, **security), state)
+
+
+def _check_descriptors() -> None:
+    """One line, before anything is opened, when the descriptor limit (once
+    raised as far as the shadow may) is too low for it to serve a job: the
+    state, the event loop or a job's files would fail on it, anywhere."""
+    from .shadow.descriptors import least_limit, nofile, open_fds, raise_fd_limit
+
+    raise_fd_limit()
+    limit, need = nofile(), least_limit(open_fds())
+    if limit < need:
+        raise click.ClickException(f"out of file descriptors: the limit (ulimit -n) is {limit}, a shadow needs at "
+                                   f"least {need} to serve a job (raise `ulimit -n`, or LimitNOFILE= in a systemd "
+                                   "unit)")
 
 
 def _serve(opts: Any, state: str = "") -> None:
@@ -153,10 +183,8 @@ def _serve(opts: Any, state: str = "") -> None:
 
     from .shadow.files import StoreError, check_root
     from .shadow.server import ListenError, run_shadow
-    from .shadow.stateurl import check_state
 
     try:
-        state = check_state(state)  # before anything else: a --state it cannot use, in one line
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
         stuck = trio.run(functools.partial(run_shadow, opts, state=state))
     except (StoreError, ListenError) as e:
@@ -410,7 +438,7 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
     if not root.is_dir():
         raise click.ClickException(f"{root} is not a directory: give the root a gcshadow serves (--root)")
     opts = _web_options(root, host, port, port_file, tail_kib, token_file, tls_cert, tls_key, tls_ca, insecure)
-    opts.state = _state(state)
+    opts.state = state
     try:
         os.nice(10)  # a viewer, best effort: a shadow on the same machine wins every contention for the CPU
     except OSError:
@@ -421,17 +449,6 @@ def web(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int,
         raise click.ClickException(f"cannot serve the web view on {host}:{port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-def _state(state: str) -> str:
-    """The --state to read, checked (a URL it cannot use: one line)."""
-    from .shadow.files import StoreError
-    from .shadow.stateurl import check_state
-
-    try:
-        return check_state(state)
-    except StoreError as e:
-        raise click.ClickException(str(e)) from None
 
 
 def _web_options(root: Path, host: str, port: int, port_file: Path | None, tail_kib: int, token_file: Path | None,

@@ -209,6 +209,18 @@ def file_size(path: Path) -> int:
         return 0
 
 
+def drop_cap_sys_resource() -> None:
+    """Drop CAP_SYS_RESOURCE from the bounding set (for the program exec'd
+    next: root then may not raise a hard limit)."""
+    import ctypes
+    import errno
+
+    pr_capbset_drop, cap_sys_resource = 24, 24
+    failed = ctypes.CDLL(None, use_errno=True).prctl(pr_capbset_drop, cap_sys_resource, 0, 0, 0) != 0
+    if failed and ctypes.get_errno() != errno.EPERM:  # (EPERM: not root, so it cannot raise it anyway)
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def as_user(uid: int, gid: int | None = None) -> list[str]:
     """A command prefix that runs a command as `uid`:`gid` (setpriv, no
     supplementary groups, no capabilities) with this Python still reachable.

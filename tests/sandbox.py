@@ -6,7 +6,11 @@ home.example.org. To run them unchanged without touching anything else on
 the machine, this script runs inside `unshare --mount --net` (see `run`):
 its own loopback (port 50000 is free), a fresh tmpfs on /tmp, an /etc/hosts
 that points the documentation's host names at 127.0.0.1, a HOME of its own,
-and its own PID namespace: nothing it starts outlives it.
+and its own PID namespace: nothing it starts outlives it. What runs the
+commands stays as it was, wherever it lies: the clone, the interpreter and
+its venv, and the installed gcwrap and gcshadow are bound back onto the
+fresh /tmp when they were under it (a newcomer's clone in /tmp), and the
+sandbox checks that the commands it runs are those the tests run.
 
 It reads a list of steps (JSON) on stdin and writes one result per step
 (JSON) on stdout:
@@ -37,6 +41,8 @@ from typing import Any
 HOSTS = ["home", "home.example.org"]
 HOME = Path("/tmp/sandbox-home")
 WORK = HOME / "work"
+TOOLS = ("gcwrap", "gcshadow")
+CLONE = Path(__file__).resolve().parent.parent
 
 
 def run(steps: list[dict[str, Any]], env: dict[str, str] | None = None, timeout: float = 240) -> list[dict[str, Any]]:
@@ -46,8 +52,8 @@ def run(steps: list[dict[str, Any]], env: dict[str, str] | None = None, timeout:
         # it started dies with it, even when a timeout kills it.
         ["unshare", "--mount", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", "--", sys.executable,
          __file__],
-        input=json.dumps({"steps": steps, "env": env or {}}), capture_output=True, text=True, timeout=timeout,
-        check=False,
+        input=json.dumps({"steps": steps, "env": env or {}, "tools": {name: shutil.which(name) for name in TOOLS}}),
+        capture_output=True, text=True, timeout=timeout, check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the sandbox failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -56,8 +62,28 @@ def run(steps: list[dict[str, Any]], env: dict[str, str] | None = None, timeout:
     return results
 
 
-def _setup() -> None:
+def kept_under_tmp(tools: dict[str, str | None]) -> list[Path]:
+    """What must stay visible though a fresh tmpfs covers /tmp: the clone,
+    the interpreter's venv and installation, the directories of the
+    installed commands, those of them that lie under /tmp (and none inside
+    another)."""
+    wanted = {CLONE, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+              Path(sys.executable).resolve().parent,
+              *(Path(path).resolve().parent for path in tools.values() if path)}
+    under = sorted(p for p in wanted if p.is_relative_to("/tmp") and p != Path("/tmp"))
+    return [p for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
+
+
+def _setup(tools: dict[str, str | None]) -> None:
+    # Each directory to keep is held open (O_PATH) before the tmpfs hides it,
+    # then bound from its descriptor onto the same path in the fresh /tmp.
+    kept = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in kept_under_tmp(tools)]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", "/tmp"], check=True)
+    for path, fd in kept:
+        path.mkdir(parents=True, exist_ok=True)
+        # (-c: mount must not resolve /proc/self/fd/N to the path it names, which the tmpfs hides.)
+        subprocess.run(["mount", "-c", "--bind", f"/proc/self/fd/{fd}", str(path)], check=True, pass_fds=(fd,))
+        os.close(fd)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     hosts = Path("/tmp/.hosts")
     hosts.write_text("127.0.0.1 localhost " + " ".join(HOSTS) + "\n::1 localhost\n")
@@ -75,12 +101,17 @@ def _listening(port: int) -> bool:
 
 def _main() -> int:
     request = json.load(sys.stdin)
-    _setup()
+    _setup(request["tools"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GCWRAP_", "GCSHADOW_", "GRID_CONSOLE_",
                                                                       "BYPASS_SHADOW_", "SLURM_", "PBS_"))}
     env.update(HOME=str(HOME), TMPDIR="/tmp", **request["env"])
     for name in ("_CONDOR_SCRATCH_DIR", "SLURM_TMPDIR", "COLUMNS", "LINES"):  # (no width: tables as through a pipe)
         env.pop(name, None)
+    for name, path in request["tools"].items():
+        found = shutil.which(name, path=env.get("PATH"))
+        if found != path:
+            print(f"in the sandbox {name} is {found}, not {path} as for the tests", file=sys.stderr)
+            return 1
     background: dict[str, tuple[subprocess.Popen[bytes], Any]] = {}
     results: list[dict[str, Any]] = []
 

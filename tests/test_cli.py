@@ -3,10 +3,14 @@ environment variables (CliRunner and click's own parser, no job is run)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
 from typing import Any, Iterator
 
 import click
 import pytest
+from helpers import tool
 
 from gcwrap.cli import main as gcwrap_main
 from gcwrap.clitypes import Size
@@ -27,6 +31,8 @@ def sample(param: click.Option) -> str:
         return "2.5"
     if param.name == "shadow":
         return "home.example:50000"
+    if param.name == "state":  # (checked as it is parsed)
+        return "postgresql://gcshadow@db.example.org/gcshadow"
     return "some/value"
 
 
@@ -62,3 +68,25 @@ def test_option_from_each_environment_variable(
         with monkeypatch.context() as m:
             m.setenv(var, "1" if param.is_flag else sample(param))
             assert parse(cmd, name, [])[param.name] != default, f"${var} did not set {param.name}"  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "1048575", "512KiB", "0.5MiB"])
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_a_memory_limit_below_1mib_is_refused(tmp_path: Path, value: str, how: str) -> None:
+    """--memory-limit (or GCWRAP_MEMORY_LIMIT) below the documented least,
+    1MiB, is a usage error naming it, and the job never starts (before: it
+    was taken, and silently raised to 1MiB)."""
+    ran = tmp_path / "ran"
+    limit = ["--memory-limit", value] if how == "option" else []
+    env = {**os.environ, "GCWRAP_MEMORY_LIMIT": value} if how == "environment" else None
+    res = subprocess.run([*tool("gcwrap"), "--shadow", "127.0.0.1:9", "--retry-limit", "1", "--retry-timeout", "0.1",
+                          "--spool", str(tmp_path / "spool"), *limit, "--stdout", "x.out", "--", "touch", str(ran)],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert res.returncode == 2, res.stderr
+    assert "--memory-limit" in res.stderr and "at least 1MiB" in res.stderr, res.stderr
+    assert not ran.exists() and not (tmp_path / "spool").exists()
+
+
+def test_a_memory_limit_of_1mib_is_taken() -> None:
+    assert parse(gcwrap_main.commands["run"], "run", ["--memory-limit", "1MiB"])["memory_limit"] == 1 << 20

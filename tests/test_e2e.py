@@ -302,7 +302,8 @@ def test_a_spool_directory_that_is_a_file(shadow: ShadowProc, home: Path, tmp_pa
     """`--spool` names a file, or a path through one: no spool can be made
     there, so, as for any directory that cannot be used, the job runs and
     its output goes home from memory (before: for a file, a usage error,
-    exit 2, and the job never ran)."""
+    exit 2, and the job never ran). It is said once (before: twice, the
+    second time when the commit loop first tried the spool again)."""
     afile = tmp_path / "afile"
     afile.write_text("not a directory\n")
     spool = afile if where == "a file" else afile / "sub"
@@ -312,6 +313,7 @@ def test_a_spool_directory_that_is_a_file(shadow: ShadowProc, home: Path, tmp_pa
     text = w.err.decode()
     why = f"{afile} exists and is not a directory" if where == "a file" else "a part of the path is a file"
     assert why in text and "the job runs anyway, its output goes home from memory" in text, text
+    assert text.count(why) == 1 and text.count("cannot create spool") == 1, text
     assert "Traceback" not in text
     assert sha256_file(home / "f.out") == expected(2 * MB, 43)
     assert afile.read_text() == "not a directory\n"

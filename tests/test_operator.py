@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 from faults import Tmpfs, need_tmpfs
@@ -251,11 +252,26 @@ def test_cli_usage_errors_are_clear() -> None:
     assert res.exit_code == 0 and "gcwrap" in res.output
 
 
-def test_status_with_no_spools(tmp_path: Path) -> None:
-    res = CliRunner().invoke(gcwrap_main, ["status", "--spool", str(tmp_path / "none")])
-    assert res.exit_code == 0 and "no spools" in res.output
-    res = CliRunner().invoke(gcwrap_main, ["status", "--json", "--spool", str(tmp_path / "none")])
-    assert json.loads(res.output) == []
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["--spool, absent", "--spool, empty", "GCWRAP_SPOOL", "default"])
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_status_with_no_spools(tmp_path: Path, where: str, terminal: bool) -> None:
+    """No spool: one line saying so and where gcwrap looked, exit 0 (before:
+    an empty table, captioned "no spools", and no directory named);
+    `--json` prints an empty list."""
+    directory = tmp_path / "none" if where == "--spool, absent" else tmp_path / f"gcwrap-{os.getuid()}"
+    if where != "--spool, absent":
+        directory.mkdir()
+    args = ["--spool", str(directory)] if where.startswith("--spool") else []
+    env = {k: v for k, v in os.environ.items() if k not in ("GCWRAP_SPOOL", "_CONDOR_SCRATCH_DIR", "SLURM_TMPDIR")}
+    env.update(TMPDIR=str(tmp_path), COLUMNS="100" if terminal else "", **(
+        {"GCWRAP_SPOOL": str(directory)} if where == "GCWRAP_SPOOL" else {}))
+    res = subprocess.run([*tool("gcwrap"), "status", *args], capture_output=True, text=True, timeout=30, env=env)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == f"no spools in {directory}\n", res.stdout
+    res = subprocess.run([*tool("gcwrap"), "status", "--json", *args], capture_output=True, text=True, timeout=30,
+                         env=env)
+    assert res.returncode == 0 and json.loads(res.stdout) == [], res.stdout
 
 
 @pytest.mark.timeout(60)
@@ -493,6 +509,34 @@ def test_port_in_use_is_named_with_what_to_do(tmp_path: Path) -> None:
         error = serve_fails(["--port", str(port), "--root", str(tmp_path / "r")])
     assert error == (f"Error: cannot listen on 127.0.0.1:{port}: Address already in use (another program has it: "
                      "choose another --port, or --port 0 for any free one)"), error
+
+
+def state_commands() -> list[str]:
+    """Every gcshadow command that takes --state."""
+    assert isinstance(gcshadow_main, click.Group)
+    return sorted(name for name, cmd in gcshadow_main.commands.items()
+                  if any("--state" in getattr(p, "opts", ()) for p in cmd.params))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("url", ["mysql://x", "bogus", "mysql://gc:s3cret@db/x"])
+@pytest.mark.parametrize("command", state_commands())
+def test_every_command_refuses_a_state_it_cannot_use(home: Path, command: str, url: str) -> None:
+    """A --state that names no state gcshadow knows is refused in one line,
+    exit 1, by every command that takes --state, as `serve` does (before:
+    `jobs` and `tail` read the root's own state instead and exited 0), its
+    password never shown."""
+    assert {"serve", "jobs", "tail", "web"} <= set(state_commands())
+    args = {"serve": ["--port", "0"], "tail": ["somejob"], "web": ["--port", "0"]}.get(command, [])
+    for how in ("option", "environment"):
+        state = ["--state", url] if how == "option" else []
+        env = {**os.environ, "GCSHADOW_STATE": url} if how == "environment" else None
+        res = subprocess.run([*tool("gcshadow"), command, "--root", str(home), *args, *state], capture_output=True,
+                             text=True, timeout=60, env=env)
+        shown = url.replace(":s3cret", "")
+        assert res.stderr.splitlines() == [f"Error: --state {shown}: not a state this shadow knows "
+                                           "(postgresql://HOST/DATABASE, or sqlite for the root's own)"], res.stderr
+        assert res.returncode == 1 and res.stdout == "", (how, res.stdout)
 
 
 def test_port_errors_say_the_valid_range() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import Wrapper, tool, wait_until
+from helpers import Wrapper, drop_cap_sys_resource, tool, wait_until
 
 from gcwrap.shadow import syncer as shadow_files
 from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, open_confined
@@ -89,17 +89,6 @@ def may_raise_limits() -> bool:
     status = Path("/proc/self/status").read_text()
     m = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)
     return bool(m and int(m[1], 16) >> 24 & 1)
-
-
-def drop_cap_sys_resource() -> None:
-    """Drop CAP_SYS_RESOURCE from the bounding set (for the program exec'd
-    next: root then may not raise a hard limit)."""
-    import ctypes
-
-    pr_capbset_drop, cap_sys_resource = 24, 24
-    failed = ctypes.CDLL(None, use_errno=True).prctl(pr_capbset_drop, cap_sys_resource, 0, 0, 0) != 0
-    if failed and ctypes.get_errno() != errno.EPERM:  # (EPERM: not root, so it cannot raise it anyway)
-        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
 @pytest.fixture

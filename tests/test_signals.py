@@ -13,6 +13,7 @@ test_preemption_sigterm_forwarded_and_output_pushed_home.)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import Wrapper, spool_status, tool, wait_until
 
+import gcwrap
 from gcwrap.agent.policy import LAST_TRY, SIGNAL_GRACE, StopClock
 
 MARGIN = 3.0  # seconds for gcwrap's own start-up and exit, on a loaded machine
@@ -274,3 +276,106 @@ def test_a_hangup_is_ignored_under_nohup(shadow: object, home: Path, spool_dir: 
     assert w.returncode == 0, err.decode()
     assert b"SIGHUP" not in err, err.decode()
     assert (home / "n.out").read_bytes() == b"hi\nbye\n"
+
+
+# -- Ctrl-C at any moment of gcwrap's start -----------------------------------------------------
+
+PACKAGE = Path(gcwrap.__file__).resolve().parent
+# gcwrap's first instant: the modules that run before its stop signals are
+# caught (the package, the console script's entry point, and what that
+# imports to catch them). A signal that comes before then finds Python's
+# own defaults, as any program would.
+FIRST_INSTANT = {PACKAGE / "__init__.py", PACKAGE / "entry.py", PACKAGE / "agent" / "__init__.py",
+                 PACKAGE / "agent" / "stopsignals.py"}
+START_DELAYS = [i * 0.0103 for i in range(30)]  # 0 (at once after exec) to 300 ms
+
+
+def _running(marker: str) -> list[int]:
+    """The processes whose command line holds `marker` (the job's own argument)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker.encode() in args:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _before_gcwrap_ran(rc: int, err: str) -> bool:
+    """Whether the outcome is Python's own, for a signal that came before
+    any of gcwrap's code beyond its first instant ran: killed by SIGINT
+    (at once, or after an uncaught KeyboardInterrupt), or a KeyboardInterrupt
+    while `site` ran (a fatal error of the interpreter's start-up)."""
+    frames = {Path(f).resolve() for f in re.findall(r'^  File "([^"<]+)"', err, re.M)}
+    ours = {f for f in frames if f.is_relative_to(PACKAGE)} - FIRST_INSTANT
+    if ours or "Aborted!" in err:
+        return False
+    return rc == -signal.SIGINT or (rc == 1 and "Fatal Python error: init_import_site" in err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("streams", ["stdout", "pass-through"])
+def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir: Path, streams: str) -> None:
+    """SIGINT at 30 moments of gcwrap's first 300 ms, from at once after
+    exec on: the job it started gets it, gcwrap exits with the job's status
+    (130), with no traceback, "Fatal Python error" or "Aborted!", and no job
+    is left running. Before: a traceback, a fatal error or click's
+    "Aborted!", exit 1, for anything in the first ~100 ms (all of it before
+    the job started). A signal that comes while the interpreter itself
+    still starts, before any of gcwrap's code runs, gets Python's default
+    (`_before_gcwrap_ran`): no job was started then."""
+    named = ["--spool", str(spool_dir), "--stdout", "c.out"] if streams == "stdout" else []
+    handled = 0
+    for i, delay in enumerate(START_DELAYS):
+        marker = f"{60 + i}.{os.getpid() % 1000:03d}1"  # (sleep's argument: this job's, and no other's)
+        p = subprocess.Popen([*tool("gcwrap"), "--shadow", shadow.address, "--job-id",  # type: ignore[attr-defined]
+                              f"ctrl-c-{i}", *named, "--", "sleep", marker],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        if delay:
+            time.sleep(delay)  # (the moment is what is tested: nothing to wait for)
+        p.send_signal(signal.SIGINT)
+        try:
+            _, raw = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        err = raw.decode(errors="replace")
+        left = _running(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"at {delay * 1000:.0f} ms: the job was left running; gcwrap said: {err}"
+        if _before_gcwrap_ran(p.returncode, err):
+            continue
+        handled += 1
+        for bad in ("Traceback", "Fatal Python error", "Aborted!"):
+            assert bad not in err, f"at {delay * 1000:.0f} ms: {err}"
+        assert p.returncode == 128 + signal.SIGINT, f"at {delay * 1000:.0f} ms: exit {p.returncode}: {err}"
+    assert handled >= len(START_DELAYS) // 3, f"only {handled} signals reached gcwrap's own code"
+    assert list(spool_dir.glob("*.spool")) == [], "every job's output was delivered"
+
+
+def test_a_command_that_starts_no_job_gets_the_early_signals_back(tmp_path: Path) -> None:
+    """The stop signals caught from the first instant are `run`'s, for its
+    job: any other command gets them back as they were, and one caught
+    meanwhile acts as if it came then (Ctrl-C while `gcwrap status` loads
+    still interrupts it, as click's own "Aborted!", exit 1)."""
+    from click.testing import CliRunner
+
+    from gcwrap.agent.stopsignals import EarlySignals
+    from gcwrap.cli import main
+
+    before = signal.getsignal(signal.SIGINT)
+    caught = EarlySignals((signal.SIGINT,))
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert caught.pending == [signal.SIGINT]
+        res = CliRunner().invoke(main, ["status", "--spool", str(tmp_path)], obj=caught)
+    finally:
+        caught.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert res.exit_code == 1 and "Aborted!" in res.output, res.output

@@ -9,31 +9,32 @@ parallel; what the job writes meanwhile waits in its pipes (1 MiB each,
 `grow_pipe`: the job blocks when one is full, nothing is lost), and the
 agent reads it from the first byte on as before.
 
-The stop signals (SIGTERM, SIGINT, SIGHUP) are caught from before the job
-starts: one that comes before the event loop's receiver is open is kept
-(`EarlySignals`) and handed to it, so it still reaches the job and starts
-gcwrap's own end, as one that came later would.
+The stop signals (SIGTERM, SIGINT, SIGHUP) are caught from gcwrap's first
+instant (see stopsignals.py): one that comes before the event loop's
+receiver is open is kept and handed to it, so it still reaches the job and
+starts gcwrap's own end, as one that came later would.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
-import signal
 import sqlite3
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
+from .. import exitcodes
 from ..wire.events import STDERR, STDIN, STDOUT, StreamSpec
 from .pipes import grow_pipe
 from .records import JobRecord
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT
 from .spool import PAGE_SIZE, Spool, SpoolError, os_reason, sqlite_reason
+from .stopsignals import EarlySignals
 
 if TYPE_CHECKING:
     from .options import AgentOptions
@@ -142,29 +143,6 @@ def create_spool(path: Path, job: JobRecord, streams: list[tuple[int, str, str]]
 # -- the job ---------------------------------------------------------------
 
 
-class EarlySignals:
-    """Catches the stop signals until the event loop's receiver takes over
-    (`take`): a signal that came in between is kept, not lost, and does not
-    end gcwrap at once (which would orphan the job)."""
-
-    def __init__(self, signums: tuple[int, ...]) -> None:
-        self.pending: list[int] = []
-        self.previous = {s: signal.signal(s, self._catch) for s in signums}
-
-    def _catch(self, signum: int, frame: FrameType | None) -> None:
-        self.pending.append(signum)
-
-    def take(self) -> list[int]:
-        """The signals caught so far (the receiver now owns the handlers)."""
-        pending, self.pending = self.pending, []
-        return pending
-
-    def restore(self) -> None:
-        """Give the signals back to their former handlers (no job was started)."""
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-
 @dataclass
 class Launched:
     """A started job: its process and gcwrap's ends of its pipes (None for a
@@ -271,15 +249,6 @@ def _launch(command: list[str], *, stdin: bool, stdout: bool, stderr: bool, merg
     return Launched(popen, ends["stdin"], ends["stdout"], ends["stderr"], pidfd, own_group)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the job; gcwrap ends (StopClock)
-
-
-def stop_signals() -> tuple[int, ...]:
-    """STOP_SIGNALS, less SIGHUP if it was ignored when gcwrap started
-    (`nohup gcwrap ...`): a hangup then ends neither gcwrap nor its job."""
-    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
-
-
 def interactive() -> bool:
     """At a terminal, in its foreground: the job must stay in the foreground too."""
     try:
@@ -298,11 +267,11 @@ def stream_specs(opts: AgentOptions) -> list[StreamSpec]:
 
 
 def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: Path, *,
-            catch_signals: bool) -> Start:
+            signals: EarlySignals | None) -> Start:
     """The spool, then the job: everything a run needs before the agent's
-    event loop (and before most of gcwrap is loaded). With `catch_signals`
-    (no signal receiver is open yet) the stop signals are caught first."""
-    start = Start(signals=EarlySignals(stop_signals()) if catch_signals else None)
+    event loop (and before most of gcwrap is loaded). `signals`: the stop
+    signals caught so far, when no signal receiver is open yet."""
+    start = Start(signals=signals)
     specs = stream_specs(opts)
     if specs:
         # The spool exists before the job writes a byte: a wrapper killed in
@@ -315,8 +284,7 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
         try:
             start.files = create_spool(spool_path, job, [(s.id, s.kind, s.name) for s in specs], live)
         except SpoolError as e:
-            log.warning("%s; the job runs anyway, its output goes home from memory", e)
-            start.spool_error = str(e)
+            start.spool_error = str(e)  # (said once the job runs: it may not)
     try:
         start.job = launch(
             command, stdin=opts.stdin is not None, stdout=opts.stdout is not None,
@@ -327,10 +295,33 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
         )
     except OSError as e:
         start.error = e
-        if start.files is not None:
-            # The job never ran: nothing to keep, and the descriptors go back
-            # for the event loop that reports it.
-            start.files.spool.remove()
-            os.close(start.files.lock_fd)
-            start.files = None
+        _discard(start, spool_path)
+        return start
+    if start.spool_error:
+        log.warning("%s; the job runs anyway, its output goes home from memory", start.spool_error)
     return start
+
+
+def _discard(start: Start, spool_path: Path) -> None:
+    """The job never ran: nothing of its spool is kept (the spool, its live
+    status file, its ballast), and the descriptors go back."""
+    if start.files is not None:
+        start.files.spool.remove()
+        os.close(start.files.lock_fd)
+        start.files = None
+    if start.live_fd is not None:
+        os.close(start.live_fd)
+        start.live_fd = None
+    for leftover in (f"{spool_path}.live", f"{spool_path}.ballast"):
+        try:
+            os.unlink(leftover)
+        except OSError:
+            pass  # (never made, or a directory that refuses: nothing to undo)
+
+
+def not_started(command: list[str], error: OSError) -> tuple[int, str]:
+    """gcwrap's status and its one line when the job could not be started."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        return exitcodes.CANNOT_EXECUTE, f"cannot run {command[0]}: out of file descriptors (raise `ulimit -n`)"
+    code = exitcodes.NOT_FOUND if error.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
+    return code, f"cannot run {command[0]}: {error.strerror}"

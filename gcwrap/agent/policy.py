@@ -194,6 +194,13 @@ class DiskHealth:
         self.error, self.last_reason, self.partial, self.failed_at = reason, reason, partial, now
         return first, say
 
+    def refused_at_start(self, reason: str) -> None:
+        """No spool could be made before the job started, and that was said
+        then: the failure goes on, said (the next try that fails alike says
+        nothing more)."""
+        self.error = self.last_reason = reason
+        self.said = True
+
     def took(self) -> None:
         """The spool took output."""
         self.error, self.partial = "", False

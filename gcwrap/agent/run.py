@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import signal
@@ -30,12 +29,13 @@ from ..sync import first_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
 from .agent import Agent, Outcome
-from .launch import Launched, Start, lock_spool, prepare, stop_signals, stream_specs
+from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
 from .options import AgentOptions
 from .records import JobRecord
 from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler
+from .stopsignals import stop_signals
 
 log = logging.getLogger("gcwrap")
 
@@ -195,7 +195,7 @@ async def run_job(
     # before this receiver opened was kept by `start.signals`.)
     with trio.open_signal_receiver(*stop_signals()) as receiver:
         if start is None:
-            start = prepare(opts, command, job, spool_path, catch_signals=False)
+            start = prepare(opts, command, job, spool_path, signals=None)
         early = start.signals.take() if start.signals is not None else []
         return await _run_job(opts, command, job, spool_path, start, _signals(early, receiver))
 
@@ -225,17 +225,13 @@ async def _run_job(
     if start.files is not None:
         spooler.adopt(start.files)
     agent = Agent(opts, spooler, job, specs)
-    if specs and spooler.spool is None:
-        agent.disk.error = start.spool_error
+    if specs and spooler.spool is None and start.spool_error:
+        agent.disk.refused_at_start(start.spool_error)
     if start.job is None:
         assert start.error is not None
-        e = start.error
         spooler.close(remove=True)
-        code = exitcodes.NOT_FOUND if e.errno == errno.ENOENT else exitcodes.CANNOT_EXECUTE
-        why = e.strerror
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            why = "out of file descriptors (raise `ulimit -n`)"
-        return Outcome(code, message=f"cannot run {command[0]}: {why}")
+        code, message = not_started(command, start.error)
+        return Outcome(code, message=message)
     proc = Job(start.job)
     agent.note(child_pid=proc.pid, state="running")
     running = JobProcess(proc, proc.pid if start.job.own_group else None)

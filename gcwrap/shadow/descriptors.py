@@ -23,6 +23,14 @@ FD_ERRNOS = {errno.EMFILE, errno.ENFILE}
 # The descriptor limit the shadow raises itself to when it may: 10,000 agents
 # and more, each with a socket and open files, with room to spare.
 WANT_NOFILE = 1 << 16
+# Descriptors the shadow opens before it serves, on top of those open when
+# its command starts: the state (database, WAL, shared memory, or a
+# PostgreSQL connection), the root and its lock, the event loop's (epoll,
+# wake-up sockets), the listeners.
+START_FDS = 16
+# The fewest descriptors for sockets and files that serve one job (its
+# connection and its files, as the cache keeps them).
+MIN_AVAIL = 4
 
 
 class FdBudget:
@@ -36,10 +44,18 @@ class FdBudget:
 
     def __init__(self, limit: int, in_use: int, max_connections: int) -> None:
         self.limit = limit
-        self.avail = max(limit - in_use - FD_MARGIN, 4)
+        self.avail = max(limit - in_use - FD_MARGIN, MIN_AVAIL)
         self.min_files = min(max(self.avail // 8, 16), 1024)
         self.headroom = min(max(self.avail // 16, 4), 512)
         self.max_served = max(1, min(max_connections, self.avail - self.min_files - self.headroom))
+
+
+def least_limit(in_use: int) -> int:
+    """The lowest descriptor limit under which a shadow, with `in_use`
+    descriptors open before it starts, can serve a job: below it the budget
+    has no room even for one connection's files (`FdBudget` would pretend
+    MIN_AVAIL), and the shadow fails wherever the limit happens to bite."""
+    return in_use + START_FDS + FD_MARGIN + MIN_AVAIL
 
 
 def open_fds() -> int:
