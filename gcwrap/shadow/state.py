@@ -164,14 +164,21 @@ class Store:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.lock_fd = lock_root(root)
+        self.path = root / STATE_DIR / "state.db"
         try:
             claim_root(root, "sqlite", "the embedded state")
+            self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except BaseException:
             os.close(self.lock_fd)
             raise
-        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.path = root / STATE_DIR / "state.db"
-        self.db = open_state(root)
+        try:
+            self.db = open_state(root)
+        except BaseException as e:
+            os.close(self.root_fd)
+            os.close(self.lock_fd)
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(Problem.ROOT, f"cannot open the shadow's state {self.path}: {e}") from None
+            raise
         self.db_lock = threading.RLock()  # (re-entered by the calls of a group)
         self.syncer = Syncer(self.root_fd, use_syncfs)
         self.last_seen: dict[str, float] = {}  # job -> when its last_seen was last stamped (record_durable)
