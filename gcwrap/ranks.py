@@ -1,5 +1,5 @@
 """How much an error matters, when several fail together (see
-`gcwrap.sync.first_error`): the higher one is raised, the others logged.
+`gcwrap.sync.worst_error`): the higher one is raised, the others logged.
 
 A light module (no trio, no TLS): the classes that rank their failures
 here are loaded before the job starts (see gcwrap/agent/launch.py).

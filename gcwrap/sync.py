@@ -1,5 +1,5 @@
 """Small trio helpers shared by the agent and the shadow, and how much an
-error matters when several fail together (`Rank`, `first_error`)."""
+error matters when several fail together (`Rank`, `worst_error`)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def worst(errors: list[BaseException]) -> BaseException:
 
 
 @contextlib.contextmanager
-def first_error() -> Iterator[None]:
+def worst_error() -> Iterator[None]:
     """Turn the exception group of a failed nursery into one error, so
     callers can catch concrete types (several tasks of a connection often
     fail together when it breaks): the one that matters most (`Rank`: a bug

@@ -24,7 +24,7 @@ from gcwrap.shadow.acks import Sender
 from gcwrap.shadow.durability import Durability, Fenced, LiveJob
 from gcwrap.shadow.files import JobFiles, StreamFile
 from gcwrap.shadow.state import Store
-from gcwrap.sync import first_error
+from gcwrap.sync import worst_error
 from gcwrap.wire.events import Ack, Event, Hello, Pong, StreamSpec, Welcome
 from gcwrap.wire.protocol import Connection, Role
 
@@ -122,7 +122,7 @@ def test_acks_go_out_at_once_coalesced_and_never_from_a_fenced_session(rig: Rig,
             sender = Sender(stream, rig.shadow, job, lambda: holding[0])
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(durability.run)
-                with pytest.raises(Fenced), first_error():
+                with pytest.raises(Fenced), worst_error():
                     async with trio.open_nursery() as connection:
                         connection.start_soon(sender.run)
                         await trio.testing.wait_all_tasks_blocked()

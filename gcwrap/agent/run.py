@@ -25,7 +25,7 @@ import trio
 
 from .. import exitcodes
 from ..render import human_bytes
-from ..sync import first_error
+from ..sync import worst_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
 from .agent import Agent, Outcome
@@ -239,7 +239,7 @@ async def _run_job(
              spool_path if specs else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_forward_signals, running, agent, signals)
-        with first_error():
+        with worst_error():
             status = await _supervise(agent, running)
         if not agent.delivered.is_set():
             await agent.final_flush()
@@ -471,7 +471,7 @@ async def resume_spool(
                                  reason="; ".join(filter(None, (job.reason, loss))))
     # SIGTERM, SIGINT and SIGHUP are obeyed as by a run whose job has ended:
     # delivery goes on for the grace (none after a second one), the rest stays in the spool.
-    with first_error(), trio.open_signal_receiver(*stop_signals()) as signals:
+    with worst_error(), trio.open_signal_receiver(*stop_signals()) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)

@@ -38,7 +38,7 @@ from typing import Protocol
 import trio
 
 from ..ranks import NETWORK_ERRNOS, Rank, ranked
-from ..sync import first_error
+from ..sync import worst_error
 from ..wire import compress as zc
 from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
 from ..wire.events import (
@@ -264,7 +264,7 @@ class Session:
         self.welcomed = True
         self.on_welcome()
         try:
-            with first_error():
+            with worst_error():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._recv_loop, stream)
                     nursery.start_soon(self._send_loop, stream)

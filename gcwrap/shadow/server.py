@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..ranks import Rank, ranked
-from ..sync import first_error
+from ..sync import worst_error
 from ..wire import compress
 from ..wire.events import (
     PROTOCOL_VERSION,
@@ -283,7 +283,7 @@ class Shadow:
         peer, and a log line naming the peer and its identity."""
         who = [cn or "unauthenticated"]  # the identity, once the handshake has established it
         try:
-            with first_error():
+            with worst_error():
                 await self._serve_connection(stream, conn, peer, identity, cn, who)
         except Exception as e:  # (every failure of one connection ends there: `replies`)
             said = reply_to(e)
@@ -635,7 +635,7 @@ async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any =
         raise StoreError(Problem.ROOT, f"cannot use the root {opts.root}: {e.strerror or e}") from None
     shadow = Shadow(opts, store)
     try:
-        with first_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with worst_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signals, shadow, signals)
                 await shadow.serve(task_status=task_status)  # (until `stop` ends it)

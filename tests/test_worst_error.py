@@ -1,4 +1,4 @@
-"""Errors that fail together are never dropped (gcwrap/sync.py `first_error`).
+"""Errors that fail together are never dropped (gcwrap/sync.py `worst_error`).
 
 A nursery whose tasks fail together raises one exception group; the
 agent's and the shadow's connections turn it into one error their callers
@@ -27,7 +27,7 @@ from gcwrap.agent.spool import SpoolError
 from gcwrap.shadow.admission import Refused
 from gcwrap.shadow.durability import Fenced
 from gcwrap.shadow.files import Problem, StoreError
-from gcwrap.sync import first_error
+from gcwrap.sync import worst_error
 from gcwrap.wire.events import ErrorCode
 from gcwrap.wire.protocol import LocalProtocolError, ProtocolError, TruncatedFrame
 
@@ -132,7 +132,7 @@ def test_the_error_that_matters_most_is_raised_and_every_other_one_is_logged(syn
     def run(group: BaseExceptionGroup[BaseException]) -> None:
         sync_log.records.clear()
         leaves = flat(group)
-        with pytest.raises(BaseException) as raised, first_error():
+        with pytest.raises(BaseException) as raised, worst_error():
             raise group
         got = raised.value
         assert any(got is e for e in leaves), f"raised {got!r}, which is none of the group's errors"
@@ -162,7 +162,7 @@ def test_a_group_holding_cancelled_passes_unchanged() -> None:
     def run(group: BaseExceptionGroup[BaseException]) -> None:
         if not any(isinstance(e, trio.Cancelled) for e in flat(group)):
             group = BaseExceptionGroup("nursery", [*group.exceptions, trio.Cancelled._create()])
-        with pytest.raises(BaseExceptionGroup) as raised, first_error():
+        with pytest.raises(BaseExceptionGroup) as raised, worst_error():
             raise group
         assert raised.value is group
 
@@ -191,7 +191,7 @@ async def test_a_bug_in_one_task_is_not_hidden_by_the_connection_another_task_lo
                 state["acked"] += 1  # the bug: a count never set
 
     try:
-        with trio.fail_after(10), pytest.raises(KeyError), first_error():
+        with trio.fail_after(10), pytest.raises(KeyError), worst_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(bookkeeper)
                 await trio.sleep(0.01)
