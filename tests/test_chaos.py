@@ -1044,9 +1044,12 @@ def resume_signalled(c: Chaos, *extra: str) -> list[str]:
 
 def refused_for_good(c: Chaos, text: str) -> list[str]:
     """The permanent codes gcwrap was refused with that the world did not
-    expect (its stdin missing, a link, or removed: NOT_FOUND, PATH_FORBIDDEN)."""
+    expect (its stdin missing, a link, or removed: NOT_FOUND, PATH_FORBIDDEN).
+    A frame a middlebox damaged is not a refusal: gcwrap says the bytes were
+    lost on the way, and resends them on a fresh connection."""
     expected_codes = {"NOT_FOUND", "PATH_FORBIDDEN"} if c.stdin in ("missing", "symlink", "file") else set()
-    return sorted({code for code in re.findall(r"\[([A-Z_]+)\]", text)
+    return sorted({code for line in text.splitlines() if "lost on the way" not in line  # (damaged in transit: retried)
+                   for code in re.findall(r"\[([A-Z_]+)\]", line)
                    if code in ErrorCode.__members__ and ErrorCode[code].permanent and code not in expected_codes})
 
 
