@@ -35,6 +35,8 @@ from gcwrap.wire.events import (
     Event,
     Exit,
     Hello,
+    Note,
+    Notes,
     Ping,
     Pong,
     StdinData,
@@ -157,10 +159,10 @@ HELLO = Hello(
     user="alice",
     command=("python3", "-c", "print('héllo wörld ✓')"),
     nonce="0123456789abcdef" * 2,
-    features=("zstd", "a-newer-feature-2"),
+    features=("zstd", "notes", "a-newer-feature-2"),
 )
 WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5,
-                  proof="fe" * 32, features=("zstd",))
+                  proof="fe" * 32, features=("zstd", "notes"))
 EXIT = Exit(
     code=0, signal=None, lengths=((1, 106), (2, 9)), reason="", summary=(("cpu", "1.5 s"), ("rss", "12 MiB"))
 )
@@ -175,6 +177,7 @@ CONVERSATION: list[tuple[Role, Event]] = [
     (A, Data(2, 0, b"\x00\xffbinary")),
     (A, Data(1, 106, b"")),
     (A, ZData(2, 9, 4096, b"(a zstd frame: the protocol carries it, the codec reads it)")),
+    (A, Notes((Note(1764000000.5, "reconnected", (("after_s", 12.5), ("reason", "connection reset"))),))),
     (A, StdinRead(0, 0, 65536)),
     (S, Ack(1, 106)),
     (S, StdinData(0, 0, b"input bytes", False)),
@@ -634,7 +637,7 @@ welcomes = st.builds(
     durable=pairs,
     heartbeat=st.floats(0, 86400, exclude_min=True, exclude_max=True, allow_nan=False),
     proof=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True),
-    features=st.sampled_from([(), ("zstd",), ("zstd", "later-1")]),
+    features=st.sampled_from([(), ("zstd",), ("zstd", "later-1"), ("notes",), ("zstd", "notes")]),
 )
 challenges = st.builds(Challenge, nonce=st.from_regex(r"[0-9a-f]{32,128}", fullmatch=True))
 auths = st.builds(Auth, mac=st.from_regex(r"[0-9a-f]{0,128}", fullmatch=True))
@@ -680,11 +683,24 @@ exits = st.builds(
     reason=text(4096),
     summary=st.lists(st.tuples(text(64), text(200)), max_size=8).map(tuple),
 )
+note_names = st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True)
+note_values = (st.none() | st.booleans() | st.integers(-MAX_OFFSET, MAX_OFFSET)
+               | st.floats(allow_nan=False, allow_infinity=False) | text(512))
+notes = st.builds(
+    Notes,
+    notes=st.lists(st.builds(
+        Note,
+        time=st.floats(0, 4e9, allow_nan=False),
+        kind=note_names,
+        details=st.dictionaries(note_names, note_values, max_size=4).map(lambda d: tuple(d.items())),
+    ), min_size=1, max_size=8).map(tuple),
+)
 pings = st.builds(Ping, nonce=u64)
 pongs = st.builds(Pong, nonce=u64)
 errors = st.builds(Error, code=st.sampled_from(ErrorCode), message=text(2000), retry_after=seconds)
 any_event = st.one_of(
-    hellos, welcomes, datas(), zdatas(), acks, stdin_reads, stdin_datas(), exits, st.just(Done()), pings, pongs, errors
+    hellos, welcomes, datas(), zdatas(), acks, stdin_reads, stdin_datas(), exits, st.just(Done()), pings, pongs, errors,
+    notes,
 )
 
 agent_streaming = st.one_of(datas(), stdin_reads, pings, pongs).map(lambda e: (A, e))
@@ -703,7 +719,9 @@ def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
     script.append((S, welcome))
     agent_sends = agent_streaming
     if "zstd" in welcome.features:
-        agent_sends = agent_streaming | zdatas().map(lambda e: (A, e))
+        agent_sends = agent_sends | zdatas().map(lambda e: (A, e))
+    if "notes" in welcome.features:
+        agent_sends = agent_sends | notes.map(lambda e: (A, e))
     script += draw(st.lists(agent_sends | shadow_streaming, max_size=8))
     script.append((A, draw(exits)))
     script += draw(st.lists(agent_exiting | shadow_exiting, max_size=4))
@@ -943,7 +961,7 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None,
                 if isinstance(ev, Hello) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
                     conn.send(Challenge("ab" * 16))
                 elif isinstance(ev, Auth) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
-                    conn.send(Welcome(PROTOCOL_VERSION, 1, (), features=("zstd",)))
+                    conn.send(Welcome(PROTOCOL_VERSION, 1, (), features=("zstd", "notes")))
                 elif isinstance(ev, Challenge) and conn.state is State.AWAIT_AUTH:
                     conn.send(Auth("cd" * 32))
                 elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
@@ -1740,4 +1758,70 @@ def test_malformed_features_are_a_bad_frame(features: Any) -> None:
     body["features"] = features
     with pytest.raises(RemoteProtocolError) as e:
         decode(FrameType.HELLO, json.dumps(body).encode())
+    assert e.value.code is ErrorCode.BAD_FRAME
+
+
+# -- the "notes" feature: NOTES for the job's timeline, only where agreed ------
+
+
+@pytest.mark.parametrize("features", [(), ("zstd",)])
+def test_notes_without_the_feature_are_refused_by_both_ends(features: tuple[str, ...]) -> None:
+    pair = Pair()
+    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=features))])
+    sent_notes = Notes((Note(1.5e9, "stalled", (("seconds", 12.5),)),))
+    with pytest.raises(LocalProtocolError) as sent:
+        pair.agent.send(sent_notes)
+    assert sent.value.code is ErrorCode.UNEXPECTED
+    pair.shadow.receive_data(encode(sent_notes))
+    with pytest.raises(RemoteProtocolError) as received:
+        pair.shadow.next_event()
+    assert received.value.code is ErrorCode.UNEXPECTED
+
+
+def test_notes_with_the_feature_cross_byte_by_byte_and_keep_their_types() -> None:
+    pair = Pair(lambda d: [d[i : i + 1] for i in range(len(d))])
+    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=("notes",)))])
+    sent = Notes((Note(1764000000.25, "connection_lost", (("reason", "reset"), ("after_s", 3), ("tls", False),
+                                                         ("shadow", None), ("rate", 0.5))),
+                  Note(1764000003.0, "reconnected", ())))
+    (got,) = pair.send(A, sent)
+    assert got == sent
+    assert isinstance(got, Notes)
+    assert [type(v) for _, v in got.notes[0].details] == [str, int, bool, type(None), float]
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (Notes(()), "no note"),
+        (Notes(tuple(Note(1.0, "x") for _ in range(65))), "too many"),
+        (Notes((Note(float("nan"), "x"),)), "a time that is not a number"),
+        (Notes((Note(-1.0, "x"),)), "a negative time"),
+        (Notes((Note(1.0, "Stalled"),)), "a kind that is not an identifier"),
+        (Notes((Note(1.0, "x" * 33),)), "a kind too long"),
+        (Notes((Note(1.0, "x", (("k", float("inf")),)),)), "an infinite number"),
+        (Notes((Note(1.0, "x", (("k", "v" * 513),)),)), "text too long"),
+        (Notes((Note(1.0, "x", (("k", "a\x00b"),)),)), "a NUL"),
+        (Notes((Note(1.0, "x", (("k", [1]),)),)), "a list"),  # type: ignore[arg-type]
+        (Notes((Note(1.0, "x", (("k", 1), ("k", 2))),)), "a name twice"),
+        (Notes((Note(1.0, "x", tuple((f"k{i}", i) for i in range(17))),)), "too many details"),
+    ],
+)
+def test_the_encoder_refuses_notes_the_peer_would_refuse(bad: Notes, why: str) -> None:
+    with pytest.raises(LocalProtocolError):
+        encode(bad)
+    if why == "a name twice":
+        return  # (a JSON object names a member once: the peer cannot even receive it)
+    body = json.dumps({"notes": [[n.time, n.kind, dict(n.details)] for n in bad.notes]}).encode()
+    with pytest.raises(RemoteProtocolError) as e:
+        decode(FrameType.NOTES, body)
+    assert e.value.code in (ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE), why
+
+
+@pytest.mark.parametrize("body", [b"{}", b'{"notes": 1}', b'{"notes": [[1, "x"]]}', b'{"notes": [[1, "x", []]]}',
+                                  b'{"notes": [["1", "x", {}]]}', b'{"notes": [[true, "x", {}]]}',
+                                  b'{"notes": [[1, "x", {"k": {"a": 1}}]]}', b"[]", b"\xff"])
+def test_malformed_notes_are_a_bad_frame(body: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode(FrameType.NOTES, body)
     assert e.value.code is ErrorCode.BAD_FRAME

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 PROTOCOL_VERSION = 1
 
+NOTES_FEATURE = "notes"  # the agent sends NOTES, for the job's timeline at home (`Notes`)
+
 # Stream ids the agent uses. The protocol carries any id 0..255; these are the
 # conventional ones so logs and state read the same everywhere.
 STDOUT, STDERR, STDIN = 1, 2, 0
@@ -198,6 +200,30 @@ class Exit(Event):
     lengths: tuple[tuple[int, int], ...]
     reason: str = ""
     summary: tuple[tuple[str, str], ...] = field(default=())
+
+
+NoteValue = str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class Note:
+    """One moment of a job's life as the agent saw it (a stall, a lost
+    connection, a reconnection, a pause, compression turned on...), for the
+    job's timeline at home: when (`time`, a Unix time), what (`kind`, a short
+    identifier), and its details (name, value pairs)."""
+
+    time: float
+    kind: str
+    details: tuple[tuple[str, NoteValue], ...] = ()
+
+
+@dataclass(frozen=True)
+class Notes(Event):
+    """Agent → shadow, once WELCOME accepted the "notes" feature: moments of
+    the job's life the shadow could not see itself (an outage's start and
+    length, known to the agent alone), sent when it reconnects."""
+
+    notes: tuple[Note, ...]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The frames of the gcwrap wire protocol: events to bytes and back.
 
 Frames are `u32 length | u8 type | body`, length counting type and body.
-Control frames (HELLO, WELCOME, EXIT, DONE, ERROR, CHALLENGE, AUTH) carry a
-JSON object; the hot frames (DATA, ZDATA, ACK, STDIN_*, PING, PONG) are fixed
+Control frames (HELLO, WELCOME, EXIT, DONE, ERROR, CHALLENGE, AUTH, NOTES)
+carry a JSON object; the hot frames (DATA, ZDATA, ACK, STDIN_*, PING, PONG) are fixed
 binary structs. Offsets and lengths are u64 on the wire, and at most
 2**63 - 1 (MAX_OFFSET) together with the bytes they cover, as a file offset
 is. `encode` turns one event into one frame, `decode` one frame body into
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 import struct
 from collections.abc import Callable
@@ -31,6 +32,9 @@ from .events import (
     Event,
     Exit,
     Hello,
+    Note,
+    Notes,
+    NoteValue,
     Ping,
     Pong,
     StdinData,
@@ -62,6 +66,10 @@ _MAX_FEATURES = 16
 DATA_TYPE = 3  # FrameType.DATA, as the int the header holds
 
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+MAX_NOTES = 64  # notes in one NOTES frame
+_NOTE_KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")  # a note's kind, and its details' names
+_MAX_DETAILS = 16
+_MAX_DETAIL_TEXT = 512
 _MAX_JOB_ID = 256
 _MAX_NAME = 4096
 _MAX_STREAMS = 16
@@ -82,6 +90,7 @@ class FrameType(enum.IntEnum):
     CHALLENGE = 12
     AUTH = 13
     ZDATA = 14  # DATA as one zstd frame, once the handshake agreed on the "zstd" feature
+    NOTES = 15  # moments of the job's life for its timeline, once the handshake agreed on "notes"
 
 
 class ProtocolError(Exception):
@@ -265,6 +274,60 @@ def _encode_exit(event: Exit) -> bytes:
     }))
 
 
+def _encode_notes(event: Notes) -> bytes:
+    if not 0 < len(event.notes) <= MAX_NOTES:
+        raise LocalProtocolError(f"NOTES holds 1 to {MAX_NOTES} notes, not {len(event.notes)}")
+    for note in event.notes:
+        _check_note(note, LocalProtocolError)
+    return _frame(FrameType.NOTES, _json_body(
+        {"notes": [[n.time, n.kind, dict(n.details)] for n in event.notes]}))
+
+
+def _check_note(note: Note, error: type[ProtocolError]) -> None:
+    """Raise `error` unless `note` is one the protocol carries: a finite,
+    non-negative time, a kind and detail names that are short identifiers,
+    at most _MAX_DETAILS details whose values are null, a boolean, a finite
+    number or short text."""
+    if not isinstance(note.time, (int, float)) or isinstance(note.time, bool) or not (
+            math.isfinite(note.time) and note.time >= 0):
+        raise error("NOTES: a note's time must be a finite Unix time", ErrorCode.BAD_FRAME)
+    if not isinstance(note.kind, str) or not _NOTE_KIND_RE.match(note.kind):
+        raise error("NOTES: a note's kind must be a short identifier", ErrorCode.BAD_FRAME)
+    if len(note.details) > _MAX_DETAILS or len({k for k, _ in note.details}) != len(note.details):
+        raise error(f"NOTES: a note holds at most {_MAX_DETAILS} details, each named once", ErrorCode.BAD_FRAME)
+    for key, value in note.details:
+        if not isinstance(key, str) or not _NOTE_KIND_RE.match(key):
+            raise error("NOTES: a detail's name must be a short identifier", ErrorCode.BAD_FRAME)
+        if not _note_value(value):
+            raise error(f"NOTES: detail {key!r} must be null, a boolean, a finite number or text of at most "
+                        f"{_MAX_DETAIL_TEXT} characters", ErrorCode.BAD_FRAME)
+
+
+def _note_value(value: NoteValue) -> bool:
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return abs(value) <= MAX_OFFSET
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return (isinstance(value, str) and len(value) <= _MAX_DETAIL_TEXT and "\x00" not in value
+            and _is_unicode(value))
+
+
+def _decode_notes(obj: dict[str, Any]) -> Notes:
+    raw = obj.get("notes")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_NOTES:
+        raise _bad(f"NOTES: 'notes' must list 1 to {MAX_NOTES} notes")
+    notes = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], dict):
+            raise _bad("NOTES: a note is [time, kind, {details}]")
+        note = Note(item[0], item[1], tuple(item[2].items()))
+        _check_note(note, RemoteProtocolError)
+        notes.append(Note(float(note.time), note.kind, note.details))
+    return Notes(tuple(notes))
+
+
 def _encode_error(event: Error) -> bytes:
     return _frame(FrameType.ERROR, _json_body(
         {"code": int(event.code), "message": event.message, "retry_after": event.retry_after}))
@@ -286,6 +349,7 @@ _ENCODERS: dict[type[Event], Callable[[Any], bytes]] = {
     Challenge: lambda e: _frame(FrameType.CHALLENGE, _json_body({"nonce": _hex_field(e.nonce, "nonce")})),
     Auth: lambda e: _frame(FrameType.AUTH, _json_body({"mac": _hex_field(e.mac, "mac")})),
     Error: _encode_error,
+    Notes: _encode_notes,
 }
 
 
@@ -471,6 +535,8 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
         return _decode_exit(obj)
     if ftype is FrameType.DONE:
         return Done()
+    if ftype is FrameType.NOTES:
+        return _decode_notes(obj)
     # ERROR
     raw_code = _get(obj, "code", int, ftype)
     try:
@@ -554,7 +620,7 @@ def _decode_binary(ftype: FrameType, body: bytes | memoryview) -> Event:
 
 _JSON_FRAMES = {
     FrameType.HELLO, FrameType.WELCOME, FrameType.EXIT, FrameType.DONE, FrameType.ERROR, FrameType.CHALLENGE,
-    FrameType.AUTH,
+    FrameType.AUTH, FrameType.NOTES,
 }
 
 

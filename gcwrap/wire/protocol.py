@@ -43,6 +43,7 @@ import enum
 
 from .compress import FEATURE
 from .events import (
+    NOTES_FEATURE,
     PROTOCOL_VERSION,
     Ack,
     Auth,
@@ -56,6 +57,7 @@ from .events import (
     Event,
     Exit,
     Hello,
+    Notes,
     Ping,
     Pong,
     StdinData,
@@ -138,7 +140,8 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
         Role.SHADOW: {},
     },
     State.STREAMING: {
-        Role.AGENT: {Data: State.STREAMING, ZData: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING},
+        Role.AGENT: {Data: State.STREAMING, ZData: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING,
+                     Notes: State.STREAMING},
         Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING},
     },
     State.EXITING: {
@@ -156,8 +159,11 @@ _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWA
 
 def _next_state(state: State, role: Role, event: Event, features: frozenset[str]) -> State | None:
     """The state `event` from `role` leads to, or None where it is illegal
-    (ZDATA too, unless the handshake accepted compression)."""
+    (ZDATA too, unless the handshake accepted compression; NOTES unless it
+    accepted them)."""
     if isinstance(event, ZData) and FEATURE not in features:
+        return None
+    if isinstance(event, Notes) and NOTES_FEATURE not in features:
         return None
     if state is not State.CLOSED:
         if isinstance(event, (Ping, Pong)):
