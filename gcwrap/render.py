@@ -205,6 +205,11 @@ def status_compact(spools: list[dict[str, Any]], width: int | None) -> list[str]
     return lines or ["no spools"]
 
 
+# `gcwrap status` says how long output has waited with nothing acknowledged
+# once it is this long (seconds): less is a round trip, or the live view's age.
+ACK_AGE_SHOWN = 1.0
+
+
 def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -> list[str]:
     """Lines per spool: where it delivers, how it goes, why it waits."""
     lines = []
@@ -218,6 +223,10 @@ def status_details(spools: Iterable[dict[str, Any]], width: int | None = None) -
         size = human_bytes(sp.get("spool_bytes") or 0) + (f", {human_bytes(free)} free" if free is not None else "")
         fields = [f"{sp['job_id']}:", "shadow", sp.get("shadow") or "-", f"({conn}),",
                   f"{sp.get('retries', 0)} failed attempts,", "spool", sp["spool"], f"({size})"]
+        age = sp.get("last_ack_age_s")
+        if age is not None and age >= ACK_AGE_SHOWN:
+            fields[-1] += ";"
+            fields += ["nothing", "acknowledged", "for", f"{age:.0f} s"]
         if sp.get("last_error"):
             fields[-1] += ";"
             fields += ["last error:", *str(sp["last_error"]).split()]
@@ -378,6 +387,7 @@ SUMMARY_LABELS: dict[str, tuple[str, Callable[[float], str]]] = {
     "wall_s": ("gcwrap's wall time", lambda v: f"{v:.1f} s"),
     "throughput_mb_s": ("throughput", lambda v: f"{v:.1f} MB/s"),
     "connected_s": ("connected", lambda v: f"{v:.1f} s"),
+    "stalled_s": ("stalled (connected, nothing acknowledged)", lambda v: f"{v:.1f} s"),
     "disconnected_s": ("disconnected", lambda v: f"{v:.1f} s"),
     "paused_s": ("job paused", lambda v: f"{v:.1f} s"),
     "connections": ("connections", lambda v: f"{v:.0f}"),
@@ -478,12 +488,18 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
     return [
         f"job {job_id} ended with {status}; wall {summary.get('wall_s', 0):.1f} s",
         "  output: " + (", ".join(streams) or "none") + f"; {summary.get('throughput_mb_s', 0):.1f} MB/s",
-        (f"  connected {summary.get('connected_s', 0):.1f} s, disconnected {summary.get('disconnected_s', 0):.1f} s, "
-         f"job paused {summary.get('paused_s', 0):.1f} s"),
+        (f"  connected {summary.get('connected_s', 0):.1f} s{_stalled(summary)}, "
+         f"disconnected {summary.get('disconnected_s', 0):.1f} s, job paused {summary.get('paused_s', 0):.1f} s"),
         (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
          f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
     ] + _shadow_in_use(summary) + _on_the_wire(summary) + (
         [f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
+
+
+def _stalled(summary: dict[str, Any]) -> str:
+    """Of the time connected, the stalls (output waiting, nothing acknowledged), when there were any."""
+    stalled = number(summary.get("stalled_s")) or 0.0
+    return f" (stalled {stalled:.1f} s)" if stalled >= 0.05 else ""
 
 
 def _shadow_in_use(summary: dict[str, Any]) -> list[str]:

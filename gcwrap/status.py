@@ -50,6 +50,16 @@ def read_live(path: Path) -> dict[str, Any] | None:
     return live if isinstance(live, dict) else None
 
 
+def ack_age(live: dict[str, Any], now: float) -> float | None:
+    """Seconds for which output has waited with nothing acknowledged by home
+    (the age of the last acknowledgement while output is pending), as the
+    live view tells it; None when nothing waits."""
+    since = live.get("waiting_since")
+    if not isinstance(since, (int, float)) or isinstance(since, bool):
+        return None
+    return round(max(0.0, now - since), 3)
+
+
 def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
     """A live wrapper knows better than its last commit (which a full disk
     may have refused): take its state, connection, errors and counts."""
@@ -57,6 +67,7 @@ def _overlay(info: dict[str, Any], live: dict[str, Any]) -> None:
     info["last_error"] = live.get("last_error") or live.get("disk_error") or info["last_error"]
     info["retries"] = max(int(live.get("retries") or 0), int(info.get("retries") or 0))
     info["live_at"] = live.get("t")
+    info["last_ack_age_s"] = ack_age(live, time.time())
     info["shadow_in_use"] = live.get("shadow") or info["shadow_in_use"]
     info["failovers"] = max(int(live.get("failovers") or 0), int(info["failovers"]))
     if isinstance(live.get("wire"), dict):
@@ -132,6 +143,7 @@ def read_spool(path: Path) -> dict[str, Any]:
         "reason": (final or {}).get("reason") or job.reason,
         "spool_bytes": size,
         "disk_free": free,
+        "last_ack_age_s": None,  # (a running wrapper's live view tells it)
         "streams": [
             {"id": s.id, "kind": s.kind, "name": s.name, "appended": s.appended, "acked": s.acked,
              "pending": s.pending, "eof": s.eof,
@@ -175,6 +187,7 @@ def read_spools(directory: Path) -> list[dict[str, Any]]:
             out.append({"spool": str(spool_path), "job_id": live_path.name.rsplit("-", 1)[0], "state": state,
                         "active": active, "reason": live.get("reason", ""), "exit_code": live.get("exit_code"),
                         "exit_signal": live.get("exit_signal"), "connected": bool(live.get("connected")), "shadow": "",
+                        "last_ack_age_s": ack_age(live, time.time()) if active else None,
                 "last_error": live.get("disk_error") or live.get("last_error", ""), "retries": live.get("retries", 0),
                 "streams": [{"id": int(k), "kind": {"1": "stdout", "2": "stderr"}.get(k, k), "name": "",
                              "appended": v.get("written", 0), "acked": v.get("acked", 0),

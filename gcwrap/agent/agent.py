@@ -31,18 +31,19 @@ import trio
 
 from .. import exitcodes
 from ..wire.compress import WireStats, offered
-from ..wire.events import ErrorCode, Exit, Hello, StreamSpec
+from ..wire.events import NOTES_FEATURE, ErrorCode, Exit, Hello, StreamSpec
 from .addresses import Address, show
 from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
-from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, loss_text
+from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, commit_text, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
 from .shadows import ShadowList, connect, given_up, local_address
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
+from .timeline import Journal
 
 log = logging.getLogger("gcwrap")
 
@@ -101,7 +102,8 @@ class Agent:
     gcwrap.agent.policy, driven by trio.current_time()."""
 
     def __init__(
-        self, opts: AgentOptions, spooler: Spooler, job: JobRecord, specs: list[StreamSpec], *, resuming: bool = False
+        self, opts: AgentOptions, spooler: Spooler, job: JobRecord, specs: list[StreamSpec], *, resuming: bool = False,
+        started: float | None = None,
     ) -> None:
         self.opts = opts
         self.spooler = spooler
@@ -129,10 +131,12 @@ class Agent:
         self.kill_reason = ""  # why gcwrap ended the job, when it did
         self.lost: dict[int, tuple[int, int]] = {}  # stream -> [start, end) that nothing holds (see final_flush)
         self.must_end = trio.Event()  # set: end the job now (see `end_job`)
-        self.stats = dict.fromkeys(("connects", "attempts", "failures", "paused", "connected_s", "spliced"), 0.0)
+        self.stats = dict.fromkeys(("connects", "attempts", "failures", "paused", "spliced"), 0.0)
         self.wire = WireStats()  # output sent by this run, on the wire
-        self.started = time.monotonic()
-        self.connected_since: float | None = None
+        self.started = time.monotonic() if started is None else started  # (time.monotonic()'s clock)
+        # The link's clock and the notes for home (times on trio's clock).
+        self.journal = Journal(opts.heartbeat, lambda t: t + time.time() - trio.current_time())
+        self.acked_at_welcome: int | None = None  # a resume's first welcome: bytes home held then
         self.delivery_scope: trio.CancelScope | None = None
         self.stop = StopClock()
         self.delivering = False  # the deliver loop runs
@@ -174,6 +178,8 @@ class Agent:
                 for sid, o in self.out.items()
             },
             "wire": self.wire.as_dict(),
+            # since when output has waited with nothing acknowledged (None: nothing waits)
+            "waiting_since": None if (w := self.journal.link.waiting_since) is None else round(w + wall, 3),
         }
 
     async def live_loop(self) -> None:
@@ -228,6 +234,7 @@ class Agent:
                     now = trio.current_time()
                     out.append(data, now)
                     size = len(data)
+                self.journal.link.output(now)
                 self.changed.fire()
                 if self.outbox.unsafe_bytes >= self.opts.mem_limit // 4:
                     self.commit_soon.set()  # (group commit: no more waiting)
@@ -307,6 +314,8 @@ class Agent:
                         "output can go neither to disk (%s) nor home (%s): the job is paused until one recovers",
                         self.disk.error, self.net_error,
                     )
+                    self.journal.note(trio.current_time(), "paused",
+                                      reason=f"disk: {self.disk.error}; home: {self.net_error}")
                 await self.changed.wait()
             finished = True
         finally:
@@ -320,6 +329,8 @@ class Agent:
             self.note(state="running")
             if self.pause_said:
                 log.warning("the job resumes after %.1f s paused", took)
+                why = "home takes the output again" if self.streaming else "the spool takes output again"
+                self.journal.note(trio.current_time(), "resumed", reason=why, paused_s=round(took, 3))
 
     # -- the spool writer ------------------------------------------------
 
@@ -382,6 +393,7 @@ class Agent:
                 self._disk_failed(bound, partial=True)
             elif chunks and self.disk.recovered(trio.current_time(), caught_up):
                 log.warning("the spool takes output again")
+                self.journal.note(trio.current_time(), "disk", full=False, reason="the spool takes output again")
             share = plan.eviction_share(sum(o.mem_bytes for o in self.out.values()), len(self.out))
             if share is not None:
                 for o in self.out.values():
@@ -414,26 +426,14 @@ class Agent:
             self.out[sid].eof_recorded = True
         if log.isEnabledFor(logging.DEBUG):
             log.debug("spool commit in %.1f ms: %s", (time.monotonic() - started) * 1000,
-                      self._commit_text(chunks, acked, eof, updates))
-
-    def _commit_text(self, chunks: list[Chunk | Extent], acked: dict[int, int], eof: list[int],
-                     updates: dict[str, Any]) -> str:
-        """What a commit recorded, for -vv."""
-        parts = []
-        if chunks:
-            parts.append(f"{sum(c.size for c in chunks)} bytes in {len(chunks)} row(s)")
-        if acked:
-            parts.append("acknowledged up to " + ", ".join(f"{self.out[s].kind} {n}" for s, n in acked.items()))
-        if eof:
-            parts.append("the end of " + ", ".join(self.out[s].kind for s in eof))
-        if updates:
-            parts.append("job fields " + ", ".join(sorted(updates)))
-        return "; ".join(parts)
+                      commit_text({s: o.kind for s, o in self.out.items()}, chunks, acked, eof, updates))
 
     def _disk_failed(self, reason: str, partial: bool = False) -> None:
         first, say = self.disk.failed(trio.current_time(), reason, partial)
         if first:
             self.note(last_error=reason)  # (and wakes a paused reader, to say why)
+        if say == "warning":  # (the start of an episode, as said)
+            self.journal.note(trio.current_time(), "disk", full=True, reason=reason)
         if say == "warning":  # once per episode (see DISK_CALM): not at every commit a full disk refuses
             log.warning("%s; output goes home from memory until the spool takes it again", reason)
         elif say == "info":
@@ -483,27 +483,35 @@ class Agent:
         """A session that speaks for this job, through the outbox and the spool."""
         job, opts = self.job, self.opts
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(self.specs), host=job.host,
-                      user=job.user, command=tuple(job.command), features=offered(opts.compress))
+                      user=job.user, command=tuple(job.command), features=(*offered(opts.compress), NOTES_FEATURE))
         config = SessionConfig(opts.heartbeat, opts.token, opts.tls is not None, opts.compress)
         return Session(self.outbox, self.spooler, hello, config, where, on_welcome=self.on_welcome,
-                       exit_frame=self.exit_frame, wire=self.wire)
+                       exit_frame=self.exit_frame, wire=self.wire, journal=self.journal)
 
     async def _attempt(self, session: Session, address: Address) -> None:
         """Connect and run one session until it ends (SessionEnd: all is home) or fails."""
-        where = session.where
-        dialled = time.monotonic()
+        where, link = session.where, self.journal.link
+        dialled = trio.current_time()
         stream, tcp = await connect(address, self.opts.connect_timeout or 3 * self.opts.heartbeat, self.opts.tls)
-        self.connected_since = time.monotonic()
-        log.info("connected to %s from %s in %.3f s (attempt %d)", where, local_address(tcp),
-                 self.connected_since - dialled, int(self.stats["attempts"]))
+        link.connected(up := trio.current_time())
+        log.info("connected to %s from %s in %.3f s (attempt %d)", where, local_address(tcp), up - dialled,
+                 int(self.stats["attempts"]))
+        failure: Exception | None = None
         try:
             await session.run(stream, tcp.socket)
+        except SessionEnd:
+            raise
+        except Exception as e:
+            failure = e
+            raise
         finally:
             self.streaming = False
-            up = time.monotonic() - self.connected_since
-            self.stats["connected_s"] += up
-            self.connected_since = None
-            log.info("connection to %s closed after %.1f s", where, up)
+            now = trio.current_time()
+            # A welcomed connection that failed is lost (a refusal is noted as one, by `_failed`).
+            reason = "" if failure is None or isinstance(failure, ShadowRefused) else describe(failure, where)
+            self.journal.session_ended(now, where, session.welcomed and failure is not None, reason,
+                                       int(self.stats["attempts"]))
+            log.info("connection to %s closed after %.1f s", where, now - up)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(tcp)
             self.note(connected=False)
@@ -565,6 +573,8 @@ class Agent:
             # Refused for good (token, name, owner...): something to fix at
             # home. The job keeps running into its spool; say so now, loudly.
             log.error("%s; the job goes on, its output is kept in the spool", reason)
+        if isinstance(error, ShadowRefused):
+            self.journal.refused(trio.current_time(), getattr(error.code, "name", str(error.code)), str(error), where)
         if refused:
             assert isinstance(error, ShadowRefused)
             self.refusal = error
@@ -608,13 +618,16 @@ class Agent:
         wall = max(time.monotonic() - self.started, 1e-6)
         total = sum(o.read_end for o in self.out.values())
         out: dict[str, Any] = {f"{o.kind}_bytes": o.read_end for o in self.out.values()}
-        live = time.monotonic() - self.connected_since if self.connected_since is not None else 0.0
-        connected = min(self.stats["connected_s"] + live, wall)
+        connected, stalled = self.journal.link.figures(trio.current_time())
+        connected = min(connected, wall)
         paused = self.stats["paused"] + (time.monotonic() - self.blocked_since if self.blocked_since is not None else 0)
+        # A resume's rate is its delivery's: the bytes it delivered over its own time.
+        moved = total if not self.outbox.resuming else self.delivered_here()
         out.update(
             wall_s=round(wall, 3),
-            throughput_mb_s=round(total / wall / 1e6, 3),
+            throughput_mb_s=round(moved / wall / 1e6, 3),
             connected_s=round(connected, 3),
+            stalled_s=round(min(stalled, connected), 3),  # (of the time connected)
             disconnected_s=round(wall - connected, 3),
             paused_s=round(min(paused, wall), 3),
             connections=int(self.stats["connects"]),
@@ -633,6 +646,11 @@ class Agent:
         if ended := self.live_fields.get("ended") or self.job.ended:
             out["job_ended"] = round(ended, 3)
         return out
+
+    def delivered_here(self) -> int:
+        """Bytes home acknowledged since this run's first welcome."""
+        acked = sum(o.acked for o in self.out.values())
+        return acked - self.acked_at_welcome if self.acked_at_welcome is not None else 0
 
     def interrupt(self, reason: str) -> None:
         """Stop delivering now; what is not home stays in the spool."""
@@ -658,6 +676,10 @@ class Agent:
     def on_welcome(self) -> None:
         first = not self.stats["connects"]
         self.stats["connects"] += 1
+        if self.acked_at_welcome is None:
+            self.acked_at_welcome = sum(o.acked for o in self.out.values())
+        self.journal.welcomed(trio.current_time(), show(self.shadows.current), int(self.stats["attempts"]), first,
+                              time.monotonic() - self.started)
         if self.outage_reported:
             # "Again" only if there was a connection before this outage.
             log.warning("connected to the shadow %s after %.1f s; delivering the backlog",

@@ -306,6 +306,11 @@ class Outbox:
         return sum(max(0, o.spooled_end - o.acked) for o in self.streams.values())
 
     @property
+    def pending(self) -> bool:
+        """Output read from the job waits for home's acknowledgement."""
+        return any(o.acked < o.read_end for o in self.streams.values())
+
+    @property
     def all_delivered(self) -> bool:
         return self.exit is not None and all(o.delivered for o in self.streams.values())
 

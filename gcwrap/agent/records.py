@@ -104,3 +104,19 @@ class JobRecord:
     connected: bool = False
     delivered: bool = False
     summary: dict[str, Any] = field(default_factory=dict)
+
+
+def commit_text(kinds: dict[int, str], chunks: Iterable[Chunk | Extent], acked: dict[int, int], eof: list[int],
+                updates: dict[str, Any]) -> str:
+    """What a spool commit recorded, in words (for -vv); `kinds` names the streams."""
+    chunks = list(chunks)
+    parts = []
+    if chunks:
+        parts.append(f"{sum(c.size for c in chunks)} bytes in {len(chunks)} row(s)")
+    if acked:
+        parts.append("acknowledged up to " + ", ".join(f"{kinds[s]} {n}" for s, n in acked.items()))
+    if eof:
+        parts.append("the end of " + ", ".join(kinds[s] for s in eof))
+    if updates:
+        parts.append("job fields " + ", ".join(sorted(updates)))
+    return "; ".join(parts)

@@ -36,6 +36,7 @@ from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler
 from .stopsignals import stop_signals
+from .timeline import process_started
 
 log = logging.getLogger("gcwrap")
 
@@ -224,7 +225,7 @@ async def _run_job(
     spooler.live_fd = start.live_fd
     if start.files is not None:
         spooler.adopt(start.files)
-    agent = Agent(opts, spooler, job, specs)
+    agent = Agent(opts, spooler, job, specs, started=process_started())  # (the job started before trio loaded)
     if specs and spooler.spool is None and start.spool_error:
         agent.disk.refused_at_start(start.spool_error)
     if start.job is None:
@@ -460,6 +461,8 @@ async def resume_spool(
         out.restore(st.appended, st.acked)
         if st.lost:
             agent.lost[sid] = (st.appended, st.appended + st.lost)
+    if agent.outbox.pending:
+        agent.journal.link.output(trio.current_time())  # (what the spool holds waits from now)
     lengths = agent.outbox.lengths()
     # Home is told what the run lost, with why the job ended.
     loss = f"lost: {agent.loss()}" if agent.lost else ""

@@ -30,6 +30,7 @@ import os
 import socket
 import ssl
 import termios
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from ..sync import worst_error
 from ..wire import compress as zc
 from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
 from ..wire.events import (
+    NOTES_FEATURE,
     Ack,
     Auth,
     Challenge,
@@ -64,6 +66,7 @@ from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
 from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
+from .timeline import Journal, compression_why, note_frames
 
 log = logging.getLogger("gcwrap")
 
@@ -125,12 +128,14 @@ class Session:
     """One connection to the shadow, from HELLO to DONE or failure: it
     acknowledges into the outbox, and sends what the outbox and the byte
     source hold. `on_welcome` is called once the shadow has welcomed it;
-    `exit_frame()` is the EXIT to send once every byte is home."""
+    `exit_frame()` is the EXIT to send once every byte is home. It tells
+    the `journal` when the connection worked and what was acknowledged, and
+    sends home the journal's notes (where the WELCOME accepted them)."""
 
     def __init__(
         self, outbox: Outbox, source: ByteSource, hello: Hello, config: SessionConfig, where: str, *,
         on_welcome: Callable[[], None] = lambda: None, exit_frame: Callable[[], Exit] | None = None,
-        wire: zc.WireStats | None = None,
+        wire: zc.WireStats | None = None, journal: Journal | None = None,
     ) -> None:
         self.outbox = outbox
         self.source = source
@@ -154,6 +159,10 @@ class Session:
         self.wire = wire if wire is not None else zc.WireStats()
         self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
         self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
+        self.journal = journal if journal is not None else Journal(config.heartbeat, lambda t: t)
+        self.notes = False  # the WELCOME accepted notes
+        self.notes_sent = 0  # the number of the last note sent on this connection
+        self.unconfirmed: deque[tuple[int, int]] = deque()  # (PING nonce, last note sent before it)
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
@@ -252,10 +261,14 @@ class Session:
                     "client certificate (missing, expired, or from a CA it does not trust; see its log)"
                 ) from None
             raise
+        acked = sum(out.acked for out in outbox.streams.values())
         try:
             outbox.welcomed(welcome.durable)
         except Mismatch as e:
             raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), permanent=True) from None
+        moved = sum(out.acked for out in outbox.streams.values()) > acked
+        self.journal.link.welcomed(trio.current_time(), moved, outbox.pending)
+        self.notes = NOTES_FEATURE in welcome.features
         self.sent = {sid: out.acked for sid, out in outbox.streams.items()}
         self.handed = dict(self.sent)
         if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
@@ -280,10 +293,14 @@ class Session:
             held, self.pending = self.pending, []
             return held
         data = await stream.receive_some(65536)
-        self.liveness.heard(trio.current_time())
+        now = trio.current_time()
+        self.liveness.heard(now)
         try:
             self.conn.receive_data(data)
-            return self.conn.events()
+            events = self.conn.events()
+            if events:
+                self.journal.link.worked(now)  # (a whole frame came: the connection works both ways)
+            return events
         except TruncatedFrame:  # the shadow hung up mid-frame: lost, nothing to tell it
             raise ConnectionLost("the shadow closed the connection in the middle of a frame") from None
         except ProtocolError as e:
@@ -355,6 +372,7 @@ class Session:
                     if moved:
                         self.progressed = True
                         self.liveness.answered(("data", ev.stream))
+                        self.journal.acked(trio.current_time(), outbox.pending, self.where)
                 elif isinstance(ev, StdinData):
                     if outbox.stdin_data(ev):
                         self.progressed = self.progressed or bool(ev.payload)
@@ -362,9 +380,11 @@ class Session:
                 elif isinstance(ev, Ping):
                     await self._send(stream, Pong(ev.nonce))
                 elif isinstance(ev, Done):
+                    self.journal.notes.confirmed(self.notes_sent)  # (they went before the EXIT)
                     raise SessionEnd()
                 elif isinstance(ev, Pong):
-                    pass
+                    while self.unconfirmed and self.unconfirmed[0][0] <= ev.nonce:
+                        self.journal.notes.confirmed(self.unconfirmed.popleft()[1])
                 else:
                     self._check_failure(ev)
 
@@ -387,6 +407,8 @@ class Session:
             self._measure_sndbuf()  # (the kernel grows it as the connection goes)
         backlog = sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
         policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
+        if policy.active != self.journal.compressing:
+            self.journal.compression(now, policy.active, compression_why(policy))
 
     async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
         """One frame of [offset, end) compressed (ZDATA) when that makes it
@@ -422,9 +444,23 @@ class Session:
         self.handed[sid] = offset + size
         self._sent_frame(size, wire)
 
+    async def _send_notes(self, stream: trio.abc.Stream) -> None:
+        """The journal's notes this connection has not sent, then a PING:
+        its PONG says the shadow has them."""
+        timeline = self.journal.notes
+        last = timeline.last
+        for frame in note_frames(timeline.unsent(self.notes_sent)):
+            await self._send(stream, frame)
+        self.notes_sent = last
+        nonce = next(self.nonces)
+        self.unconfirmed.append((nonce, last))
+        await self._send(stream, Ping(nonce))
+
     async def _send_loop(self, stream: trio.abc.Stream) -> None:
         outbox = self.outbox
         while True:
+            if self.notes and not self.exit_sent and self.journal.notes.has_unsent(self.notes_sent):
+                await self._send_notes(stream)
             progressed = False
             for sid, out in outbox.streams.items():
                 offset = self.sent[sid]
