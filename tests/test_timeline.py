@@ -239,3 +239,33 @@ def test_the_process_start_is_the_kernels() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert 0.0 < float(out.stdout) < 10.0, out.stdout
     assert process_started() < __import__("time").monotonic()
+
+
+# -- in words ---------------------------------------------------------------------------------------------------
+
+
+def test_the_summary_says_the_stalls_of_the_time_connected() -> None:
+    from gcwrap.render import summary_lines, summary_rows
+
+    figures = {"stdout_bytes": 10, "wall_s": 20.0, "throughput_mb_s": 0.0, "connected_s": 18.0, "stalled_s": 10.04,
+               "disconnected_s": 2.0, "paused_s": 0.0, "connections": 1, "reconnects": 0, "failed_attempts": 0}
+    lines = summary_lines("j", 0, figures)
+    assert lines[2] == "  connected 18.0 s (stalled 10.0 s), disconnected 2.0 s, job paused 0.0 s"
+    assert "stalled" not in summary_lines("j", 0, {**figures, "stalled_s": 0.0})[2]
+    assert "stalled" not in summary_lines("j", 0, {k: v for k, v in figures.items() if k != "stalled_s"})[2]
+    # At home the summary comes as text: the same words.
+    assert ("stalled (connected, nothing acknowledged)", "10.0 s") in summary_rows({"stalled_s": "10.04"})
+
+
+def test_gcwrap_status_says_how_long_nothing_was_acknowledged() -> None:
+    from gcwrap.render import status_details
+    from gcwrap.status import ack_age
+
+    spool = {"job_id": "j", "spool": "/s", "shadow": "h:1", "connected": True, "retries": 0, "streams": []}
+    assert ack_age({"waiting_since": 100.0}, 112.4) == 12.4
+    assert ack_age({"waiting_since": None}, 112.4) is None and ack_age({}, 1.0) is None
+    assert ack_age({"waiting_since": True}, 5.0) is None
+    text = " ".join(status_details([{**spool, "last_ack_age_s": 12.4}]))
+    assert "(connected)" in text and text.endswith("; nothing acknowledged for 12 s")
+    assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": 0.6}]))  # (a round trip)
+    assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": None}]))
