@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import NS_IP, NetNS, Relay, need_netns, shadow_in_ns
+from faults import NS_IP, NetNS, Relay, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import ShadowProc, Wrapper, file_size, tool, wait_until
 
 from gcwrap.wire.events import PROTOCOL_VERSION, Ack, Data, Done, Event, Exit, Hello, Notes, Ping, Pong, Welcome
@@ -186,10 +186,14 @@ class RawShadow:
     gets is recorded with its Unix time of arrival, per connection; so is
     the time of the last frame it sent on each."""
 
-    def __init__(self, notes: bool, silent: Callable[[int, float], bool]) -> None:
+    def __init__(self, notes: bool, silent: Callable[[int, float], bool], listening: bool = True) -> None:
         self.accept_notes = notes
         self.silent = silent
-        self.server = socket.create_server(("127.0.0.1", 0))
+        # Bound, and listening only once `listen()` is called: till then a connection is refused.
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        if listening:
+            self.listen()
         self.port = self.server.getsockname()[1]
         self.received: list[list[tuple[float, Event]]] = []
         self.welcomed: list[float] = []
@@ -198,6 +202,9 @@ class RawShadow:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def listen(self) -> None:
+        self.server.listen()
 
     def __enter__(self) -> RawShadow:
         self.thread.start()
@@ -214,6 +221,7 @@ class RawShadow:
             try:
                 sock, _ = self.server.accept()
             except (TimeoutError, OSError):
+                time.sleep(0.02)  # (not listening yet: accept fails at once)
                 continue
             try:
                 with sock:
@@ -351,6 +359,43 @@ def test_a_shadow_that_does_not_accept_notes_gets_none(spool_dir: Path, tmp_path
     hello = raw.received[0][0][1]
     assert isinstance(hello, Hello) and "notes" in hello.features  # offered, not taken
     expected_lines(bytes(raw.data))
+
+
+@pytest.mark.timeout(90)
+def test_the_notes_of_a_full_disk_and_a_pause(tmp_path: Path) -> None:
+    """The spool's disk is full and home refuses connections: the job is
+    paused. Home then listens. What gcwrap sends home: the disk full, the
+    pause (with both reasons), its first connection (after how many
+    attempts), and the job resumed, in that order."""
+    need_tmpfs()
+    with Tmpfs(tmp_path / "spool", "8m") as fs, RawShadow(notes=True, silent=lambda n, t: False,
+                                                          listening=False) as raw:
+        fs.fill(leave=2 << 20)
+        spawned = time.time()
+        w = Wrapper(["--shadow", f"127.0.0.1:{raw.port}", "--spool", str(fs.path), "--job-id", "full",
+                     "--retry-limit", "0", "--retry-timeout", "0.3", "--memory-limit", "1MiB", "--stdout", "f.out",
+                     "--", sys.executable, "-c", "import os\nfor i in range(100): os.write(1, b'x' * 60_000)"],
+                    err_file=tmp_path / "err")
+        wait_until(lambda: "the job is paused" in w.err_so_far(), 30, "the job to be paused")
+        time.sleep(0.5)
+        raw.listen()
+        listened = time.time()
+        rc = w.wait(60)
+    assert not raw.errors, raw.errors
+    assert rc == 0, w.err.decode()
+    assert bytes(raw.data) == b"x" * 6_000_000
+    notes = [n for _, n in raw.notes(0)]
+    kinds = [n.kind for n in notes]
+    assert [k for k in kinds if k != "disk"] == ["paused", "connected", "resumed"], kinds
+    assert kinds[0] == "disk" and dict(notes[0].details)["full"] is True, notes
+    assert [n.time for n in notes] == sorted(n.time for n in notes)
+    full = dict(notes[0].details)
+    paused, connected, resumed = (dict(n.details) for n in notes if n.kind != "disk")
+    assert "spool" in str(full["reason"]) or "disk" in str(full["reason"]), full
+    assert str(paused["reason"]).startswith("disk: ") and "; home: connection refused" in str(paused["reason"])
+    assert connected["attempts"] >= 2 and connected["shadow"] == f"127.0.0.1:{raw.port}"
+    assert listened - spawned - 1.0 <= connected["after_s"] <= raw.welcomed[0] - spawned + 0.1, connected
+    assert resumed["reason"] == "home takes the output again" and resumed["paused_s"] > 0.4, resumed
 
 
 # -- true figures at the edges -------------------------------------------------------------------------------

@@ -269,3 +269,19 @@ def test_gcwrap_status_says_how_long_nothing_was_acknowledged() -> None:
     assert "(connected)" in text and text.endswith("; nothing acknowledged for 12 s")
     assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": 0.6}]))  # (a round trip)
     assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": None}]))
+
+
+def test_why_compression_turned_is_said_in_words() -> None:
+    from gcwrap.agent.timeline import compression_why
+    from gcwrap.wire import compress as zc
+
+    assert compression_why(zc.Policy(zc.Mode.ZSTD, 0.0)).startswith("--compress zstd")
+    auto = zc.Policy(zc.Mode.AUTO, 0.0)
+    assert compression_why(auto) == "a new connection starts uncompressed"
+    auto.active, auto.link_rate, auto.ratio = True, 250_000.0, 0.2
+    auto.history.append((1.0, True))
+    assert compression_why(auto) == "the link is the bottleneck (0.25 MB/s) and the output compresses to 20% of its size"
+    auto.active, auto.ratio = False, 0.95
+    assert compression_why(auto) == "the output no longer compresses well (to 95% of its size)"
+    auto.ratio = 0.2
+    assert "fits the link uncompressed" in compression_why(auto)
