@@ -432,10 +432,9 @@ class Agent:
         first, say = self.disk.failed(trio.current_time(), reason, partial)
         if first:
             self.note(last_error=reason)  # (and wakes a paused reader, to say why)
-        if say == "warning":  # (the start of an episode, as said)
-            self.journal.note(trio.current_time(), "disk", full=True, reason=reason)
         if say == "warning":  # once per episode (see DISK_CALM): not at every commit a full disk refuses
             log.warning("%s; output goes home from memory until the spool takes it again", reason)
+            self.journal.note(trio.current_time(), "disk", full=True, reason=reason)
         elif say == "info":
             log.info("the spool still cannot take output: %s", reason)
 
