@@ -184,7 +184,9 @@ def test_json_endpoints_describe_jobs_and_serve_whole_files(web: WebProc, shadow
     assert {s["kind"]: s["bytes"] for s in job["streams"]} == {"stdout": 300_000, "stderr": 5_000}
     assert job["bytes"] == 305_000
     assert job["summary"]["stdout_bytes"] == "300000"
-    assert job["events"] == "/api/jobs/done-1/events" and job["page"] == "/jobs/done-1"
+    assert job["live"] == "/api/jobs/done-1/events" and job["page"] == "/jobs/done-1"
+    assert isinstance(job["events"], list) and isinstance(job["why"], str)  # the timeline: see below
+    assert job["duration_s"] >= 0 and isinstance(job["duration_s"], float)
     for kind, name in (("stdout", "out/done-1.txt"), ("stderr", "out/done-1.err")):
         status, headers, body = web.get(f"/api/jobs/done-1/files/{kind}")
         assert status == 200
@@ -248,6 +250,39 @@ def test_event_stream_resumes_at_last_event_id_and_shows_only_the_tail(web: WebP
     assert not [d for n, d, _ in resumed if n == "skip"]
     text = "".join(d["text"] for d in data)
     assert text == landed[150_000:].decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("how", ["query", "option"])
+def test_a_tail_larger_than_the_far_behind_limit_is_sent_once(home: Path, shadow: ShadowProc, logs: Path,
+                                                                  spool_dir: Path, how: str) -> None:
+    # An 8 MiB tail is more than a page may lag before it is skipped ahead (4 MiB): the stream once
+    # jumped back to the tail's start after each 1 MiB it sent, the same bytes again and again, forever.
+    size = 12 << 20
+    run_job(shadow, spool_dir, "huge-1", out=size)
+    web = WebProc(home, logs, ["--tail", "8192"] if how == "option" else [])
+    try:
+        wait_until(lambda: (job_state(web, "huge-1") or {}).get("state") == "finished", 20, "the job's end")
+        path = "/api/jobs/huge-1/events" + ("?tail=8192" if how == "query" else "")
+        started = time.monotonic()
+        sent, ids, skips, data, names = 0, set(), [], [], []
+        for name, d, ident in web.events(path, until="end", timeout=60):
+            names.append(name)
+            if name == "skip":
+                skips.append(d)
+            elif name == "data" and d["stream"] == "stdout":
+                assert d["offset"] == (data[-1]["end"] if data else skips[0]["to"]), "a byte sent twice or skipped"
+                data.append({"offset": d["offset"], "end": d["end"]})
+                sent += d["end"] - d["offset"]
+                ids.add(ident)
+                assert sent <= 8 << 20, f"{sent} bytes of an 8 MiB tail sent"
+        elapsed = time.monotonic() - started
+    finally:
+        web.stop()
+    assert names[-1] == "end"
+    assert len(skips) == 1 and skips[0]["from"] == 0 and size - (8 << 20) <= skips[0]["to"] <= size - (8 << 20) + 4096
+    assert data[-1]["end"] == size and sent == size - skips[0]["to"]  # each byte of the tail once
+    assert len(ids) == len(data)  # every event moved the stream on
+    assert elapsed < 20, f"{elapsed:.1f} s to send 8 MiB"
 
 
 # -- refusals ---------------------------------------------------------------------------
