@@ -207,9 +207,18 @@ class WebView:
     async def _watch(self) -> None:
         while True:
             if await trio.to_thread.run_sync(self.state.read, limiter=self.limiter):
-                fired, self.changed = self.changed, trio.Event()
-                fired.set()
+                self._changed()
             await trio.sleep(POLL)
+
+    def _changed(self) -> None:
+        fired, self.changed = self.changed, trio.Event()
+        fired.set()
+
+    async def _fresh(self) -> None:
+        """The timelines and refusals read, if nobody looked for a while (the
+        watcher reads them only while someone looks), before a client sees them."""
+        if self.state.extras_due() and await trio.to_thread.run_sync(self.state.read_extras, limiter=self.limiter):
+            self._changed()
 
     async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         async with listener:
@@ -337,6 +346,8 @@ class WebView:
         self._authorize(req)
         if req.method not in ("GET", "HEAD"):
             raise HttpError(405, "only GET and HEAD here", [(b"Allow", b"GET, HEAD")])
+        if parts[:1] == ["api"]:
+            await self._fresh()
         if parts in ([""], ["jobs"], ["jobs", ""]):
             await self._respond(http, 200, self.static["jobs.html"][0], TYPES[".html"], head=head)
         elif parts[:1] == ["jobs"] and len(parts) == 2:

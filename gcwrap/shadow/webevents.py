@@ -120,6 +120,13 @@ class LiveStream:
             f.close()
 
     async def run(self) -> None:
+        self.src.state.watching += 1
+        try:
+            await self._run()
+        finally:
+            self.src.state.watching -= 1
+
+    async def _run(self) -> None:
         state = self.src.state
         await self.send(b"retry: 2000\n\n" + event("hello", {"tail": self.tail}))
         shown: tuple[Any, ...] = ()  # the job's record as last sent

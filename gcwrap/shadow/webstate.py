@@ -139,6 +139,7 @@ class StateReader:
         self.extras_at = -LOOKED  # monotonic time of their last read
         self.extras_generation = -1  # `generation` they were read at
         self.looked = -LOOKED  # monotonic time a client last looked (`view`)
+        self.watching = 0  # job pages open (each holds an event stream): they look all the time
         self.lines: dict[tuple[str, str], tuple[str, Lines]] = {}  # (job, kind) -> (instance, its line counts)
         self._view: tuple[tuple[int, int], dict[str, dict[str, Any]], bytes] | None = None
         self._encoded: dict[str, bytes] = {}
@@ -166,7 +167,7 @@ class StateReader:
         (and the timelines and refusals when they are due): whether anything changed."""
         changed = self._read_shared() if self.state_url else self._read_own()
         now = time.monotonic()
-        if now - self.looked < LOOKED and (now - self.extras_at >= WHY_EVERY or (
+        if (self.watching or now - self.looked < LOOKED) and (now - self.extras_at >= WHY_EVERY or (
                 self.generation != self.extras_generation and now - self.extras_at >= EXTRAS_EVERY)):
             changed |= self._read_extras(now)
         return changed
@@ -226,6 +227,14 @@ class StateReader:
         self.generation += 1
         self._sample()
         return True
+
+    def extras_due(self) -> bool:
+        """Whether the timelines and refusals are older than a client should see (nobody looked for a while)."""
+        return time.monotonic() - self.extras_at >= WHY_EVERY
+
+    def read_extras(self) -> bool:
+        """Read the timelines and refusals now (in the worker thread): whether they changed."""
+        return self._read_extras(time.monotonic())
 
     def _read_extras(self, now: float) -> bool:
         """Read the jobs' timelines and "why"s and the refused connections: whether they changed."""
@@ -303,14 +312,17 @@ class StateReader:
 
     def timeline(self, job_id: str) -> list[dict[str, Any]]:
         """The job's events, oldest first; [] from a shadow that records none."""
-        job = self.jobs.get(job_id) or {}
-        events = job["events"] if "events" in job else self.extras.get(job_id, {}).get("events")
-        return list(events or [])
+        events = self.extras.get(job_id, {}).get("events")
+        if events is None:  # a shared state's reader may give them with the job
+            events = (self.jobs.get(job_id) or {}).get("events")
+        return list(events) if isinstance(events, list) else []
 
     def why(self, job_id: str) -> str:
         """Why the job looks the way it does, in one line; "" from a shadow that does not say."""
-        job = self.jobs.get(job_id) or {}
-        return str((job["why"] if "why" in job else self.extras.get(job_id, {}).get("why")) or "")
+        why = self.extras.get(job_id, {}).get("why")
+        if why is None:
+            why = (self.jobs.get(job_id) or {}).get("why")
+        return why if isinstance(why, str) else ""
 
     def refusals_json(self) -> bytes:
         self.looked = time.monotonic()
