@@ -715,3 +715,20 @@ def test_a_session_cookie_is_made_with_the_token_and_expires(monkeypatch: pytest
     now = time.time()
     monkeypatch.setattr(web.time, "time", lambda: now + web.SESSION_DAYS * 86400 + 60)
     assert not web._valid_session(token, cookie)
+
+
+def test_a_job_is_shown_the_same_from_either_state(tmp_path: Path) -> None:
+    # The SQLite state holds a job's command and summary as JSON text; a shared state's reader gives them decoded.
+    from gcwrap.shadow.webstate import StateReader
+
+    reader = StateReader(tmp_path, -1)
+    base = {"job_id": "j-1", "instance": "i1", "state": "finished", "streams": [], "first_seen": 100.0,
+            "ended": 104.0, "exit_code": 0}
+    as_text = reader.job_view({**base, "command": '["python3", "x.py"]', "summary": '{"job_started": "100.5", '
+                               '"job_ended": "103.0"}'}, wall=200.0)
+    decoded = reader.job_view({**base, "command": ["python3", "x.py"], "summary": {"job_started": "100.5",
+                                                                                  "job_ended": "103.0"}}, wall=200.0)
+    assert as_text == decoded
+    assert decoded["command"] == ["python3", "x.py"] and decoded["duration_s"] == 2.5  # the job's own start and end
+    running = reader.job_view({**base, "state": "streaming", "ended": None, "command": None, "summary": "{"}, wall=130.0)
+    assert running["command"] == [] and running["summary"] == {} and running["duration_s"] == 30.0
