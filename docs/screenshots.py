@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Take the screenshots of the web view in README.md (docs/web-jobs.png, docs/web-job.png).
+"""Take the screenshots of the web view in README.md (docs/web-jobs.png,
+docs/web-job.png, docs/web-phone.png).
 
-Runs a gcshadow, `gcshadow web` and a few real gcwrap jobs on loopback in a
-temporary directory (streaming, quiet, disconnected, failed, done), then
-photographs the pages in headless Chromium (the chromium and chromium-driver
-packages, with selenium). Every process is stopped by pid at the end. It
-takes about 80 s: a job counts as quiet after a minute without output.
+Runs a gcshadow (with a token), `gcshadow web` and a few real gcwrap jobs on
+loopback in a temporary directory (streaming, quiet, disconnected, failed,
+done, and one with a wrong token, refused), then photographs the pages in
+headless Chromium (the chromium and chromium-driver packages, with
+selenium): the jobs page, a job's page with its timeline open and a search
+in its output, and the jobs page in a phone's width. Every process is
+stopped by pid at the end. It takes about 80 s: a job counts as quiet after
+a minute without output.
 
     python docs/screenshots.py [--out docs]
 """
@@ -78,24 +82,30 @@ def main() -> int:
         return p
 
     port = free_port()
+    token, wrong = work / "token", work / "wrong-token"
 
-    def job(job_id: str, stdout: str, *command: str, stderr: str | None = None) -> subprocess.Popen[bytes]:
+    def job(job_id: str, stdout: str, *command: str, stderr: str | None = None,
+            token_file: Path = token) -> subprocess.Popen[bytes]:
         streams = ["--stdout", stdout] + (["--stderr", stderr] if stderr else [])
-        return start("gcwrap", "--shadow", f"127.0.0.1:{port}", *streams, "--job-id", job_id, "--spool", str(spool),
-                     "--", "python3", *command)
+        return start("gcwrap", "--shadow", f"127.0.0.1:{port}", "--token-file", str(token_file), *streams,
+                     "--job-id", job_id, "--spool", str(spool), "--", "python3", *command)
 
     try:
         home.mkdir()
         for name, text in SCRIPTS.items():
             (work / name).write_text(text)
+        for path, secret in ((token, "the-token-of-this-shadow-0123456789"), (wrong, "an-old-token-0123456789abcdef")):
+            path.write_text(secret + "\n")
+            path.chmod(0o600)
         # Started before its shadow: its first connection attempts fail, as a job's do while home is down.
         early = job("slurm-4240", "sweep/4240.out", "sweep.py", "--rows", "20000", stderr="sweep/4240.err")
         time.sleep(2)
-        start("gcshadow", "serve", "--port", str(port), "--root", str(home))
+        start("gcshadow", "serve", "--port", str(port), "--root", str(home), "--token-file", str(token))
         wait(lambda: early.poll() is not None, 60, "the first job to end")
         job("slurm-4241", "sweep/4241.out", "sweep.py", "--rows", "1300000", stderr="sweep/4241.err").wait(60)
         job("slurm-4244", "ana/4244.out", "analyze.py", "run7.h5", stderr="ana/4244.err").wait(60)
         job("condor-1234.5", "sim/1234.5.out", "simulate.py").wait(60)
+        job("slurm-4245", "ana/4245.out", "analyze.py", "run8.h5", token_file=wrong)  # refused: runs on into its spool
         job("slurm-4246", "train/4246.log", "wait.py")
         gone = job("pbs-77.3", "sim/77.3.out", "train.py", "pbs", "--rate", "20", stderr="sim/77.3.err")
         time.sleep(3)
@@ -109,17 +119,25 @@ def main() -> int:
         options.binary_location = shutil.which("chromium") or "chromium"
         for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={work / 'profile'}", "--window-size=1440,700", "--hide-scrollbars"):
+                    f"--user-data-dir={work / 'profile'}", "--window-size=1440,800", "--hide-scrollbars"):
             options.add_argument(arg)
         driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-        driver.get(f"http://127.0.0.1:{web_port}/?sort=state")
+        driver.get(f"http://127.0.0.1:{web_port}/")
         time.sleep(3)
         driver.save_screenshot(str(args.out / "web-jobs.png"))
-        driver.set_window_size(1440, 900)
+        driver.set_window_size(1440, 1000)
         driver.get(f"http://127.0.0.1:{web_port}/jobs/slurm-4247_0")
-        time.sleep(4)
+        time.sleep(3)
+        driver.execute_script("const t = document.getElementById('timeline'); t.open = true;")
+        find = driver.find_element("id", "find")
+        find.send_keys("checkpoint")
+        time.sleep(1)
         driver.save_screenshot(str(args.out / "web-job.png"))
-        print(f"wrote {args.out / 'web-jobs.png'} and {args.out / 'web-job.png'}")
+        driver.set_window_size(390, 1100)
+        driver.get(f"http://127.0.0.1:{web_port}/")
+        time.sleep(3)
+        driver.save_screenshot(str(args.out / "web-phone.png"))
+        print(f"wrote {args.out / 'web-jobs.png'}, {args.out / 'web-job.png'} and {args.out / 'web-phone.png'}")
     finally:
         if driver is not None:
             driver.quit()

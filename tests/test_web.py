@@ -46,43 +46,15 @@ sys.exit(99)
 """
 
 
-class WebProc:
-    """A `gcshadow web` process on a free port, stopped by pid."""
+class WebClient:
+    """Requests to a `gcshadow web` at host:port."""
 
-    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> None:
-        self.host = host
-        port_file = logdir / f"web-port-{os.getpid()}-{time.monotonic_ns()}"
-        self.log_path = logdir / f"{port_file.name}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*tool("gcshadow"), "web", "--root", str(root), "--host", host, "--port", "0",
-                 "--port-file", str(port_file), *extra],
-                stdout=log, stderr=log, start_new_session=True,
-            )
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"gcshadow web exited with {self.proc.returncode}: {self.log()}")
-            return port_file.exists()
-
-        wait_until(ready, 30, "gcshadow web to listen")
-        self.port = int(port_file.read_text())
+    host = "127.0.0.1"
+    port = 0
 
     @property
     def base(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
     def get(self, path: str, headers: dict[str, str] | None = None, method: str = "GET",
             body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -137,6 +109,87 @@ class WebProc:
             sock.close()
 
 
+class WebProc(WebClient):
+    """A `gcshadow web` process on a free port, stopped by pid."""
+
+    def __init__(self, root: Path, logdir: Path, extra: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+        self.host = host
+        port_file = logdir / f"web-port-{os.getpid()}-{time.monotonic_ns()}"
+        self.log_path = logdir / f"{port_file.name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*tool("gcshadow"), "web", "--root", str(root), "--host", host, "--port", "0",
+                 "--port-file", str(port_file), *extra],
+                stdout=log, stderr=log, start_new_session=True,
+            )
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gcshadow web exited with {self.proc.returncode}: {self.log()}")
+            return port_file.exists()
+
+        wait_until(ready, 30, "gcshadow web to listen")
+        self.port = int(port_file.read_text())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class InProcessWeb(WebClient):
+    """The web view run in this process, in a thread of its own: for tests
+    that choose what the state's readers give it (monkeypatched), such as
+    a timeline or refused connections."""
+
+    def __init__(self, root: Path) -> None:
+        import threading
+
+        import trio
+
+        from gcwrap.shadow.web import WebOptions, run_web
+
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.scope: trio.CancelScope | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+
+        async def main() -> None:
+            self.token = trio.lowlevel.current_trio_token()
+            async with trio.open_nursery() as nursery:
+                self.scope = nursery.cancel_scope
+                self.port = await nursery.start(run_web, WebOptions(root=root, port=0))
+                self.ready.set()
+
+        def thread() -> None:
+            try:
+                trio.run(main)
+            except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+                self.failed = e
+                self.ready.set()
+
+        self.thread = threading.Thread(target=thread, name="web", daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30), "the web view did not start within 30 s"
+        if self.failed is not None:
+            raise AssertionError(f"the web view failed: {self.failed!r}")
+
+    def stop(self) -> None:
+        import trio
+
+        if self.scope is not None and self.token is not None and self.thread.is_alive():
+            trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the web view did not stop"
+
+
 @pytest.fixture
 def logs(tmp_path: Path) -> Path:
     d = tmp_path / "logs"
@@ -184,7 +237,9 @@ def test_json_endpoints_describe_jobs_and_serve_whole_files(web: WebProc, shadow
     assert {s["kind"]: s["bytes"] for s in job["streams"]} == {"stdout": 300_000, "stderr": 5_000}
     assert job["bytes"] == 305_000
     assert job["summary"]["stdout_bytes"] == "300000"
-    assert job["events"] == "/api/jobs/done-1/events" and job["page"] == "/jobs/done-1"
+    assert job["live"] == "/api/jobs/done-1/events" and job["page"] == "/jobs/done-1"
+    assert isinstance(job["events"], list) and isinstance(job["why"], str)  # the timeline: see below
+    assert job["duration_s"] >= 0 and isinstance(job["duration_s"], float)
     for kind, name in (("stdout", "out/done-1.txt"), ("stderr", "out/done-1.err")):
         status, headers, body = web.get(f"/api/jobs/done-1/files/{kind}")
         assert status == 200
@@ -248,6 +303,226 @@ def test_event_stream_resumes_at_last_event_id_and_shows_only_the_tail(web: WebP
     assert not [d for n, d, _ in resumed if n == "skip"]
     text = "".join(d["text"] for d in data)
     assert text == landed[150_000:].decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("how", ["query", "option"])
+def test_a_tail_larger_than_the_far_behind_limit_is_sent_once(home: Path, shadow: ShadowProc, logs: Path,
+                                                                  spool_dir: Path, how: str) -> None:
+    # An 8 MiB tail is more than a page may lag before it is skipped ahead (4 MiB): the stream once
+    # jumped back to the tail's start after each 1 MiB it sent, the same bytes again and again, forever.
+    size = 12 << 20
+    run_job(shadow, spool_dir, "huge-1", out=size)
+    web = WebProc(home, logs, ["--tail", "8192"] if how == "option" else [])
+    try:
+        wait_until(lambda: (job_state(web, "huge-1") or {}).get("state") == "finished", 20, "the job's end")
+        path = "/api/jobs/huge-1/events" + ("?tail=8192" if how == "query" else "")
+        started = time.monotonic()
+        sent, ids, skips, data, names = 0, set(), [], [], []
+        for name, d, ident in web.events(path, until="end", timeout=60):
+            names.append(name)
+            if name == "skip":
+                skips.append(d)
+            elif name == "data" and d["stream"] == "stdout":
+                assert d["offset"] == (data[-1]["end"] if data else skips[0]["to"]), "a byte sent twice or skipped"
+                data.append({"offset": d["offset"], "end": d["end"]})
+                sent += d["end"] - d["offset"]
+                ids.add(ident)
+                assert sent <= 8 << 20, f"{sent} bytes of an 8 MiB tail sent"
+        elapsed = time.monotonic() - started
+    finally:
+        web.stop()
+    assert names[-1] == "end"
+    assert len(skips) == 1 and skips[0]["from"] == 0 and size - (8 << 20) <= skips[0]["to"] <= size - (8 << 20) + 4096
+    assert data[-1]["end"] == size and sent == size - skips[0]["to"]  # each byte of the tail once
+    assert len(ids) == len(data)  # every event moved the stream on
+    assert elapsed < 20, f"{elapsed:.1f} s to send 8 MiB"
+
+
+LINES_JOB = "import sys\nw = sys.stdout.write\nfor i in range(1, int(sys.argv[1]) + 1):\n    w(f'line {i:07d}\\n')\n"
+
+
+def line_job(shadow: ShadowProc, spool: Path, job_id: str, lines: int) -> None:
+    """A job that writes `lines` lines of 13 bytes: "line 0000001"..."""
+    w = Wrapper(["--shadow", shadow.address, "--stdout", f"out/{job_id}.txt", "--job-id", job_id,
+                 "--spool", str(spool), "--", sys.executable, "-c", LINES_JOB, str(lines)])
+    assert w.wait(60) == 0, w.err
+
+
+def test_lines_are_numbered_as_in_the_file_and_a_page_may_start_at_a_line(web: WebProc, shadow: ShadowProc,
+                                                                           home: Path, spool_dir: Path) -> None:
+    count = 500_000  # 6.5 MB: more than a page may lag behind, so that a page opened at a line skips to the tail
+    line_job(shadow, spool_dir, "lines-1", count)
+    wait_until(lambda: (job_state(web, "lines-1") or {}).get("state") == "finished", 30, "the job's end")
+    landed = (home / "out/lines-1.txt").read_bytes()
+    size = len(landed)
+
+    def number(offset: int) -> int:
+        return landed.count(b"\n", 0, offset) + 1
+
+    def check(events: list[tuple[str, Any, str]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Each skip and data event's line is the file's; each byte at most once, in order."""
+        skips = [d for n, d, _ in events if n == "skip"]
+        data = [d for n, d, _ in events if n == "data"]
+        at = 0
+        for name, d, _ in events:
+            if name == "skip":
+                assert d["from"] == at and d["to"] > at and d["line"] == number(d["to"])
+                at = d["to"]
+            elif name == "data":
+                assert d["offset"] == at and d["line"] == number(d["offset"]), (d["offset"], d["line"])
+                assert d["text"].encode() == landed[d["offset"]:d["end"]]
+                at = d["end"]
+        assert at == size and events[-1][0] == "end"
+        return skips, data
+
+    # At the tail: its first line has the number it has in the file.
+    skips, data = check(list(web.events("/api/jobs/lines-1/events?tail=16", until="end")))
+    assert len(skips) == 1 and data[0]["line"] == number(skips[0]["to"]) > count - 16 * 1024 // 13 - 1
+    assert data[0]["text"].startswith(f"line {data[0]['line']:07d}\n")
+    # At line 120 (a link to it): from that line, `tail` bytes of it, then a skip to the tail.
+    skips, data = check(list(web.events("/api/jobs/lines-1/events?tail=16&stdout_line=120", until="end")))
+    assert skips[0]["to"] == 119 * 13 and data[0]["line"] == 120 and data[0]["text"].startswith("line 0000120\n")
+    assert len(skips) == 2 and skips[1]["from"] >= skips[0]["to"] + 16 * 1024
+    # A line past the end: the tail.
+    skips, data = check(list(web.events("/api/jobs/lines-1/events?tail=16&stdout_line=9999999", until="end")))
+    assert len(skips) == 1 and skips[0]["to"] >= size - 16 * 1024 - 4096
+    # A page that reconnects gives its offsets: numbered from there.
+    instance = web.json("/api/jobs/lines-1")["instance"]
+    resumed = list(web.events("/api/jobs/lines-1/events", until="end",
+                              headers={"Last-Event-ID": f"stdout={size - 1300}&instance={instance}"}))
+    data = [d for n, d, _ in resumed if n == "data"]
+    assert data[0]["line"] == count - 99 and data[0]["text"].startswith(f"line {count - 99:07d}\n")
+    status, _, body = web.get("/api/jobs/lines-1/events?stdout_line=x")
+    assert status == 400 and b"whole numbers" in body
+
+
+def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gcwrap.shadow import webstate
+
+    monkeypatch.setattr(webstate, "LINE_MARK", 7)  # many checkpoints in a small file
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.binary(max_size=300).map(lambda b: b.replace(b"\x00", b"\n")),
+           st.lists(st.tuples(st.booleans(), st.integers(0, 400)), max_size=12))
+    def agree(content: bytes, asks: list[tuple[bool, int]]) -> None:
+        path = tmp_path / "f"
+        path.write_bytes(content + b"tail not yet durable\n")
+        lines = webstate.Lines()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for by_line, n in asks:
+                if by_line:  # where line n starts, within the durable bytes
+                    starts = [0] + [i + 1 for i, c in enumerate(content) if c == 10]
+                    want = starts[n - 1] if 1 <= n <= len(starts) else (0 if n < 1 else None)
+                    assert lines.offset_of(fd, n, len(content)) == want, (content, n)
+                else:
+                    offset = min(n, len(content))
+                    assert lines.line_at(fd, offset) == content.count(b"\n", 0, offset) + 1
+                assert lines.marks == sorted(lines.marks) and lines.marks[0] == (0, 0)
+                for at, before in lines.marks:
+                    assert content.count(b"\n", 0, at) == before
+        finally:
+            os.close(fd)
+
+    agree()
+
+
+def test_lines_far_from_any_checkpoint_are_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gcwrap.shadow import webstate
+
+    monkeypatch.setattr(webstate, "LINE_MARK", 100)
+    monkeypatch.setattr(webstate, "LINE_COUNT_MAX", 250)
+    path = tmp_path / "f"
+    path.write_bytes(b"123456789\n" * 100)  # 1000 bytes, line n at (n - 1) * 10
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lines = webstate.Lines()
+        assert lines.line_at(fd, 900) is None  # 900 bytes to read from the only checkpoint
+        assert lines.offset_of(fd, 91, 1000) is None
+        assert lines.line_at(fd, 250) == 26  # ...but step by step the checkpoints come
+        assert lines.line_at(fd, 500) == 51 and lines.line_at(fd, 750) == 76 and lines.line_at(fd, 900) == 91
+        assert lines.offset_of(fd, 100, 1000) == 990 and lines.offset_of(fd, 101, 1000) == 1000  # (not written yet)
+        assert lines.offset_of(fd, 102, 1000) is None
+        lines.cut(300)  # the file was cut back: nothing counted past 300 is kept
+        assert all(at <= 300 for at, _ in lines.marks) and lines.line_at(fd, 300) == 31
+    finally:
+        os.close(fd)
+
+
+def _timeline(t0: float) -> list[dict[str, Any]]:
+    return [
+        {"time": t0, "kind": "session_opened", "source": "shadow", "details": {"session": 1, "peer": "10.1.2.3:4000",
+                                                                            "host": "node7"}},
+        {"time": t0 + 5, "kind": "stalled", "source": "agent", "details": {"since": t0 + 1, "seconds": 4.0,
+                                                                          "shadow": "home:50000"}},
+        {"time": t0 + 9, "kind": "connection_lost", "source": "agent",
+         "details": {"reason": "connection reset", "worked_at": t0 + 6, "shadow": "home:50000"}},
+    ]
+
+
+REFUSALS = [
+    {"time": 1_700_000_100.0, "peer": "10.9.8.7:5000", "identity": "", "job_id": "wrong-token-job",
+     "code": "AUTH_FAILED", "message": "authentication failed: wrong token"},
+    {"time": 1_700_000_000.0, "peer": "10.9.8.6:5001", "identity": "cn=alice", "job_id": "",
+     "code": "BAD_HELLO", "message": "not a gcwrap"},
+]
+
+
+def record_timeline(monkeypatch: pytest.MonkeyPatch, timelines: dict[str, list[dict[str, Any]]],
+                    whys: dict[str, str], refusals: list[dict[str, Any]]) -> None:
+    """Make the state's readers give these timelines, "why"s and refusals (as a shadow that records them does)."""
+    from gcwrap.shadow import backends
+
+    real = backends.read_jobs
+
+    def read_jobs(state: str, root: Path) -> list[dict[str, Any]]:
+        jobs = real(state, root)
+        for job in jobs:
+            if job["job_id"] in timelines:
+                job["events"], job["why"] = list(timelines[job["job_id"]]), whys.get(job["job_id"], "")
+        return jobs
+
+    monkeypatch.setattr(backends, "read_jobs", read_jobs)
+    monkeypatch.setattr(backends, "read_refusals", lambda state, root, limit=200: list(refusals[:limit]),
+                        raising=False)
+
+
+def test_the_timeline_why_and_refusals_the_state_records_are_served(home: Path, shadow: ShadowProc, tmp_path: Path,
+                                                                    spool_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = tmp_path / "steps"
+    job = step_job(shadow, steps, "timed-1", spool_dir)
+    t0 = time.time() - 60
+    timeline = _timeline(t0)
+    record_timeline(monkeypatch, {"timed-1": timeline[:2]}, {"timed-1": "stalled: nothing acknowledged for 4 s"},
+                    REFUSALS)
+    web = InProcessWeb(home)
+    try:
+        wait_until(lambda: (job_state(web, "timed-1") or {}).get("why", "").startswith("stalled"), 20, "the why")
+        listed = job_state(web, "timed-1")
+        assert listed is not None and "events" not in listed  # the list stays light: a job's timeline is its own
+        one = web.json("/api/jobs/timed-1")
+        assert one["events"] == timeline[:2] and one["why"] == "stalled: nothing acknowledged for 4 s"
+        assert web.json("/api/refusals") == {"error": "", "refusals": REFUSALS}
+        seen: list[list[dict[str, Any]]] = []
+        for name, data, _ in web.events("/api/jobs/timed-1/events", until="end", timeout=60):
+            if name == "timeline":
+                seen.append(data["events"])
+                if len(seen) == 1:  # the shadow records one more event while the page is open
+                    timeline_now = timeline  # the reader gives all three from now on
+                    record_timeline(monkeypatch, {"timed-1": timeline_now}, {"timed-1": "disconnected since 14:02"},
+                                    REFUSALS)
+                elif not (steps / "exit").exists():
+                    (steps / "exit").write_text("0")
+            elif name == "job" and len(seen) == 2:
+                assert data["why"] == "disconnected since 14:02" and "events" not in data
+        assert seen == [timeline[:2], timeline]
+        assert job.wait(30) == 0
+    finally:
+        web.stop()
 
 
 # -- refusals ---------------------------------------------------------------------------
@@ -440,3 +715,20 @@ def test_a_session_cookie_is_made_with_the_token_and_expires(monkeypatch: pytest
     now = time.time()
     monkeypatch.setattr(web.time, "time", lambda: now + web.SESSION_DAYS * 86400 + 60)
     assert not web._valid_session(token, cookie)
+
+
+def test_a_job_is_shown_the_same_from_either_state(tmp_path: Path) -> None:
+    # The SQLite state holds a job's command and summary as JSON text; a shared state's reader gives them decoded.
+    from gcwrap.shadow.webstate import StateReader
+
+    reader = StateReader(tmp_path, -1)
+    base = {"job_id": "j-1", "instance": "i1", "state": "finished", "streams": [], "first_seen": 100.0,
+            "ended": 104.0, "exit_code": 0}
+    as_text = reader.job_view({**base, "command": '["python3", "x.py"]', "summary": '{"job_started": "100.5", '
+                               '"job_ended": "103.0"}'}, wall=200.0)
+    decoded = reader.job_view({**base, "command": ["python3", "x.py"], "summary": {"job_started": "100.5",
+                                                                                  "job_ended": "103.0"}}, wall=200.0)
+    assert as_text == decoded
+    assert decoded["command"] == ["python3", "x.py"] and decoded["duration_s"] == 2.5  # the job's own start and end
+    running = reader.job_view({**base, "state": "streaming", "ended": None, "command": None, "summary": "{"}, wall=130.0)
+    assert running["command"] == [] and running["summary"] == {} and running["duration_s"] == 30.0

@@ -9,15 +9,18 @@ or selenium is missing.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import ShadowProc, Wrapper, wait_until
-from test_web import WebProc, job_state, run_job, step_job
+from test_web import (REFUSALS, InProcessWeb, WebClient, WebProc, _timeline, job_state, line_job, record_timeline,
+                      run_job, step_job)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -150,6 +153,8 @@ def test_the_list_filters_and_sorts(browser: Any, web: WebProc, shadow: ShadowPr
             "return Array.from(document.querySelectorAll('#jobs tbody tr'), r => r.dataset.job);"))
 
     wait_for(browser, lambda d: len(shown(d)) == 3, "three jobs")
+    assert shown(browser) == ["gamma-ok", "beta-bad", "alpha-ok"]  # the newest first
+    assert text_of(browser, 'tr[data-job="alpha-ok"] td.duration').endswith(" s")
     browser.find_element("id", "filter").send_keys("bad")
     wait_for(browser, lambda d: shown(d) == ["beta-bad"], "only the job matching 'bad'")
     browser.find_element("id", "filter").clear()
@@ -224,3 +229,185 @@ def test_a_non_loopback_view_asks_for_the_token_first(browser: Any, home: Path, 
             assert browser.execute_script("return document.cookie") == ""  # HttpOnly: scripts cannot read it
         finally:
             web.stop()
+
+
+# -- a log viewer: line numbers, links to lines, search --------------------------------------
+
+
+def test_a_job_page_numbers_its_lines_links_to_one_and_finds_text(browser: Any, web: WebProc, shadow: ShadowProc,
+                                                                  spool_dir: Path) -> None:
+    line_job(shadow, spool_dir, "lines-2", 20_000)  # 260 kB: the page shows the last 64 KiB
+    wait_until(lambda: (job_state(web, "lines-2") or {}).get("state") == "finished", 30, "the job's end")
+    browser.get(web.base + "/jobs/lines-2")
+    wait_for(browser, lambda d: text_of(d, "#live") == "complete", "the whole tail")
+    first, last = browser.execute_script(
+        "const l = document.querySelectorAll('pre[data-stream=stdout] .line');"
+        " return [l[0].id + ' ' + l[0].textContent, l[l.length - 1].id + ' ' + l[l.length - 1].textContent];")
+    n = int(first.split()[0][1:])
+    assert 20_000 - 64 * 1024 // 13 - 1 <= n < 20_000 and first == f"L{n} line {n:07d}\n"  # numbered as in the file
+    assert last == "L20000 line 0020000\n"
+    assert "line 0020000" in text_of(browser, 'pre[data-stream="stdout"]')
+    assert "L20000" not in text_of(browser, 'pre[data-stream="stdout"]')  # numbers are not part of the text
+    # A link to a line the tail does not hold: the page opens there, that line marked and in view.
+    browser.get(web.base + "/jobs/lines-2#L120")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#L120.target"), "line 120, marked")
+    assert text_of(browser, "#L120") == "line 0000120"
+    assert browser.execute_script(
+        "const l = document.getElementById('L120').getBoundingClientRect();"
+        " const p = document.querySelector('pre[data-stream=stdout]').getBoundingClientRect();"
+        " return l.top >= p.top && l.bottom <= p.bottom && l.top >= 0 && l.bottom <= innerHeight;")
+    assert not browser.find_element("id", "follow").is_selected()
+    # Its number is a link to it.
+    href = browser.execute_script("return document.querySelector('#L121 a.ln').href")
+    assert href == web.base + "/jobs/lines-2#L121"
+    browser.execute_script("document.querySelector('#L125 a.ln').click()")
+    wait_for(browser, lambda d: d.find_elements("css selector", "#L125.target"), "line 125 marked after its click")
+    assert browser.current_url.endswith("#L125") and not browser.find_elements("css selector", "#L120.target")
+    # Find: every matching line, Enter for the next, and only those lines if asked.
+    wait_for(browser, lambda d: d.find_elements("css selector", "#L20000"), "the tail after the linked lines")
+    find = browser.find_element("id", "find")
+    find.send_keys("line 001999")  # lines 19990-19999 only
+    wait_for(browser, lambda d: text_of(d, "#found") == "10 lines", "ten matching lines")
+    find.send_keys("\n")
+    wait_for(browser, lambda d: text_of(d, "#found") == "1 of 10 lines", "the first match")
+    assert browser.execute_script("return document.querySelector('.line.current').id") == "L19990"
+    find.send_keys("\n")
+    wait_for(browser, lambda d: browser.execute_script(
+        "return (document.querySelector('.line.current') || {}).id") == "L19991", "the next match")
+    browser.find_element("id", "only").click()
+    visible = browser.execute_script(
+        "return Array.from(document.querySelectorAll('pre[data-stream=stdout] .line'))"
+        ".filter(l => l.getClientRects().length).map(l => l.id);")
+    assert visible == [f"L{k}" for k in range(19990, 20000)]
+    find.clear()
+    find.send_keys("no such text")
+    wait_for(browser, lambda d: text_of(d, "#found") == "no match", "no match")
+
+
+# -- the timeline, the "why" and the refused connections -----------------------------------------
+
+
+def test_the_timeline_why_and_refusals_are_shown(browser: Any, home: Path, shadow: ShadowProc, spool_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    run_job(shadow, spool_dir, "timed-2", out=2000)
+    t0 = time.time() - 600
+    record_timeline(monkeypatch, {"timed-2": _timeline(t0)}, {"timed-2": "disconnected since 14:02:03 (connection reset)"},
+                    REFUSALS)
+    web = InProcessWeb(home)
+    try:
+        wait_until(lambda: (job_state(web, "timed-2") or {}).get("why"), 20, "the why")
+        browser.get(web.base + "/")
+        row = 'tr[data-job="timed-2"]'
+        wait_for(browser, lambda d: "disconnected since 14:02:03" in text_of(d, row + " .why-line"), "the why in the list")
+        wait_for(browser, lambda d: text_of(d, "#refusals-count") == "(2)", "two refused connections")
+        refused = text_of(browser, "#refusals")
+        assert "wrong-token-job" in refused and "AUTH_FAILED" in refused and "authentication failed: wrong token" in refused
+        assert "cn=alice" in refused and "10.9.8.6:5001" in refused
+        assert "2 refused connections" in text_of(browser, "#counts")
+        browser.get(web.base + "/jobs/timed-2")
+        wait_for(browser, lambda d: text_of(d, "#why") == "disconnected since 14:02:03 (connection reset)", "the why")
+        assert "3 events" in text_of(browser, "#timeline summary") and "connection lost" in text_of(browser, "#timeline summary")
+        browser.find_element("css selector", "#timeline summary").click()
+        kinds = browser.execute_script("return Array.from(document.querySelectorAll('#events li'), e => e.dataset.kind)")
+        assert kinds == ["session_opened", "stalled", "connection_lost"]  # oldest first
+        lost = text_of(browser, '#events li[data-kind="connection_lost"]')
+        assert "connection reset" in lost and "agent" in lost and "home:50000" in lost
+        assert time.strftime("%H:%M:%S", time.localtime(t0 + 9)) in lost
+        assert time.strftime("%H:%M:%S", time.localtime(t0 + 6)) in lost  # worked_at: a time
+    finally:
+        web.stop()
+
+
+# -- narrow windows ------------------------------------------------------------------------------
+
+WIDTHS = (320, 360, 1280)  # the narrowest phone in use, a phone, a desktop
+
+
+def _shot(driver: Any, path: Path, part: int = 1500) -> None:
+    """The whole page, beyond the window's height too (Chromium's DevTools protocol): in parts
+    of `part` px (NAME-2.png, ...) when it is taller, to be looked at."""
+    import base64
+
+    width, height = driver.execute_script(
+        "const d = document.documentElement; return [Math.max(d.scrollWidth, innerWidth), d.scrollHeight];")
+    for k, top in enumerate(range(0, height, part)):
+        png = driver.execute_cdp_cmd("Page.captureScreenshot", {
+            "format": "png", "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": top, "width": width, "height": min(part, height - top), "scale": 1}})
+        name = path if k == 0 else path.with_name(f"{path.stem}-{k + 1}{path.suffix}")
+        name.write_bytes(base64.b64decode(png["data"]))
+
+
+def _fits(driver: Any) -> tuple[int, int]:
+    wide, view = driver.execute_script(
+        "return [document.documentElement.scrollWidth, document.documentElement.clientWidth];")
+    return int(wide), int(view)
+
+
+LONG_ID = "slurm-98765432.batch-array-task-0042-of-a-long-sweep"
+
+
+@pytest.fixture
+def sweep(home: Path, shadow: ShadowProc, spool_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WebClient]:
+    """A web view of two finished jobs, one with a long id, long file names, long lines, a timeline and a "why";
+    and two refused connections."""
+    job = Wrapper(["--shadow", shadow.address, "--stdout", "results/a-long-directory-of-the-sweep/task-0042.log",
+                   "--stderr", "results/a-long-directory-of-the-sweep/task-0042.err", "--job-id", LONG_ID,
+                   "--spool", str(spool_dir), "--", sys.executable, "-c",
+                   "import sys\nfor i in range(300): print(f'step {i:5d}  loss 0.{i:04d}  ' + 'x' * 150)\n"
+                   "print('Traceback: a very long line ' + 'y' * 400, file=sys.stderr)\nsys.exit(3)"])
+    assert job.wait(60) == 3, job.err
+    run_job(shadow, spool_dir, "small-1", out=100)
+    record_timeline(monkeypatch, {LONG_ID: _timeline(time.time() - 300)}, {LONG_ID: "finished with status 3"},
+                    REFUSALS)
+    web = InProcessWeb(home)
+    try:
+        wait_until(lambda: (job_state(web, LONG_ID) or {}).get("state") == "finished", 20, "the job at home")
+        yield web
+    finally:
+        web.stop()
+
+
+def _shots(tmp_path: Path) -> Path:
+    """Where the screenshots go: GCWRAP_WEB_SHOTS, to look at them."""
+    shots = Path(os.environ.get("GCWRAP_WEB_SHOTS") or tmp_path / "shots")
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
+def test_the_jobs_page_fits_wide_and_narrow_windows(browser: Any, sweep: WebClient, tmp_path: Path) -> None:
+    for width in WIDTHS:
+        browser.set_window_size(width, 900)
+        browser.get(sweep.base + "/")
+        wait_for(browser, lambda d: len(d.find_elements("css selector", "#jobs tbody tr")) == 2, "the jobs")
+        assert browser.execute_script("return innerWidth") == width
+        wide, view = _fits(browser)
+        assert wide <= view, f"the jobs page is {wide} px wide in a {view} px window"
+        wait_for(browser, lambda d: text_of(d, "#refusals-count") == "(2)", "the refused connections")
+        _shot(browser, _shots(tmp_path) / f"jobs-{width}.png")
+        wide, view = _fits(browser)
+        assert wide <= view, f"the jobs page with its refusals is {wide} px wide in a {view} px window"
+        cells = browser.execute_script(
+            "const r = document.querySelector('#jobs tbody tr');"
+            " return Array.from(r.cells, c => c.getBoundingClientRect().top);")
+        assert (len(set(cells)) > 1) == (width < 700), f"rows stack only when narrow ({width} px)"
+        link = browser.execute_script("return document.querySelector(arguments[0]).getBoundingClientRect().width",
+                                      f'tr[data-job="{LONG_ID}"] td.job a')
+        assert link >= min(150, width - 60), f"the job id squeezed to {link} px"
+
+
+def test_a_job_page_fits_wide_and_narrow_windows(browser: Any, sweep: WebClient, tmp_path: Path) -> None:
+    for width in WIDTHS:
+        browser.set_window_size(width, 900)
+        browser.get(sweep.base + "/jobs/" + LONG_ID)
+        wait_for(browser, lambda d: text_of(d, "#live") == "complete", "the job page")
+        assert browser.execute_script("return innerWidth") == width
+        wide, view = _fits(browser)
+        assert wide <= view, f"the job page is {wide} px wide in a {view} px window"
+        header = browser.execute_script("return document.getElementById('jobid').getBoundingClientRect().width")
+        assert header >= min(250, width - 60), f"the job id in the header squeezed to {header} px"
+        browser.execute_script("document.getElementById('timeline').open = true")
+        wait_for(browser, lambda d: "connection lost" in text_of(d, "#events"), "the timeline")
+        _shot(browser, _shots(tmp_path) / f"job-{width}.png")
+        wide, view = _fits(browser)
+        assert wide <= view, f"the job page with its timeline is {wide} px wide in a {view} px window"

@@ -13,19 +13,17 @@ Theory of operation:
   connection. Pages and static files come from the package (webstatic/); the
   pages draw everything with textContent, so nothing an agent sent (job ids,
   names, commands, output) is ever parsed as HTML.
-- A job page holds one server-sent event stream (`/api/jobs/JOB/events`):
-  the last `tail` bytes of each output on open, then the bytes that became
-  durable since, read from the file at the stream's offset (never the whole
-  file again), and the job's record whenever it changes; `end` once the job
-  finished and every byte was sent. Each event's id holds the offsets, so a
-  reconnecting EventSource resumes where it stopped, byte-exact.
+- A job page holds one server-sent event stream (`/api/jobs/JOB/events`,
+  webevents.py): the last `tail` bytes of each output on open (or from the
+  line it links to), then the bytes that became durable since, the job's
+  record and timeline whenever they change; `end` once the job finished
+  and every byte was sent.
 - Files are served only by the name the state holds for a job's stream,
   opened confined to the root (no '..', no symlink, one link only).
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import hmac
 import html
@@ -35,7 +33,7 @@ import os
 import secrets
 import ssl
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
@@ -46,21 +44,18 @@ import h11
 import trio
 
 from ..wire.auth import is_loopback
-from .webstate import Refused, StateReader, open_output, tail_start
+from .webevents import LiveStream, Plan
+from .webstate import StateReader, Unservable, open_served
 
 log = logging.getLogger("gcshadow")
 
 POLL = 0.2  # seconds between looks at the state (one tiny query when nothing changed)
-HEARTBEAT = 15.0  # seconds between comments on an idle event stream: finds clients that left
 FIRST_REQUEST = 30.0  # seconds a new connection has to send its request (TLS handshake included)
 IDLE = 60.0  # seconds a kept-alive connection may wait for its next request
 SEND_TIMEOUT = 60.0  # seconds one write to a client may block before the client is dropped
 MAX_BODY = 4096  # bytes of a request body (only the login form has one)
 MAX_CLIENTS = 1024  # connections at once; more are answered 503
-CHUNK = 64 * 1024  # bytes per data event
-CATCH_UP = 1 << 20  # bytes sent per stream before other work gets a turn
-FAR_BEHIND = 4 << 20  # a stream this far ahead of a page: skip to its tail (the page keeps only a tail)
-MAX_TAIL = 16 << 20
+CHUNK = 64 * 1024  # bytes read from a client at once
 SESSION_DAYS = 7
 COOKIE = "gcshadow_web"
 
@@ -174,31 +169,6 @@ def _static() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def _event(name: str, data: Any, event_id: str | None = None) -> bytes:
-    lines = [f"event: {name}", f"data: {json.dumps(data, separators=(',', ':'))}"]
-    if event_id is not None:
-        lines.insert(0, f"id: {event_id}")
-    return ("\n".join(lines) + "\n\n").encode()
-
-
-@dataclass
-class Followed:
-    """One output stream as a job page sees it."""
-
-    kind: str
-    stream: int
-    name: str
-    offset: int | None  # the next byte to send; None: start at the tail
-    fd: int = -1
-    refused: str = ""
-    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-
 class WebView:
     def __init__(self, opts: WebOptions) -> None:
         self.opts = opts
@@ -208,6 +178,7 @@ class WebView:
         self.static = _static()
         self.clients = 0
         self.limiter = trio.CapacityLimiter(1)
+        self.line_limiter = trio.CapacityLimiter(1)
         self.stats = {"requests": 0, "event_streams": 0, "bytes_streamed": 0}
 
     def close(self) -> None:
@@ -236,9 +207,18 @@ class WebView:
     async def _watch(self) -> None:
         while True:
             if await trio.to_thread.run_sync(self.state.read, limiter=self.limiter):
-                fired, self.changed = self.changed, trio.Event()
-                fired.set()
+                self._changed()
             await trio.sleep(POLL)
+
+    def _changed(self) -> None:
+        fired, self.changed = self.changed, trio.Event()
+        fired.set()
+
+    async def _fresh(self) -> None:
+        """The timelines and refusals read, if nobody looked for a while (the
+        watcher reads them only while someone looks), before a client sees them."""
+        if self.state.extras_due() and await trio.to_thread.run_sync(self.state.read_extras, limiter=self.limiter):
+            self._changed()
 
     async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         async with listener:
@@ -366,6 +346,8 @@ class WebView:
         self._authorize(req)
         if req.method not in ("GET", "HEAD"):
             raise HttpError(405, "only GET and HEAD here", [(b"Allow", b"GET, HEAD")])
+        if parts[:1] == ["api"]:
+            await self._fresh()
         if parts in ([""], ["jobs"], ["jobs", ""]):
             await self._respond(http, 200, self.static["jobs.html"][0], TYPES[".html"], head=head)
         elif parts[:1] == ["jobs"] and len(parts) == 2:
@@ -373,6 +355,8 @@ class WebView:
             await self._respond(http, 200, self.static["job.html"][0], TYPES[".html"], head=head)
         elif parts == ["api", "jobs"]:
             await self._respond(http, 200, self.state.view()[1], "application/json", head=head)
+        elif parts == ["api", "refusals"]:
+            await self._respond(http, 200, self.state.refusals_json(), "application/json", head=head)
         elif parts[:2] == ["api", "jobs"] and len(parts) == 3:
             self._job(parts[2])
             await self._respond(http, 200, self.state.job_json(parts[2]), "application/json", head=head)
@@ -471,135 +455,36 @@ class WebView:
 
     def _open(self, name: str) -> int:
         try:
-            return open_output(self.root_fd, name)
-        except Refused as e:
-            log.warning("web: refused to serve %r: %s", name, e)
-            raise HttpError(403, f"refused: {e}") from None
-        except FileNotFoundError:
-            raise HttpError(404, f"{name!r} is not at the shadow (yet)") from None
-        except OSError as e:
-            raise HttpError(500, f"cannot open {name!r}: {e.strerror or e}") from None
+            return open_served(self.root_fd, name)
+        except Unservable as e:
+            raise HttpError(e.status, str(e)) from None
 
     # -- the live stream of a job -------------------------------------------
 
     async def _events(self, http: Http, req: Request, job_id: str) -> None:
-        """The job's live event stream. Where to start: the Last-Event-ID a
-        reconnecting EventSource sends, else the query (`stdout=N&stderr=M`
-        offsets, `tail=KiB`), else the last `tail` bytes of each stream."""
+        """The job's live event stream (webevents.py)."""
         job = self._job(job_id)
-        given = dict(parse_qsl(req.headers.get("last-event-id", ""))) or req.query
         try:
-            tail = min(max(int(req.query.get("tail", self.opts.tail // 1024)), 0) * 1024, MAX_TAIL)
-            offsets = {k: max(int(v), 0) for k, v in given.items() if k not in ("tail", "instance")}
+            plan = Plan.parse(req.query, req.headers.get("last-event-id", ""), self.opts.tail, job["instance"])
         except ValueError:
-            raise HttpError(400, "offsets and tail are whole numbers") from None
-        if given.get("instance", job["instance"]) != job["instance"]:
-            offsets = {}  # a new attempt since the page last saw the job: its files started afresh
-        streams = [Followed(s["kind"], s["stream"], s["name"], offsets.get(s["kind"])) for s in self._streams(job)]
+            raise HttpError(400, "offsets, lines and tail are whole numbers") from None
         headers = _headers("text/event-stream; charset=utf-8", None, [(b"X-Accel-Buffering", b"no")])
         await http.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
         if req.method == "HEAD":
             await http.send(h11.EndOfMessage())
             return
         self.stats["event_streams"] += 1
-        try:
-            await self._follow(http, job_id, streams, tail)
-            await http.send(h11.EndOfMessage())
-        finally:
-            for f in streams:
-                f.close()
 
-    async def _follow(self, http: Http, job_id: str, streams: list[Followed], tail: int) -> None:
         async def send(chunk: bytes) -> None:
             self.stats["bytes_streamed"] += len(chunk)
             await http.send(h11.Data(data=chunk))
 
-        await send(b"retry: 2000\n\n" + _event("hello", {"tail": tail}))
-        instance = self.state.jobs[job_id]["instance"]
-        shown: tuple[Any, ...] = ()  # the job's record as last sent
-        shown_sizes: dict[str, int] = {}
-        shown_at = 0.0
-        while True:
-            changed = self.changed
-            job = self.state.jobs.get(job_id)
-            if job is None:
-                await send(_event("gone", {"job_id": job_id}))
-                return
-            if job["instance"] != instance:  # a new attempt started the files afresh
-                instance = job["instance"]
-                for f in streams:
-                    f.close()
-                streams[:] = [Followed(s["kind"], s["stream"], s["name"], 0) for s in self._streams(job)]
-                await send(_event("reset", {"instance": instance}))
-            sizes = {s["kind"]: s["durable"] for s in self._streams(job)}
-            record = tuple(v for k, v in job.items() if k != "streams")
-            now = time.monotonic()
-            # The record when it changes; its byte counts and rates about once a second while they move.
-            if record != shown or (sizes != shown_sizes and now - shown_at >= 1):
-                shown, shown_sizes, shown_at = record, sizes, now
-                # encoded once for every page that shows the job
-                await send(b"event: job\ndata: " + self.state.job_json(job_id) + b"\n\n")
-            more = False
-            for f in streams:
-                more |= await self._send_new(send, f, sizes.get(f.kind, 0), tail, streams, instance)
-            if more:
-                await trio.lowlevel.checkpoint()
-                continue
-            if job["state"] == "finished" and all(f.refused or f.offset == sizes.get(f.kind, 0) for f in streams):
-                await send(_event("end", {"job_id": job_id}, _event_id(streams, instance)))
-                return
-            wait = 1.0 if sizes != shown_sizes else HEARTBEAT
-            with trio.move_on_after(wait):
-                await changed.wait()
-                continue
-            if wait == HEARTBEAT:
-                await send(b": ping\n\n")
-
-    async def _send_new(self, send: Any, f: Followed, durable: int, tail: int, streams: list[Followed],
-                        instance: str) -> bool:
-        """Send what of `f` became durable since its offset (at most CATCH_UP
-        bytes); True if more is waiting."""
-        if f.refused:
-            return False
-        if f.fd < 0:
-            if durable == 0 and f.offset in (None, 0):
-                f.offset = 0
-                return False  # nothing to show yet: the file may not exist
-            try:
-                f.fd = self._open(f.name)
-            except HttpError as e:
-                f.refused = str(e)
-                await send(_event("refused", {"stream": f.kind, "reason": str(e)}))
-                return False
-        if f.offset is None:
-            f.offset = tail_start(f.fd, durable, tail)
-            if f.offset:
-                await send(_event("skip", {"stream": f.kind, "from": 0, "to": f.offset}))
-        if f.offset > durable:  # cut back (a new attempt, or a torn tail after a crash): start afresh
-            f.offset, f.decoder = 0, codecs.getincrementaldecoder("utf-8")("replace")
-            await send(_event("reset", {"stream": f.kind}))
-        if durable - f.offset > FAR_BEHIND:
-            start = tail_start(f.fd, durable, tail)
-            await send(_event("skip", {"stream": f.kind, "from": f.offset, "to": start}))
-            f.offset, f.decoder = start, codecs.getincrementaldecoder("utf-8")("replace")
-        budget = CATCH_UP
-        while f.offset < durable and budget > 0:
-            data = os.pread(f.fd, min(CHUNK, durable - f.offset, budget), f.offset)
-            if not data:
-                return False  # shorter than the state says (cut at home): nothing more to send
-            start = f.offset
-            f.offset += len(data)
-            budget -= len(data)
-            text = f.decoder.decode(data)
-            await send(_event("data", {"stream": f.kind, "offset": start, "end": f.offset, "text": text},
-                              _event_id(streams, instance)))
-        return f.offset < durable
-
-
-def _event_id(streams: list[Followed], instance: str) -> str:
-    """Where a job page is: what a reconnecting EventSource sends back as Last-Event-ID."""
-    pairs = [(f.kind, str(f.offset or 0)) for f in streams]
-    return "&".join(f"{quote(k)}={v}" for k, v in [*pairs, ("instance", quote(instance, safe=""))])
+        live = LiveStream(self, job_id, plan, send)
+        try:
+            await live.run()
+            await http.send(h11.EndOfMessage())
+        finally:
+            live.close()
 
 
 def _new_session(token: bytes) -> str:

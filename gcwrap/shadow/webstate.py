@@ -12,11 +12,25 @@ the durable lengths seen over time: the shadow does not record them, and
 shows only durable bytes (what it acknowledged): bytes past that may still be
 cut back and sent again after a crash of the shadow, and a viewer must never
 see a byte twice.
+
+Beyond jobs and streams, the shadow records each job's timeline and a
+one-line "why", and the connections it refused; those are read through
+`backends` (as `gcshadow jobs` reads them), only while a client looks, at
+most once a second while the state changes and every few seconds while it
+does not (a "why" says how long something has lasted). A shadow that
+records none of them shows none.
+
+Line numbers: the count of newlines before a byte, from checkpoints kept
+per file as pages ask (`Lines`), so a page that opens at a file's tail or
+at one of its lines numbers its lines as the file does, without reading
+the whole file again for every page.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -29,13 +43,30 @@ from urllib.parse import quote
 import sqlite_utils
 
 from ..wire.names import STATE_DIR, NameError_
-from .files import open_confined
+from . import backends
+from .files import StoreError, open_confined
+
+log = logging.getLogger("gcshadow")
 
 RATE_WINDOW = 5.0  # seconds over which a live rate is measured
+EXTRAS_EVERY = 1.0  # seconds between reads of the timelines and refusals while the state changes
+WHY_EVERY = 3.0  # ... and while it does not
+LOOKED = 10.0  # seconds since a client last looked during which they are read
+REFUSALS = 200  # refused connections shown, the newest
+LINE_MARK = 4 << 20  # bytes between two checkpoints of a file's line count
+LINE_COUNT_MAX = 256 << 20  # bytes read at most to number one place in a file; further, lines are not numbered
 
 
 class Refused(Exception):
     """A file the web view will not serve, with the reason in plain words."""
+
+
+class Unservable(Exception):
+    """A job's file the web view cannot serve: an HTTP status and the words a page shows."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -103,6 +134,13 @@ class StateReader:
         self.generation = 0  # bumped whenever `jobs` changes
         self.error = ""  # why the state cannot be read, for the page's banner
         self.seen: dict[tuple[str, int], StreamSeen] = {}
+        self.extras: dict[str, dict[str, Any]] = {}  # job_id -> {"events": [...], "why": "..."}
+        self.refusals: list[dict[str, Any]] = []  # the newest first
+        self.extras_at = -LOOKED  # monotonic time of their last read
+        self.extras_generation = -1  # `generation` they were read at
+        self.looked = -LOOKED  # monotonic time a client last looked (`view`)
+        self.watching = 0  # job pages open (each holds an event stream): they look all the time
+        self.lines: dict[tuple[str, str], tuple[str, Lines]] = {}  # (job, kind) -> (instance, its line counts)
         self._view: tuple[tuple[int, int], dict[str, dict[str, Any]], bytes] | None = None
         self._encoded: dict[str, bytes] = {}
 
@@ -125,9 +163,16 @@ class StateReader:
         return self.conn
 
     def read(self) -> bool:
-        """Read the state again if the shadow committed since the last read."""
-        if self.state_url:
-            return self._read_shared()
+        """Read the state again if the shadow committed since the last read
+        (and the timelines and refusals when they are due): whether anything changed."""
+        changed = self._read_shared() if self.state_url else self._read_own()
+        now = time.monotonic()
+        if (self.watching or now - self.looked < LOOKED) and (now - self.extras_at >= WHY_EVERY or (
+                self.generation != self.extras_generation and now - self.extras_at >= EXTRAS_EVERY)):
+            changed |= self._read_extras(now)
+        return changed
+
+    def _read_own(self) -> bool:
         try:
             conn = self._connect()
             version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -159,7 +204,6 @@ class StateReader:
 
     def _read_shared(self) -> bool:
         """Read a shared state (at most every SHARED_EVERY seconds): whether it changed."""
-        from .files import StoreError
         from .pgstate import JobsReader
 
         if time.monotonic() - self.shared_at < self.SHARED_EVERY:
@@ -184,6 +228,30 @@ class StateReader:
         self._sample()
         return True
 
+    def extras_due(self) -> bool:
+        """Whether the timelines and refusals are older than a client should see (nobody looked for a while)."""
+        return time.monotonic() - self.extras_at >= WHY_EVERY
+
+    def read_extras(self) -> bool:
+        """Read the timelines and refusals now (in the worker thread): whether they changed."""
+        return self._read_extras(time.monotonic())
+
+    def _read_extras(self, now: float) -> bool:
+        """Read the jobs' timelines and "why"s and the refused connections: whether they changed."""
+        self.extras_at, self.extras_generation = now, self.generation
+        try:
+            extras = read_timelines(self.state_url, self.root)
+            refusals = read_refusals(self.state_url, self.root)
+        except (sqlite3.Error, OSError, StoreError, ValueError) as e:
+            log.debug("web: cannot read the timelines and refusals for now: %s", e)
+            return False  # shown as they were; a state that cannot be read is reported by the jobs' read
+        if extras == self.extras and refusals == self.refusals:
+            return False
+        self.extras, self.refusals = extras, refusals
+        self.generation += 1
+        self.extras_generation = self.generation
+        return True
+
     def _sample(self) -> None:
         """Note every stream's durable length now, for rates and last-byte ages."""
         now, wall = time.monotonic(), time.time()
@@ -202,6 +270,8 @@ class StateReader:
                 seen.add(now, st["durable"], wall)
         for key in set(self.seen) - alive:
             del self.seen[key]
+        for gone in [key for key in self.lines if key[0] not in self.jobs]:
+            del self.lines[gone]
 
     def _mtime(self, name: str) -> float | None:
         """When the file was last written: the last byte's time of a stream first seen."""
@@ -219,6 +289,7 @@ class StateReader:
     def view(self) -> tuple[dict[str, dict[str, Any]], bytes]:
         """Every job as a dict for JSON (by job id), and the encoded /api/jobs answer."""
         now = time.monotonic()
+        self.looked = now
         key = (self.generation, int(now * 2))  # derived again at most twice a second: ages and rates move
         if self._view is None or self._view[0] != key:
             wall = time.time()
@@ -229,22 +300,39 @@ class StateReader:
             self._encoded = {}
         return self._view[1], self._view[2]
 
-    def job_json(self, job_id: str) -> bytes:
-        """One job's view, encoded once for every page that shows it."""
+    def job_json(self, job_id: str, timeline: bool = True) -> bytes:
+        """One job's view (with its timeline, `events`, unless told not to), encoded once for
+        every page that shows it."""
         jobs, _ = self.view()
-        if job_id not in self._encoded:
-            self._encoded[job_id] = json.dumps(jobs[job_id], separators=(",", ":")).encode()
-        return self._encoded[job_id]
+        key = f"{int(timeline)}{job_id}"
+        if key not in self._encoded:
+            job = {**jobs[job_id], "events": self.timeline(job_id)} if timeline else jobs[job_id]
+            self._encoded[key] = json.dumps(job, separators=(",", ":")).encode()
+        return self._encoded[key]
+
+    def timeline(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's events, oldest first; [] from a shadow that records none."""
+        events = self.extras.get(job_id, {}).get("events")
+        if events is None:  # a shared state's reader may give them with the job
+            events = (self.jobs.get(job_id) or {}).get("events")
+        return list(events) if isinstance(events, list) else []
+
+    def why(self, job_id: str) -> str:
+        """Why the job looks the way it does, in one line; "" from a shadow that does not say."""
+        why = self.extras.get(job_id, {}).get("why")
+        if why is None:
+            why = (self.jobs.get(job_id) or {}).get("why")
+        return why if isinstance(why, str) else ""
+
+    def refusals_json(self) -> bytes:
+        self.looked = time.monotonic()
+        return json.dumps({"error": self.error, "refusals": self.refusals}).encode()
 
     def job_view(self, job: dict[str, Any], now: float | None = None, wall: float | None = None) -> dict[str, Any]:
         """One job as the pages and scripts see it (see README, "The web view")."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
-        try:
-            command = json.loads(job.get("command") or "[]")
-            summary = json.loads(job.get("summary") or "{}")
-        except ValueError:
-            command, summary = [], {}
+        command, summary = _decoded(job.get("command"), []), _decoded(job.get("summary"), {})
         streams, stdin = [], None
         for st in job["streams"]:
             if st["kind"] == "stdin":
@@ -274,10 +362,12 @@ class StateReader:
             "job_id": job["job_id"], "instance": job["instance"], "state": job["state"],
             "host": job.get("host"), "user": job.get("user"), "peer": job.get("peer"), "command": command,
             "first_seen": job.get("first_seen"), "last_seen": job.get("last_seen"), "ended": job.get("ended"),
+            "duration_s": round(job_duration(job, summary, wall), 1),
             "exit_code": job.get("exit_code"), "exit_signal": job.get("exit_signal"),
             "exit": exit_words(job) if finished else None,
             "failed": finished and bool(job.get("exit_signal") or job.get("exit_code") or job.get("exit_code") is None),
-            "reason": job.get("reason") or "", "failed_attempts": failed, "summary": summary,
+            "reason": job.get("reason") or "", "why": self.why(job["job_id"]),
+            "failed_attempts": failed, "summary": summary,
             "bytes": total,
             "rate": round(sum(rates), 1) if rates else None,
             "avg_rate": round(total / span, 1) if span > 0 else None,
@@ -285,8 +375,67 @@ class StateReader:
             "idle_s": round(max(0.0, wall - max(lasts)), 1) if lasts else None,
             "stdin": stdin, "streams": streams,
             "page": job_url(job["job_id"]), "url": api_url(job["job_id"]),
-            "events": api_url(job["job_id"]) + "/events",
+            "live": api_url(job["job_id"]) + "/events",
         }
+
+    # -- line numbers ---------------------------------------------------------
+
+    def lines_of(self, job_id: str, kind: str, instance: str) -> Lines:
+        """The line counts of one stream's file (of this attempt of the job)."""
+        held = self.lines.get((job_id, kind))
+        if held is None or held[0] != instance:
+            held = self.lines[(job_id, kind)] = (instance, Lines())
+        return held[1]
+
+
+def _decoded(value: Any, default: Any) -> Any:
+    """A JSON column: as the state holds it (text), or already decoded (a shared state's reader)."""
+    if isinstance(value, type(default)):
+        return value
+    try:
+        decoded = json.loads(value or "null")
+    except (TypeError, ValueError):
+        return default
+    return decoded if isinstance(decoded, type(default)) else default
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def job_duration(job: dict[str, Any], summary: dict[str, Any], wall: float) -> float:
+    """Seconds from the job's start to its end, or to now while it runs, as `gcshadow jobs` counts
+    them: its gcwrap says when the job started and ended (in the summary); until then, from when
+    the shadow first heard of it."""
+    started, ended = _number(summary.get("job_started")), _number(summary.get("job_ended"))
+    finished = job["state"] == "finished"
+    if finished and started and ended:
+        return max(0.0, ended - started)
+    end = (job.get("ended") if finished else None) or wall
+    seen = max(0.0, end - (job.get("first_seen") or end))
+    return max(seen, _number(summary.get("wall_s")) or 0.0) if finished else seen
+
+
+# -- what the shadow records beyond jobs and streams -----------------------------------
+
+
+def read_timelines(state: str, root: Path) -> dict[str, dict[str, Any]]:
+    """Each job's timeline (`events`) and "why", by job id, as `gcshadow jobs` reads them;
+    only the jobs that have either (a shadow that records neither gives {})."""
+    out = {}
+    for job in backends.read_jobs(state, root):
+        if "events" in job or "why" in job:
+            out[job["job_id"]] = {"events": list(job.get("events") or []), "why": str(job.get("why") or "")}
+    return out
+
+
+def read_refusals(state: str, root: Path) -> list[dict[str, Any]]:
+    """The connections the shadow refused, the newest first ([] from one that records none)."""
+    reader = getattr(backends, "read_refusals", None)
+    return [] if reader is None else list(reader(state, root, limit=REFUSALS))
 
 
 def exit_words(job: dict[str, Any]) -> str:
@@ -316,6 +465,73 @@ def open_output(root_fd: int, name: str) -> int:
         os.close(fd)
         raise Refused(f"{name!r} has {links} hard links: a linked file may be someone else's")
     return fd
+
+
+def open_served(root_fd: int, name: str) -> int:
+    """`open_output` for a client: Unservable says why not, with its HTTP status."""
+    try:
+        return open_output(root_fd, name)
+    except Refused as e:
+        log.warning("web: refused to serve %r: %s", name, e)
+        raise Unservable(403, f"refused: {e}") from None
+    except FileNotFoundError:
+        raise Unservable(404, f"{name!r} is not at the shadow (yet)") from None
+    except OSError as e:
+        raise Unservable(500, f"cannot open {name!r}: {e.strerror or e}") from None
+
+
+class Lines:
+    """How many lines a file holds before a place in it, from checkpoints
+    (offset, newlines before it) every LINE_MARK bytes, made as places are
+    asked for: numbering a place costs reading from the checkpoint before it.
+    Used by one thread at a time (the web view's line limiter)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, int]] = [(0, 0)]
+
+    def cut(self, end: int) -> None:
+        """The file holds only `end` bytes now (cut back): forget what was counted past it."""
+        while self.marks[-1][0] > end:
+            self.marks.pop()
+
+    def line_at(self, fd: int, offset: int) -> int | None:
+        """The number (from 1) of the line that holds byte `offset`; None when
+        that takes reading more than LINE_COUNT_MAX bytes, or the file is shorter."""
+        at, before = self.marks[bisect.bisect_right(self.marks, (offset, float("inf"))) - 1]
+        if offset - at > LINE_COUNT_MAX:
+            return None
+        while at < offset:
+            data = os.pread(fd, min(1 << 20, offset - at), at)
+            if not data:
+                return None
+            at, before = at + len(data), before + data.count(b"\n")
+            self._mark(at, before)
+        return before + 1
+
+    def offset_of(self, fd: int, line: int, end: int) -> int | None:
+        """Where line `line` (from 1) starts, in the first `end` bytes; None
+        when it is not there yet, or finding it takes reading too much."""
+        if line <= 1:
+            return 0
+        at, before = self.marks[bisect.bisect_left(self.marks, line - 1, key=lambda m: m[1]) - 1]
+        limit = min(end, at + LINE_COUNT_MAX)
+        while at < limit:
+            data = os.pread(fd, min(1 << 20, limit - at), at)
+            if not data:
+                return None
+            found = before + data.count(b"\n")
+            if found >= line - 1:  # the newline before our line is in this block
+                pos = -1
+                for _ in range(line - 1 - before):
+                    pos = data.index(b"\n", pos + 1)
+                return at + pos + 1
+            at, before = at + len(data), found
+            self._mark(at, before)
+        return None
+
+    def _mark(self, at: int, before: int) -> None:
+        if at - self.marks[-1][0] >= LINE_MARK:
+            self.marks.append((at, before))
 
 
 def tail_start(fd: int, end: int, tail: int) -> int:

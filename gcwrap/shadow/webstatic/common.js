@@ -44,11 +44,36 @@ function fmtAge(s) {
   return `${(s / 86400).toFixed(1)} d`;
 }
 
+const two = (n) => String(n).padStart(2, "0");
+
 function fmtTime(t) {
   if (!t) return "–";
   const d = new Date(t * 1000);
-  const two = (n) => String(n).padStart(2, "0");
   return `${d.getFullYear()}-${two(d.getMonth() + 1)}-${two(d.getDate())} ${two(d.getHours())}:${two(d.getMinutes())}:${two(d.getSeconds())}`;
+}
+
+// A time of today as 14:02:03, an older one with its date.
+function fmtWhen(t) {
+  if (!t) return "–";
+  const d = new Date(t * 1000);
+  const clock = `${two(d.getHours())}:${two(d.getMinutes())}:${two(d.getSeconds())}`;
+  return d.toDateString() === new Date().toDateString() ? clock : fmtTime(t);
+}
+
+function fmtDuration(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 10) return `${s.toFixed(1)} s`;
+  if (s < 60) return `${Math.floor(s)} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${two(Math.floor(s % 60))} s`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${two(Math.floor((s % 3600) / 60))} min`;
+  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+}
+
+// The colour of a job's "why" (one line from the shadow), by its first word.
+function whyClass(why) {
+  const word = (why || "").split(/[\s:]/)[0];
+  return { streaming: "streaming", quiet: "quiet", stalled: "disconnected", disconnected: "disconnected",
+    refused: "failed", home: "failed", finished: "done" }[word] || "done";
 }
 
 // One word for what a person wants to know first, and the class that colours it.

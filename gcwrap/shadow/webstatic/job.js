@@ -1,19 +1,20 @@
-// A job's page: its record, and each output stream live, from one
-// server-sent event stream (/api/jobs/JOB/events).
+// A job's page: its record, its "why" and timeline, and each output stream
+// live, from one server-sent event stream (/api/jobs/JOB/events).
 "use strict";
 
-const MAX_CHARS = 2000000; // text kept per stream; older text leaves the page (the download has it all)
+const CONTEXT = 20; // lines shown above a linked line that the page has to fetch
 const jobId = decodeURIComponent(location.pathname.split("/")[2] || "");
 const api = "/api/jobs/" + encodeURIComponent(jobId);
-const panes = new Map(); // stream kind -> {pre, bytes, note, offset, chars}
+const panes = new Map(); // stream kind -> Pane (lines.js)
 const followBox = document.getElementById("follow");
 const pauseButton = document.getElementById("pause");
 const live = document.getElementById("live");
+const finder = new Finder(panes, document.getElementById("find"), document.getElementById("found"), jumpTo);
 let source = null;
 let paused = false;
 let ended = false;
 let instance = null;
-let job = null;
+let target = parseLineHash(location.hash); // the line the address links to, until it is shown
 
 document.getElementById("jobid").textContent = jobId;
 document.title = `${jobId} · gcshadow`;
@@ -23,7 +24,7 @@ function pane(stream) {
   if (p) return p;
   const pre = el("pre", { class: "out", "data-stream": stream.kind, tabindex: "0" });
   const note = el("div", { class: "note", hidden: true });
-  const bytes = el("span", { class: "num muted" });
+  const bytes = el("span", { class: "num muted bytes" });
   const head = el("header", {},
     el("h2", { text: stream.kind }),
     el("span", { class: "name mono", title: stream.name, text: stream.name }),
@@ -33,7 +34,8 @@ function pane(stream) {
   );
   const section = el("section", { class: "stream", "data-stream": stream.kind }, head, note, pre);
   document.getElementById("streams").append(section);
-  p = { pre, note, bytes, offset: 0, chars: 0 };
+  p = new Pane(stream.kind, pre, note, grew);
+  p.bytes = bytes;
   pre.addEventListener("scroll", () => {
     const atEnd = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 24;
     if (!atEnd && followBox.checked && !pre.dataset.autoscroll) followBox.checked = false;
@@ -43,21 +45,9 @@ function pane(stream) {
   return p;
 }
 
-// Terminal colour codes and stray control characters would show as garbage.
-function clean(text) {
-  return text.replace(/\x1b\[[0-9;?]*[ -\/]*[@-~]/g, "").replace(/[\x00-\x08\x0b-\x1f\x7f]/g, "");
-}
-
-function append(p, text) {
-  p.pre.append(document.createTextNode(clean(text)));
-  p.chars += text.length;
-  if (p.chars > MAX_CHARS) {
-    const keep = p.pre.textContent.slice(-Math.floor(MAX_CHARS * 0.8));
-    p.pre.textContent = keep.slice(keep.indexOf("\n") + 1);
-    p.chars = p.pre.textContent.length;
-    p.note.textContent = "Earlier output left this page to keep it fast; the download has everything.";
-    p.note.hidden = false;
-  }
+function grew(p, lines) {
+  finder.check(p, lines);
+  if (target && target.kind === p.kind) showTarget();
   if (followBox.checked) scrollEnd(p.pre);
 }
 
@@ -66,13 +56,46 @@ function scrollEnd(pre) {
   pre.scrollTop = pre.scrollHeight;
 }
 
+// Bring a line into view: its pane scrolled to it, and the page to its pane.
+function jumpTo(line) {
+  followBox.checked = false;
+  const pre = line.closest("pre");
+  pre.dataset.autoscroll = "1";
+  pre.scrollTop = line.offsetTop - pre.clientHeight / 3;
+  const box = pre.getBoundingClientRect();
+  if (box.top < 0 || box.bottom > window.innerHeight) pre.closest("section").scrollIntoView({ block: "start" });
+}
+
+function showTarget() {
+  const line = document.getElementById(lineId(target.kind, target.n));
+  if (!line) return;
+  for (const old of document.querySelectorAll(".line.target")) old.classList.remove("target");
+  line.classList.add("target");
+  jumpTo(line);
+  target = null;
+}
+
+window.addEventListener("hashchange", () => {
+  const wanted = parseLineHash(location.hash);
+  if (!wanted) return;
+  const p = panes.get(wanted.kind);
+  const first = p && p.pre.querySelector(".line[id]");
+  const firstN = first ? Number(first.querySelector(".ln").dataset.n) : null;
+  target = wanted;
+  if (firstN !== null && wanted.n < firstN) location.reload(); // before what the page holds: open there
+  else showTarget(); // shown now, or when it comes
+});
+
 function fact(dl, label, value, cls, wide) {
   dl.append(el("div", { class: wide ? "fact wide" : "fact" }, el("dt", { text: label }), el("dd", { class: cls || "", text: value })));
 }
 
 function showJob(j) {
-  job = j;
   document.getElementById("pill").replaceChildren(pill(j));
+  const why = document.getElementById("why");
+  why.textContent = j.why || "";
+  why.className = `why ${whyClass(j.why)}`;
+  why.hidden = !j.why;
   const dl = document.getElementById("facts");
   dl.replaceChildren();
   fact(dl, "Host", j.host || "–", "mono");
@@ -80,6 +103,7 @@ function showJob(j) {
   fact(dl, "Started", fmtTime(j.first_seen));
   if (j.state === "finished") fact(dl, "Ended", fmtTime(j.ended));
   else if (j.state === "disconnected") fact(dl, "Disconnected", fmtTime(j.last_seen));
+  fact(dl, "Duration", fmtDuration(j.duration_s), "num");
   fact(dl, "Bytes", fmtBytes(j.bytes), "num");
   fact(dl, j.state === "finished" ? "Average rate" : "Rate", fmtRate(j.state === "finished" ? j.avg_rate : j.rate), "num");
   fact(dl, "Last byte", j.idle_s === null ? "–" : j.idle_s < 1 ? "just now" : `${fmtAge(j.idle_s)} ago`, "num");
@@ -105,7 +129,7 @@ function showJob(j) {
 
 const LABELS = {
   wall_s: "wall time", throughput_mb_s: "throughput", connected_s: "connected", disconnected_s: "disconnected",
-  paused_s: "job paused", connections: "connections", reconnects: "reconnects",
+  stalled_s: "stalled", paused_s: "job paused", connections: "connections", reconnects: "reconnects",
   failed_attempts: "failed connection attempts", zero_copy_pct: "sent without copying",
 };
 
@@ -117,19 +141,68 @@ function summaryLabel(key) {
 
 function summaryValue(key, value) {
   const n = Number(value);
-  if (Number.isNaN(n)) return String(value);
+  if (typeof value === "boolean" || value === null || value === "" || Number.isNaN(n)) return String(value);
   if (key.endsWith("_bytes")) return fmtBytes(n);
   if (key === "throughput_mb_s") return `${n.toFixed(n < 1 ? 3 : 1)} MB/s`;
+  if (key === "job_started" || key === "job_ended") return fmtTime(n);
   if (key.endsWith("_s")) return `${n.toFixed(1)} s`;
   if (key.endsWith("_pct")) return `${n.toFixed(0)} %`;
   return String(n);
 }
+
+// -- the timeline ------------------------------------------------------------------------
+
+const KINDS = {
+  session_opened: "connected", session_ended: "session ended", connection_lost: "connection lost",
+  stalled: "stalled", reconnected: "reconnected", paused: "job paused", resumed: "job resumed",
+  refused: "refused", compression: "compression", disk: "disk", exit: "exit",
+};
+const TONE = {
+  session_opened: "good", reconnected: "good", resumed: "good", session_ended: "warn", connection_lost: "bad",
+  stalled: "warn", paused: "bad", refused: "bad",
+};
+
+function detailText(key, value) {
+  if (typeof value === "boolean") return value ? "yes" : "no";
+  if (typeof value === "number" && (key.endsWith("_at") || key === "since")) return fmtWhen(value);
+  if (typeof value === "number" && (key.endsWith("_s") || key === "seconds")) return fmtDuration(value);
+  return String(value);
+}
+
+function eventItem(ev) {
+  const details = el("span", { class: "details" });
+  for (const [key, value] of Object.entries(ev.details || {})) {
+    if (value === null || value === undefined || value === "") continue;
+    details.append(el("span", { class: "detail" }, el("span", { class: "muted", text: `${key.replace(/_/g, " ")} ` }), detailText(key, value)));
+  }
+  const tone = ev.kind === "disk" && ev.details && ev.details.full ? "bad" : ev.kind === "exit"
+    ? (ev.details && (ev.details.code || ev.details.signal) ? "bad" : "good") : TONE[ev.kind] || "";
+  return el("li", { class: `event${tone ? ` tone-${tone}` : ""}`, "data-kind": ev.kind },
+    el("time", { title: fmtTime(ev.time), text: fmtWhen(ev.time) }),
+    el("span", { class: `source ${ev.source || ""}`, text: ev.source || "" }),
+    el("span", { class: "kind", text: KINDS[ev.kind] || ev.kind.replace(/_/g, " ") }),
+    details);
+}
+
+function showTimeline(events) {
+  const box = document.getElementById("timeline");
+  box.hidden = !events.length;
+  document.getElementById("events").replaceChildren(...events.map(eventItem));
+  document.getElementById("timeline-count").textContent = `· ${events.length} event${events.length === 1 ? "" : "s"}`;
+  const last = events[events.length - 1];
+  document.getElementById("timeline-last").textContent = last
+    ? `· latest: ${KINDS[last.kind] || last.kind.replace(/_/g, " ")} at ${fmtWhen(last.time)}` : "";
+}
+
+// -- the event stream ----------------------------------------------------------------------
 
 function url() {
   const q = new URLSearchParams();
   if (instance !== null) {
     for (const [kind, p] of panes) q.set(kind, String(p.offset));
     q.set("instance", instance);
+  } else if (target) {
+    q.set(`${target.kind}_line`, String(Math.max(1, target.n - CONTEXT)));
   }
   return `${api}/events${q.toString() ? "?" + q : ""}`;
 }
@@ -150,41 +223,36 @@ function connect() {
     instance = j.instance;
     showJob(j);
   });
+  source.addEventListener("timeline", (e) => showTimeline(JSON.parse(e.data).events || []));
   source.addEventListener("data", (e) => {
     const d = JSON.parse(e.data);
     const p = panes.get(d.stream);
     if (!p) return;
-    append(p, d.text);
+    p.append(d.text, d.line);
     p.offset = d.end;
   });
   source.addEventListener("skip", (e) => {
     const d = JSON.parse(e.data);
     const p = panes.get(d.stream);
     if (!p) return;
-    const what = d.from === 0 ? `The first ${fmtBytes(d.to)} are not shown` : `${fmtBytes(d.to - d.from)} skipped to keep up`;
-    p.note.textContent = `${what}; the download has everything.`;
-    p.note.hidden = false;
-    if (d.from > 0) append(p, `\n[… ${fmtBytes(d.to - d.from)} skipped …]\n`);
+    const what = d.from === 0 ? `The first ${fmtBytes(d.to)}${d.line ? ` (${d.line - 1} lines)` : ""} are not shown`
+      : `${fmtBytes(d.to - d.from)} skipped to keep up`;
+    p.say(`${what}; the download has everything.`);
+    if (d.from > 0) p.gap(`[… ${fmtBytes(d.to - d.from)} skipped …]`, d.line);
+    else p.line = typeof d.line === "number" ? d.line : null;
     p.offset = d.to;
   });
   source.addEventListener("reset", (e) => {
     const d = JSON.parse(e.data);
     for (const [kind, p] of panes) {
       if (d.stream && d.stream !== kind) continue;
-      p.pre.textContent = "";
-      p.chars = 0;
-      p.offset = 0;
-      p.note.textContent = "A new attempt of the job started this output afresh.";
-      p.note.hidden = false;
+      p.clear("A new attempt of the job started this output afresh.");
     }
   });
   source.addEventListener("refused", (e) => {
     const d = JSON.parse(e.data);
     const p = panes.get(d.stream);
-    if (!p) return;
-    p.note.textContent = d.reason;
-    p.note.className = "note bad";
-    p.note.hidden = false;
+    if (p) p.say(d.reason, "bad");
   });
   source.addEventListener("gone", () => { finish("This job is no longer in the shadow's state."); });
   source.addEventListener("end", () => { finish(""); });
@@ -214,12 +282,28 @@ followBox.addEventListener("change", () => {
   if (followBox.checked) for (const p of panes.values()) scrollEnd(p.pre);
 });
 
+const findBox = document.getElementById("find");
+const onlyBox = document.getElementById("only");
+function filterLines() {
+  document.getElementById("streams").classList.toggle("only", onlyBox.checked && findBox.value !== "");
+}
+findBox.addEventListener("input", () => { finder.run(); filterLines(); });
+findBox.addEventListener("keydown", (e) => {
+  if (e.key === "Enter") { e.preventDefault(); finder.step(e.shiftKey ? -1 : 1); }
+  if (e.key === "Escape") { findBox.value = ""; finder.run(); filterLines(); }
+});
+document.getElementById("find-next").addEventListener("click", () => finder.step(1));
+document.getElementById("find-prev").addEventListener("click", () => finder.step(-1));
+onlyBox.addEventListener("change", filterLines);
+
 async function start() {
   const res = await fetch(api, { cache: "no-store", credentials: "same-origin" });
   if (res.status === 401) { location.href = `/login?next=${encodeURIComponent(location.pathname)}`; return; }
   if (!res.ok) { showBanner(`No job ${jobId} at this shadow.`); live.textContent = ""; return; }
   const j = await res.json();
   showJob(j);
+  showTimeline(j.events || []);
+  if (target) followBox.checked = false;
   connect();
 }
 start();

@@ -1,13 +1,16 @@
-// The jobs page: the list from /api/jobs, fetched again every second.
+// The jobs page: the list from /api/jobs, fetched again every second, and
+// the refused connections from /api/refusals.
 "use strict";
 
 const REFRESH_MS = 1000;
+const DEFAULT_SORT = ["first_seen", -1]; // newest first
 const tbody = document.querySelector("#jobs tbody");
 const filterBox = document.getElementById("filter");
 const stateBox = document.getElementById("state");
+const sortBox = document.getElementById("sort");
 let jobs = [];
-let sortKey = "job_id";
-let sortDir = 1; // 1 ascending, -1 descending
+let refusals = [];
+let [sortKey, sortDir] = DEFAULT_SORT; // sortDir: 1 ascending, -1 descending
 let lastOk = 0;
 
 const params = new URLSearchParams(location.search);
@@ -19,6 +22,7 @@ function sortValue(job, key) {
   switch (key) {
     case "state": return jobStatus(job).rank;
     case "streams": return job.streams.length;
+    case "duration": return job.duration_s ?? 0;
     case "rate": return job.state === "finished" ? -1 : (job.rate || 0);
     case "idle": return job.idle_s === null ? Infinity : job.idle_s;
     case "exit": return job.state !== "finished" ? -Infinity : job.exit_signal ? 1000 + job.exit_signal : (job.exit_code ?? 999);
@@ -29,7 +33,7 @@ function sortValue(job, key) {
 function matches(job, text, state) {
   if (state && jobStatus(job).key !== state) return false;
   if (!text) return true;
-  const hay = [job.job_id, job.host, job.user, job.state, job.reason, ...(job.command || []),
+  const hay = [job.job_id, job.host, job.user, job.state, job.reason, job.why, ...(job.command || []),
     ...job.streams.map((s) => s.name)].join("\n").toLowerCase();
   return text.toLowerCase().split(/\s+/).every((word) => hay.includes(word));
 }
@@ -48,24 +52,36 @@ function streamsCell(job) {
   return box;
 }
 
+// A cell; `label` names it where rows stack (narrow windows), as the column's heading does elsewhere.
+function cell(label, attrs, ...children) {
+  return el("td", { ...attrs, "data-label": label }, ...children);
+}
+
 function row(job) {
   const st = jobStatus(job);
   const link = el("a", { href: job.page, class: "mono", text: job.job_id });
-  const refused = el("td", { class: "num" });
+  const refused = cell("Refused / failed", { class: "num refused" });
   if (job.failed_attempts) refused.append(el("span", { class: "warn", text: String(job.failed_attempts) }));
   if (job.reason) refused.append(el("div", { class: "reason", title: job.reason, text: job.reason }));
-  if (!refused.childNodes.length) refused.append(el("span", { class: "muted", text: "–" }));
-  const rate = job.state === "finished" ? "" : fmtRate(job.rate);
+  if (!refused.childNodes.length) {
+    refused.classList.add("nothing");
+    refused.append(el("span", { class: "muted", text: "–" }));
+  }
+  const state = el("td", { class: "state" }, pill(job));
+  if (job.why) state.append(el("div", { class: `why-line ${whyClass(job.why)}`, title: job.why, text: job.why }));
+  const who = cell("Host, user", { class: "who" }, el("span", { class: "mono", text: job.host || "–" }));
+  if (job.user) who.append(el("div", { class: "muted", text: job.user }));
   return el("tr", { class: `row-${st.key}`, "data-job": job.job_id, "data-state": st.key },
     el("td", { class: "job" }, link),
-    el("td", {}, pill(job)),
-    el("td", { class: "mono", text: job.host || "–" }),
-    el("td", { text: job.user || "–" }),
-    el("td", {}, streamsCell(job)),
-    el("td", { class: "num", text: fmtBytes(job.bytes) }),
-    el("td", { class: "num", text: rate }),
-    el("td", { class: "num", text: fmtAge(job.idle_s) }),
-    el("td", { class: `num exit ${st.key === "failed" ? "bad" : ""}`, text: exitText(job) }),
+    state,
+    cell("Started", { class: "started", title: fmtTime(job.first_seen), text: fmtWhen(job.first_seen) }),
+    cell("Duration", { class: "num duration", text: fmtDuration(job.duration_s) }),
+    who,
+    cell("Streams", { class: "streams-cell" }, streamsCell(job)),
+    cell("Bytes", { class: "num", text: fmtBytes(job.bytes) }),
+    cell("Rate", { class: "num", text: job.state === "finished" ? "" : fmtRate(job.rate) }),
+    cell("Last byte", { class: "num", text: fmtAge(job.idle_s) }),
+    cell("Exit", { class: `num exit ${st.key === "failed" ? "bad" : ""}`, text: exitText(job) }),
     refused,
   );
 }
@@ -83,6 +99,10 @@ function counts() {
   };
   nav.append(chip("", "jobs", jobs.length));
   for (const key of Object.keys(by)) nav.append(chip(key, key, by[key]));
+  if (refusals.length) {
+    nav.append(el("a", { class: "chip refused", href: "#refusals" },
+      el("span", { class: "n", text: String(refusals.length) }), " refused connections"));
+  }
 }
 
 function render() {
@@ -98,25 +118,53 @@ function render() {
   for (const th of document.querySelectorAll("#jobs th")) {
     th.setAttribute("aria-sort", th.dataset.key === sortKey ? (sortDir > 0 ? "ascending" : "descending") : "none");
   }
+  const chosen = `${sortKey} ${sortDir > 0 ? "asc" : "desc"}`;
+  if (![...sortBox.options].some((o) => o.value === chosen)) sortBox.append(el("option", { value: chosen, text: `${sortKey} (${sortDir > 0 ? "ascending" : "descending"})` }));
+  sortBox.value = chosen;
   counts();
+  renderRefusals();
   const empty = document.getElementById("empty");
   empty.hidden = shown.length > 0;
   empty.textContent = jobs.length ? "No job matches the filter." : "This shadow knows no jobs yet.";
   const q = new URLSearchParams();
   if (text) q.set("q", text);
   if (state) q.set("state", state);
-  if (sortKey !== "job_id" || sortDir < 0) { q.set("sort", sortKey); q.set("dir", sortDir > 0 ? "asc" : "desc"); }
-  history.replaceState(null, "", q.toString() ? `?${q}` : location.pathname);
+  if (sortKey !== DEFAULT_SORT[0] || sortDir !== DEFAULT_SORT[1]) { q.set("sort", sortKey); q.set("dir", sortDir > 0 ? "asc" : "desc"); }
+  history.replaceState(null, "", (q.toString() ? `?${q}` : location.pathname) + location.hash);
+}
+
+function renderRefusals() {
+  const section = document.getElementById("refusals");
+  section.hidden = refusals.length === 0;
+  document.getElementById("refusals-count").textContent = `(${refusals.length})`;
+  const known = new Map(jobs.map((j) => [j.job_id, j.page]));
+  document.getElementById("refusals-body").replaceChildren(...refusals.map((r) => {
+    const job = r.job_id ? (known.has(r.job_id) ? el("a", { href: known.get(r.job_id), class: "mono", text: r.job_id })
+      : el("span", { class: "mono", text: r.job_id })) : el("span", { class: "muted", text: "–" });
+    return el("tr", { "data-refused": r.job_id || "" },
+      cell("Time", { class: "started", title: fmtTime(r.time), text: fmtWhen(r.time) }),
+      cell("Peer", { class: "mono peer", text: r.peer || "–" }),
+      cell("Identity", { text: r.identity || "–" }),
+      cell("Job", {}, job),
+      cell("Why", { class: "why-cell" }, el("span", { class: "code", text: r.code || "" }), " ", r.message || ""),
+    );
+  }));
+}
+
+async function getJson(url) {
+  const res = await fetch(url, { cache: "no-store", credentials: "same-origin" });
+  if (res.status === 401) { location.href = "/login?next=/"; throw new Error("not logged in"); }
+  if (!res.ok) throw new Error(`the server answered ${res.status}`);
+  return res.json();
 }
 
 async function refresh() {
   try {
-    const res = await fetch("/api/jobs", { cache: "no-store", credentials: "same-origin" });
-    if (res.status === 401) { location.href = "/login?next=/"; return; }
-    if (!res.ok) throw new Error(`the server answered ${res.status}`);
-    const data = await res.json();
+    const [data, refused] = await Promise.all([getJson("/api/jobs"), getJson("/api/refusals")]);
     jobs = data.jobs;
+    refusals = refused.refusals || [];
     document.getElementById("root").textContent = data.root;
+    document.getElementById("root").title = data.root;
     showBanner(data.error);
     lastOk = Date.now();
     render();
@@ -132,12 +180,18 @@ for (const th of document.querySelectorAll("#jobs th")) {
   th.tabIndex = 0;
   const sortBy = () => {
     if (sortKey === th.dataset.key) sortDir = -sortDir;
-    else { sortKey = th.dataset.key; sortDir = th.classList.contains("num") ? -1 : 1; }
+    else { sortKey = th.dataset.key; sortDir = th.classList.contains("num") || sortKey === "first_seen" ? -1 : 1; }
     render();
   };
   th.addEventListener("click", sortBy);
   th.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); sortBy(); } });
 }
+sortBox.addEventListener("change", () => {
+  const [key, dir] = sortBox.value.split(" ");
+  sortKey = key;
+  sortDir = dir === "desc" ? -1 : 1;
+  render();
+});
 filterBox.addEventListener("input", render);
 stateBox.addEventListener("change", render);
 refresh();
