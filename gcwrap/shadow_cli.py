@@ -182,7 +182,8 @@ def _serve(opts: Any, state: str = "") -> None:
     import trio
 
     from .shadow.files import StoreError, check_root
-    from .shadow.server import ListenError, run_shadow
+    from .shadow.run import run_shadow
+    from .shadow.server import ListenError
 
     try:
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address

@@ -60,6 +60,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..wire.events import StreamSpec
+from . import timeline
 from .files import (
     JobFiles,
     Problem,
@@ -111,8 +112,33 @@ def _m001_initial(conn: psycopg.Connection[Any]) -> None:
     conn.execute("INSERT INTO gcshadow.meta VALUES ('state_id', md5(random()::text || clock_timestamp()::text))")
 
 
+def _m002_timeline(conn: psycopg.Connection[Any]) -> None:
+    # Each job's events, the refused connections, each shadow's own state (`timeline`).
+    conn.execute(
+        """CREATE TABLE gcshadow.events (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, job_id TEXT NOT NULL,
+            time DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL, source TEXT NOT NULL, details TEXT NOT NULL,
+            digest TEXT NOT NULL)"""
+    )
+    conn.execute("CREATE UNIQUE INDEX events_digest ON gcshadow.events (job_id, digest)")
+    conn.execute("CREATE INDEX events_time ON gcshadow.events (job_id, time)")
+    conn.execute(
+        """CREATE TABLE gcshadow.refusals (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, time DOUBLE PRECISION NOT NULL,
+            peer TEXT NOT NULL, identity TEXT NOT NULL, job_id TEXT NOT NULL, code TEXT NOT NULL,
+            message TEXT NOT NULL)"""
+    )
+    conn.execute(
+        """CREATE TABLE gcshadow.shadows (
+            shadow TEXT PRIMARY KEY, root TEXT NOT NULL, started DOUBLE PRECISION,
+            checked DOUBLE PRECISION NOT NULL, free BIGINT NOT NULL, min_free BIGINT NOT NULL)"""
+    )
+    conn.execute("ALTER TABLE gcshadow.jobs ADD COLUMN heard DOUBLE PRECISION")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[psycopg.Connection[Any]], None]]] = [
     (1, "initial", _m001_initial),
+    (2, "timeline", _m002_timeline),
 ]
 
 
@@ -480,6 +506,16 @@ class PgStore(Store):
             for job_id, shadow in dead:
                 conn.execute("UPDATE gcshadow.jobs SET state = 'disconnected' "
                              "WHERE job_id = %s AND shadow = %s AND state = 'streaming'", [job_id, shadow])
+            rows = conn.execute("SELECT shadow FROM gcshadow.shadows WHERE shadow LIKE %s",
+                                [host.replace("%", r"\%").replace("_", r"\_") + ":%"]).fetchall()
+            gone = [shadow for (shadow,) in rows if not _alive(int(shadow.rsplit(":", 1)[1]))]
+            conn.execute("DELETE FROM gcshadow.shadows WHERE shadow = ANY(%s)", [gone])
+
+    def record_timeline(self, batch: timeline.Batch) -> None:
+        """Jobs' events, refused connections, when agents were last heard
+        from, the root's free space (`timeline`), in a transaction of their own."""
+        with self.pg.transaction() as conn:
+            timeline.write(conn, timeline.POSTGRES, batch)
 
 
 def _alive(pid: int) -> bool:
@@ -492,25 +528,57 @@ def _alive(pid: int) -> bool:
     return pid != os.getpid()
 
 
-def _jobs(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+def _jobs(conn: psycopg.Connection[Any], job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
     cur = conn.cursor(row_factory=dict_row)
-    jobs = cur.execute("SELECT * FROM gcshadow.jobs WHERE state != 'new' ORDER BY first_seen").fetchall()
-    streams = cur.execute("SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
-                          "ORDER BY job_id, stream").fetchall()
+    one, args = (" AND job_id = %s", [job]) if job is not None else ("", [])
+    jobs = cur.execute(f"SELECT * FROM gcshadow.jobs WHERE state != 'new'{one} ORDER BY first_seen", args).fetchall()
+    streams = cur.execute(f"SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
+                          f"WHERE true{one} ORDER BY job_id, stream", args).fetchall()
     by_job: dict[str, list[dict[str, Any]]] = {}
     for s in streams:
         by_job.setdefault(s.pop("job_id"), []).append(s)
-    for job in jobs:
-        job.pop("shadow", None)
-        job["streams"] = by_job.get(job["job_id"], [])
-        job["command"] = json.loads(job["command"] or "[]")
-        job["summary"] = json.loads(job["summary"] or "{}")
-    return jobs
+    for j in jobs:
+        j.pop("shadow", None)
+        j["streams"] = by_job.get(j["job_id"], [])
+        j["command"] = json.loads(j["command"] or "[]")
+        j["summary"] = json.loads(j["summary"] or "{}")
+    now = time.time()
+    if not _has_timeline(conn):
+        return timeline.attach(jobs, {}, [], now)
+    found = timeline.read_events(conn, timeline.POSTGRES, job, events) if events != 0 else {}
+    return timeline.attach(jobs, found, timeline.read_homes(conn, timeline.POSTGRES, now), now)
 
 
-def list_jobs(url: str) -> list[dict[str, Any]]:
-    """Every job the state at `url` knows, with its streams (for `gcshadow jobs`)."""
-    return JobsReader(url).read(close=True)
+def _has_timeline(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the state has the timeline's tables (its shadows may all be of an older version)."""
+    row = conn.execute("SELECT to_regclass('gcshadow.events') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+def list_jobs(url: str, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
+    """Every job the state at `url` knows (or `job` alone), with its streams
+    and timeline (the newest `events` of each), for `gcshadow jobs`."""
+    return JobsReader(url).read(close=True, job=job, events=events)
+
+
+def list_refusals(url: str, limit: int) -> list[dict[str, Any]]:
+    """The newest refused connections first, of every shadow of the state at `url`."""
+    reader = JobsReader(url)
+    try:
+        with reader.pg.transaction() as conn:
+            return timeline.read_refusals(conn, timeline.POSTGRES, limit) if _has_timeline(conn) else []
+    finally:
+        reader.close()
+
+
+def list_homes(url: str) -> list[dict[str, Any]]:
+    """The shadows serving with the state at `url`, each with its root's free space."""
+    reader = JobsReader(url)
+    try:
+        with reader.pg.transaction() as conn:
+            return timeline.read_homes(conn, timeline.POSTGRES, time.time()) if _has_timeline(conn) else []
+    finally:
+        reader.close()
 
 
 class JobsReader:
@@ -520,11 +588,12 @@ class JobsReader:
         self.pg = PgConnection(url, Health(shown(url)))
         self.pg.health.failed = lambda why: None  # type: ignore[method-assign]  # a reader logs nothing
 
-    def read(self, *, close: bool = False) -> list[dict[str, Any]]:
-        """The jobs, with their streams; StateUnavailable if the state cannot be read."""
+    def read(self, *, close: bool = False, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
+        """The jobs (or `job` alone), with their streams and timelines (the
+        newest `events` of each; None: all kept); StateUnavailable if the state cannot be read."""
         try:
             with self.pg.transaction() as conn:
-                return _jobs(conn)
+                return _jobs(conn, job, events)
         finally:
             if close:
                 self.pg.close()
