@@ -44,9 +44,11 @@ class JobEvent:
     details: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> tuple[Any, ...]:
-        details = json.dumps(self.details, sort_keys=True, separators=(",", ":"))
-        key = json.dumps([repr(self.time), self.kind, self.source, details])
+        """Its columns; the digest is of its details in any order (the row keeps theirs)."""
+        canonical = json.dumps(self.details, sort_keys=True, separators=(",", ":"))
+        key = json.dumps([repr(self.time), self.kind, self.source, canonical])
         digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        details = json.dumps(self.details, separators=(",", ":"))
         return (self.job_id, self.time, self.kind, self.source, details, digest, self.job_id)
 
 
