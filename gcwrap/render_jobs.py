@@ -213,9 +213,11 @@ def refusals_view(refusals: list[dict[str, Any]], now: float, width: int | None 
     if table is not None:
         return table
     lines: list[str] = []
-    for row in cells:
-        lines += wrap_fields([f"{row[0]}", row[1], f"[{row[2]}]", f"job {row[3]}:", *row[5].split(), f"[{row[4]}]"],
-                             width)
+    for r in refusals:
+        who = [f"[{r['identity']}]"] if r["identity"] else []
+        job = [f"job {r['job_id']}:"] if r["job_id"] else []
+        lines += wrap_fields([clock(r["time"], now), f"{r['peer']}", *who, *job, *r["message"].split(),
+                              f"[{r['code']}]"], width)
     return _group(_lines(lines or ["no refused connections"]))
 
 
