@@ -24,13 +24,11 @@ from faults import Relay
 from helpers import ShadowProc, Wrapper, tool, wait_until
 
 from gcwrap.shadow.state import Store
-from gcwrap.shadow.tail import start_offset
 from gcwrap.wire.events import (
     NOTES_FEATURE,
     Data,
     Done,
     Error,
-    ErrorCode,
     Exit,
     Hello,
     Note,
@@ -368,6 +366,7 @@ def test_start_offset_is_where_the_last_lines_begin(tmp_path: Path, monkeypatch:
     import random
 
     from gcwrap.shadow import tail as tail_module
+    from gcwrap.shadow.tail import start_offset
 
     rng = random.Random(7)
     path = tmp_path / "f"

@@ -45,6 +45,7 @@ NOTES_PER_SESSION = 1000  # notes one session may add (the timeline keeps as man
 REFUSALS_PER_S = 20.0
 REFUSALS_BURST = 200.0
 SAY_DROPPED_EVERY = 60.0  # seconds between log lines about what was not recorded
+MESSAGE_MOST = 1000  # characters of a refusal's words kept
 
 
 @dataclass
@@ -123,6 +124,7 @@ class EventLog:
             return
         self.tokens -= 1
         t = time.time()
+        message = message[:MESSAGE_MOST].replace("\x00", "")  # (a state's text holds no NUL)
         self.batch.refusals.append(Refusal(t, caller.peer, caller.identity, caller.job_id, code, message))
         if caller.job_id and not caller.session:
             self._add(JobEvent(caller.job_id, t, "refused", "shadow", {"code": code, "message": message,
