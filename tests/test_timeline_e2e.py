@@ -273,9 +273,11 @@ def _made_jobs(home: Path) -> None:
         long_ago = time.time() - 3 * 86400
         store.db.execute("UPDATE jobs SET first_seen = ?, last_seen = ?, ended = ? WHERE job_id = 'old-5'",
                          [long_ago, long_ago, long_ago])
-        # (connected, heartbeats answered, nothing written for a minute: quiet)
-        store.db.execute("UPDATE jobs SET last_seen = ?, heard = ? WHERE job_id = 'live-4'",
-                         [time.time() - 60, time.time()])
+        # (connected, heartbeats answered, nothing written for a minute: quiet; a state that
+        # does not record when agents were heard from has no quiet jobs)
+        if "heard" in {row[1] for row in store.db.execute("PRAGMA table_info(jobs)")}:
+            store.db.execute("UPDATE jobs SET last_seen = ?, heard = ? WHERE job_id = 'live-4'",
+                             [time.time() - 60, time.time()])
     finally:
         store.close()
 
