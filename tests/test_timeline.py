@@ -162,3 +162,71 @@ def test_why_disconnected_refused_short_of_disk_finished() -> None:
 def test_timeline_statements_spell_the_same_for_both() -> None:
     assert timeline.SQLITE.sql("SELECT ? FROM {s}events") == "SELECT ? FROM events"
     assert timeline.POSTGRES.sql("SELECT ? FROM {s}events") == "SELECT %s FROM gcshadow.events"
+
+
+# -- the shadow's side: queued, batched, bounded, never in the way --------------------------------------------
+
+
+class _Failing:
+    """A state that cannot take a batch now (lost, say): what the event log must survive."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        self.failing = True
+
+    def record_timeline(self, batch: Batch) -> None:
+        if self.failing:
+            from gcwrap.shadow.files import StateUnavailable
+
+            raise StateUnavailable("the state database failed: come back shortly", "gone")
+        self.batches.append(batch)
+
+
+async def _worker(fn: Any) -> Any:
+    import trio
+
+    return await trio.to_thread.run_sync(fn)
+
+
+async def test_a_batch_the_state_cannot_take_is_dropped_and_the_next_one_goes(tmp_path: Path) -> None:
+    from gcwrap.shadow.admission import ShadowOptions
+    from gcwrap.shadow.eventlog import Caller, EventLog
+
+    state = _Failing()
+    events = EventLog(ShadowOptions(root=tmp_path), state, {}, _worker)  # type: ignore[arg-type]
+    caller = Caller("10.0.0.1:5", "token", job_id="j1")
+    events.opened(caller, 3, "node7")
+    await events.flush()  # (raises nothing: logged and dropped)
+    assert events.dropped["batches"] == 1 and not state.batches
+    state.failing = False
+    events.ended(caller, "timed out", "TIMEOUT", 12.5)
+    await events.flush()
+    [batch] = state.batches
+    assert [(e.kind, e.details) for e in batch.events] == [
+        ("session_ended", {"session": 3, "reason": "timed out", "code": "TIMEOUT", "heard": 12.5})]
+
+
+async def test_refusals_are_rate_limited_and_notes_bounded_per_session(tmp_path: Path) -> None:
+    from gcwrap.shadow import eventlog
+    from gcwrap.shadow.admission import ShadowOptions
+    from gcwrap.shadow.durability import LiveJob
+    from gcwrap.shadow.eventlog import Caller, EventLog
+    from gcwrap.wire.events import Note
+
+    state = _Failing()
+    state.failing = False
+    events = EventLog(ShadowOptions(root=tmp_path), state, {}, _worker)  # type: ignore[arg-type]
+    for i in range(10_000):  # a flood, faster than any rate: the burst is taken, the rest counted
+        events.refused(Caller(f"10.0.0.1:{i}", ""), "BAD_FRAME", "x" * 5000)
+    assert eventlog.REFUSALS_BURST <= len(events.batch.refusals) <= eventlog.REFUSALS_BURST + 5
+    assert events.dropped["refusals"] >= 10_000 - eventlog.REFUSALS_BURST - 5
+    assert max(len(r.message) for r in events.batch.refusals) == eventlog.MESSAGE_MOST
+    assert not events.batch.events  # (no job named: no timeline touched)
+    job = LiveJob("j1")
+    note = Note(1.0, "stalled", (("seconds", 12.0),))
+    for _ in range(eventlog.NOTES_PER_SESSION // 64 + 2):
+        events.notes(job, (note,) * 64)
+    assert len(events.batch.events) == eventlog.NOTES_PER_SESSION
+    await events.flush()  # (what was queued goes in one batch)
+    [batch] = state.batches
+    assert len(batch.refusals) <= eventlog.REFUSALS_BURST + 5 and len(batch.events) == eventlog.NOTES_PER_SESSION

@@ -253,6 +253,41 @@ def test_home_short_of_disk_is_said_at_start_in_jobs_and_in_refusals(home: Path,
     assert res.returncode == 0 and "home short of disk" in res.stderr and "--min-free 1000.0 TiB" in res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_flood_of_garbage_connections_is_listed_bounded_and_the_shadow_serves_on(
+        home: Path, tmp_path: Path, shadows: list[ShadowProc]) -> None:
+    """2000 connections that send garbage: the refusals recorded are bounded
+    by the rate limit (the rest counted in one log line), and a real job is
+    served as before, byte exact."""
+    import threading
+
+    sh = start_shadow(home, tmp_path, shadows, "")
+    began = time.time()
+
+    def garbage(n: int) -> None:
+        for _ in range(n):
+            with socket.create_connection(("127.0.0.1", sh.port), timeout=10) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n" * 4)
+
+    threads = [threading.Thread(target=garbage, args=(250,)) for _ in range(8)]
+    for th in threads:
+        th.start()
+    w = Wrapper(["--shadow", sh.address, "--spool", str(tmp_path / "spool"), "--job-id", "amid-1", "--stdout",
+                 "amid.out", "--", "sh", "-c", "seq 1 1000"])
+    assert w.wait(60) == 0, w.err.decode()
+    for th in threads:
+        th.join(60)
+    assert (home / "amid.out").read_bytes() == b"".join(f"{i}\n".encode() for i in range(1, 1001))
+    wait_until(lambda: "refused connection(s)" in sh.log(), 10, "the refusals not recorded, counted in the log")
+    refused = jobs_json(home, "", "--refused")
+    from gcwrap.shadow import eventlog
+
+    most = eventlog.REFUSALS_BURST + eventlog.REFUSALS_PER_S * (time.time() - began) + 5
+    assert eventlog.REFUSALS_BURST / 2 <= len(refused) <= most, (len(refused), most)
+    assert {r["code"] for r in refused} == {"BAD_FRAME"} and all(r["job_id"] == "" for r in refused), refused[:3]
+    assert [j["job_id"] for j in jobs_json(home, "")] == ["amid-1"]
+
+
 # -- the listing: filters, rows for scripts, numbers ------------------------------------------------------
 
 
