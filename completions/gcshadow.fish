@@ -62,6 +62,13 @@ complete -c gcshadow -n '__gcshadow_using jobs' -l state -x -d 'Where the state 
 complete -c gcshadow -n '__gcshadow_using jobs' -l json -d 'Print JSON for scripts instead of a table'
 complete -c gcshadow -n '__gcshadow_using jobs' -s w -l watch -d 'Refresh the table live, like top (Ctrl-C to stop)'
 complete -c gcshadow -n '__gcshadow_using jobs' -l interval -x -d 'Seconds between refreshes with --watch'
+complete -c gcshadow -n '__gcshadow_using jobs' -l status -x -a 'streaming quiet stalled disconnected refused finished failed' -d 'Only jobs in these states (repeatable): streaming, quiet, stalled...'
+complete -c gcshadow -n '__gcshadow_using jobs' -l since -x -d 'Only jobs active since WHEN: a duration back from now (30m, 2h, 1d)...'
+complete -c gcshadow -n '__gcshadow_using jobs' -l user -x -d 'Only jobs of this user (a shell pattern; repeatable or comma-separated)'
+complete -c gcshadow -n '__gcshadow_using jobs' -l host -x -d 'Only jobs that ran on this host (a shell pattern; repeatable or...'
+complete -c gcshadow -n '__gcshadow_using jobs' -s o -l columns -x -d 'The columns to show, comma-separated: job, host, user, state...'
+complete -c gcshadow -n '__gcshadow_using jobs' -l no-header -d 'Tab-separated rows without the header line (off a terminal the rows...'
+complete -c gcshadow -n '__gcshadow_using jobs' -l refused -d 'List the recently refused connections instead (newest first)'
 complete -c gcshadow -n '__gcshadow_using jobs' -s h -l help -d 'Show this message and exit'
 
 # gcshadow tail
@@ -69,6 +76,8 @@ complete -c gcshadow -n '__gcshadow_using tail' -l root -x -a '(__fish_complete_
 complete -c gcshadow -n '__gcshadow_using tail' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using tail' -s f -l follow -d 'Keep printing as the output grows, until the job ends'
 complete -c gcshadow -n '__gcshadow_using tail' -l all -d 'Every job, each line prefixed with [JOB STREAM]'
+complete -c gcshadow -n '__gcshadow_using tail' -s n -l lines -x -d 'Start at the last N lines of each stream (default: its first byte)'
+complete -c gcshadow -n '__gcshadow_using tail' -s c -l bytes -x -d 'Start at the last N bytes of each stream (4096, 64KiB...)'
 complete -c gcshadow -n '__gcshadow_using tail' -s h -l help -d 'Show this message and exit'
 complete -c gcshadow -n '__gcshadow_using tail' -a 'stdout stderr all'
 

@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from .agent.records import loss_text
 from .logs import setup_logging as setup_logging  # (re-exported: where it was)
+from .units import human_bytes as human_bytes  # (re-exported: where it was)
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from pathlib import Path
@@ -28,14 +29,6 @@ def stderr_console() -> Console:
     from rich.console import Console
 
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def ago(t: float | None, now: float | None = None) -> str:

@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .clitypes import Size
+from .shadow.why import STATUSES
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -182,7 +183,8 @@ def _serve(opts: Any, state: str = "") -> None:
     import trio
 
     from .shadow.files import StoreError, check_root
-    from .shadow.server import ListenError, run_shadow
+    from .shadow.run import run_shadow
+    from .shadow.server import ListenError
 
     try:
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
@@ -244,6 +246,42 @@ def _security(
     return {"token": token, "tokens": tokens, "tls": tls, "subjects": subjects, "allow": allowed}
 
 
+class Statuses(click.Choice):  # type: ignore[type-arg]
+    """--status: one of STATUSES, or several separated by commas."""
+
+    def __init__(self) -> None:
+        super().__init__(STATUSES)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        return tuple(super(Statuses, self).convert(v.strip(), param, ctx) for v in str(value).split(",") if v.strip())
+
+
+def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    import time
+
+    from .shadow.history import parse_since
+
+    try:
+        return None if value is None else parse_since(value, time.time())
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _columns(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    from .render_jobs import parse_columns
+
+    try:
+        return None if value is None else parse_columns(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _patterns(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    return [p.strip() for v in value for p in v.split(",") if p.strip()]
+
+
 @main.command(context_settings=CONTEXT)
 @root_option
 @state_option
@@ -251,58 +289,154 @@ def _security(
 @click.option("-w", "--watch", is_flag=True, help="Refresh the table live, like top (Ctrl-C to stop).")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between refreshes with --watch.")
+@click.option("--status", "statuses", type=Statuses(), multiple=True, metavar="STATUS[,STATUS...]",
+              help=f"Only jobs in these states (repeatable): {', '.join(STATUSES)}.")
+@click.option("--since", callback=_since, metavar="WHEN",
+              help="Only jobs active since WHEN: a duration back from now (30m, 2h, 1d) or a time (14:00, 2026-11-23).")
+@click.option("--user", "users", multiple=True, callback=_patterns, metavar="USER",
+              help="Only jobs of this user (a shell pattern; repeatable or comma-separated).")
+@click.option("--host", "hosts", multiple=True, callback=_patterns, metavar="HOST",
+              help="Only jobs that ran on this host (a shell pattern; repeatable or comma-separated).")
+@click.option("-o", "--columns", callback=_columns, metavar="COLUMNS",
+              help="The columns to show, comma-separated: job, host, user, state, status, why, bytes, rate, duration, "
+                   "first_seen, last_seen, ended, exit, signal, streams, peer, instance, session, command.")
+@click.option("--no-header", is_flag=True,
+              help="Tab-separated rows without the header line (off a terminal the rows are tab-separated anyway).")
+@click.option("--refused", is_flag=True, help="List the recently refused connections instead (newest first).")
 @click.argument("job", required=False)
-def jobs(root: Path, state: str, as_json: bool, watch: bool, interval: float, job: str | None) -> None:
+def jobs(root: Path, state: str, as_json: bool, watch: bool, interval: float, statuses: tuple[tuple[str, ...], ...],
+         since: float | None, users: list[str], hosts: list[str], columns: list[str] | None, no_header: bool,
+         refused: bool, job: str | None) -> None:
     """List the jobs the shadow at ROOT knows: host, state, exit status, bytes, rate.
 
-    With JOB, show everything known of that job, including its I/O summary;
-    with --watch, keep showing it (or the list) live.
+    With JOB, show everything known of that job: why it looks the way it
+    does, its I/O summary and its timeline (sessions, cuts, stalls,
+    refusals, the exit); with --watch, keep showing it (or the list) live.
+    On a terminal the list is a table; off a terminal (or with
+    --no-header) it is tab-separated rows a script can cut.
 
     \b
     Examples:
       gcshadow jobs --root ~/results
-      gcshadow jobs --root ~/results --watch
+      gcshadow jobs --root ~/results --status failed,disconnected --since 2h
+      gcshadow jobs --root ~/results -o job,status,why --no-header | cut -f1
       gcshadow jobs --root ~/results slurm-4242
+      gcshadow jobs --root ~/results --refused
       gcshadow jobs --state postgresql://gcshadow@db.example.org/gcshadow
     """
-    import json
-    import sqlite3
-    import time
-
-    from .render import job_bytes, job_detail, job_figures, jobs_view, output_width, print_view, stdout_console
-    from .shadow.backends import read_jobs
-    from .shadow.files import StoreError
+    wanted = [s for group in statuses for s in group]
+    if job is not None and (wanted or since is not None or users or hosts):
+        raise click.UsageError("--status, --since, --user and --host select jobs from the list: not with JOB")
+    if refused:
+        if wanted or users or hosts or columns or watch:
+            raise click.UsageError("--refused lists refused connections: it takes JOB, --since, --json and "
+                                   "--no-header only")
+        _refusals(state, root, job, since, as_json, no_header)
+        return
+    from .shadow.history import select
 
     def load() -> list[dict[str, Any]]:
-        try:
-            found = read_jobs(state, root)
-        except sqlite3.Error as e:
-            raise click.ClickException(f"no shadow state under {root}: {e}") from None
-        except StoreError as e:
-            raise click.ClickException(str(e)) from None
-        if job is None:
-            return found
-        match = [j for j in found if j["job_id"] == job]
-        if not match:
-            raise click.ClickException(f"no job {job!r} at this shadow")
-        return match
+        found = _read(lambda: _read_jobs(state, root, job))
+        return select(found, _now(), statuses=wanted, since=since, users=users, hosts=hosts)
 
+    _say_home(state, root)
     found = load()
+    if job is not None and not found:
+        raise click.ClickException(f"no job {job!r} at this shadow")
+    _show_jobs(found, load, job, as_json, watch, interval, columns, no_header)
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def _read(fn: Callable[[], Any]) -> Any:
+    """What `fn` reads of the state; a state that cannot be read in one line (exit 1)."""
+    import sqlite3
+
+    from .shadow.files import StoreError
+
+    try:
+        return fn()
+    except sqlite3.Error as e:
+        raise click.ClickException(f"no shadow state under the root: {e}") from None
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _read_jobs(state: str, root: Path, job: str | None) -> list[dict[str, Any]]:
+    from .shadow.backends import read_jobs
+
+    # (A job's whole timeline for JOB; the newest few of each for the list, enough for its status.)
+    return read_jobs(state, root, job=job, events=None if job is not None else 20)
+
+
+def _say_home(state: str, root: Path) -> None:
+    """A line on stderr when a shadow of this root is short of disk (its agents are told BUSY)."""
+    from .render_jobs import home_warning
+    from .shadow.backends import read_homes
+
+    try:
+        homes = read_homes(state, root)
+    except Exception:  # noqa: BLE001 - the listing itself says why the state cannot be read
+        return
+    for line in home_warning(homes):
+        click.echo(f"gcshadow: {line}", err=True)
+
+
+def _refusals(state: str, root: Path, job: str | None, since: float | None, as_json: bool, no_header: bool) -> None:
+    import json
+
+    from .render import output_width, print_view, stdout_console
+    from .render_jobs import refusals_tsv, refusals_view
+    from .shadow.backends import read_refusals
+    from .shadow.timeline import REFUSALS_KEPT
+
+    found = _read(lambda: read_refusals(state, root, REFUSALS_KEPT))
+    found = [r for r in found if (job is None or r["job_id"] == job) and (since is None or r["time"] >= since)]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+    elif no_header or not sys.stdout.isatty():
+        click.echo(refusals_tsv(found, header=not no_header), nl=False)
+    else:
+        console = stdout_console()
+        print_view(console, refusals_view(found, _now(), output_width(console)))
+
+
+def _show_jobs(found: list[dict[str, Any]], load: Callable[[], list[dict[str, Any]]], job: str | None,
+               as_json: bool, watch: bool, interval: float, columns: list[str] | None, no_header: bool) -> None:
+    """The jobs as JSON, tab-separated rows, a table or one job's detail; with `watch`, again and again."""
+    import json
+    import time
+
+    from rich.console import Group
+
+    from .render import job_bytes, job_detail, output_width, stdout_console
+    from .render_jobs import DEFAULT_COLUMNS, columns_view, job_json, job_timeline, jobs_tsv
+
     if as_json:
         now = time.time()
-        shown = [job_figures(j, now) for j in found]
+        shown = [job_json(j, now, events=job is not None) for j in found]
         click.echo(json.dumps(shown[0] if job is not None else shown, indent=2))
         return
+    chosen = columns or list(DEFAULT_COLUMNS)
+    plain = job is None and (no_header or not sys.stdout.isatty())
     console = stdout_console()
 
     def view(rates: dict[str, float] | None = None) -> Any:
         now = time.time()
         if job is not None:
-            return job_detail(found[0], rates.get(job) if rates else None, now, output_width(console))
-        return jobs_view(found, rates, now, output_width(console))
+            width = output_width(console)
+            return Group(job_detail(found[0], rates.get(job) if rates else None, now, width),
+                         job_timeline(found[0], now, width))
+        if plain:
+            return jobs_tsv(found, chosen, now, rates, header=not no_header)
+        return columns_view(found, chosen, now, rates, output_width(console))
 
     if not watch:
-        print_view(console, view())
+        _print(console, view())
         return
     # --watch: the rate is how fast each job's bytes arrive between two refreshes.
     last = {j["job_id"]: job_bytes(j) for j in found}
@@ -319,11 +453,19 @@ def jobs(root: Path, state: str, as_json: bool, watch: bool, interval: float, jo
     _watch(console, view, refresh)
 
 
+def _print(console: Any, view: Any) -> None:
+    """A view: rows for scripts (text) as they are, anything else through rich."""
+    from .render import print_view
+
+    if isinstance(view, str):
+        sys.stdout.write(view)
+    else:
+        print_view(console, view)
+
+
 def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -> None:
     """Show `first()`, then each `refresh()`, until Ctrl-C: live on a
     terminal, one view after another through a pipe (like `top -b`)."""
-    from .render import print_view
-
     try:
         if console.is_terminal:
             from rich.live import Live
@@ -332,9 +474,9 @@ def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -
                 while True:
                     live.update(refresh(), refresh=True)
         else:
-            print_view(console, first())
+            _print(console, first())
             while True:
-                print_view(console, refresh())
+                _print(console, refresh())
                 sys.stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -345,18 +487,25 @@ def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -
 @state_option
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the output grows, until the job ends.")
 @click.option("--all", "all_jobs", is_flag=True, help="Every job, each line prefixed with [JOB STREAM].")
+@click.option("-n", "--lines", type=click.IntRange(min=0), metavar="N",
+              help="Start at the last N lines of each stream (default: its first byte).")
+@click.option("-c", "--bytes", "nbytes", type=Size(), metavar="N",
+              help="Start at the last N bytes of each stream (4096, 64KiB...).")
 @click.argument("job", required=False)
 @click.argument("stream", required=False, metavar="[STREAM]", type=click.Choice(["stdout", "stderr", "all"]))
-def tail(root: Path, state: str, follow: bool, all_jobs: bool, job: str | None, stream: str | None) -> None:
+def tail(root: Path, state: str, follow: bool, all_jobs: bool, lines: int | None, nbytes: int | None,
+         job: str | None, stream: str | None) -> None:
     """Print the output a job has delivered so far; with -f, follow it live.
 
     STREAM is stdout (the default), stderr, or all. Following ends when the
     job has ended and all its output is printed; with --all it goes on until
-    interrupted.
+    interrupted. -n N (lines) or -c N (bytes) starts at the end of each
+    stream instead of its beginning, like tail(1) and condor_tail.
 
     \b
     Examples:
       gcshadow tail -f --root ~/results slurm-4242
+      gcshadow tail -n 20 --root ~/results slurm-4242 stderr
       gcshadow tail -f --all --root ~/results
     """
     import sqlite3
@@ -368,10 +517,13 @@ def tail(root: Path, state: str, follow: bool, all_jobs: bool, job: str | None, 
         raise click.UsageError("name a JOB, or use --all")
     if job is not None and all_jobs:
         raise click.UsageError("--all follows every job: do not name one")
+    if lines is not None and nbytes is not None:
+        raise click.UsageError("give -n (lines) or -c (bytes), not both")
     stream = stream or ("all" if all_jobs else "stdout")
     prefix = all_jobs or stream == "all"
     try:
-        run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix, state_url=state)
+        run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix, state_url=state, lines=lines,
+                 nbytes=nbytes)
     except sqlite3.Error as e:
         raise click.ClickException(f"no shadow state under {root}: {e}") from None
     except StoreError as e:

@@ -410,7 +410,9 @@ def test_job_detail_keeps_fields_whole(width: int) -> None:
 @pytest.mark.timeout(120)
 def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path) -> None:
     """The real commands, their stdout a pipe: a row per line (for grep), as
-    wide as it takes; with COLUMNS=60, the narrow layout, names whole."""
+    wide as it takes; with COLUMNS=60, the narrow layout, names whole.
+    `gcshadow jobs` through a pipe gives tab-separated rows a script can cut
+    (a header line, then a row per job; no box drawing), whatever COLUMNS says."""
     name = "results/a-rather-long-directory/cased2/out.txt"
     w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "piped-job-with-a-long-id",
                  "--stdout", name, "--", "sh", "-c", "echo hello; exit 3"])
@@ -420,8 +422,16 @@ def test_status_and_jobs_through_a_pipe(shadow: ShadowProc, home: Path, spool_di
                  "--retry-timeout", "0.1", "--stdout", name, "--", "echo", "hi"])
     assert w.wait(30) == 122
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    for argv, key in (([*tool("gcshadow"), "jobs", "--root", str(home)], "piped-job-with-a-long-id"),
-                      ([*tool("gcwrap"), "status", "--spool", str(left)], "left-behind")):
+    for columns in ("", "60"):
+        rows = subprocess.run([*tool("gcshadow"), "jobs", "--root", str(home)], capture_output=True, text=True,
+                              timeout=60, env={**env, "COLUMNS": columns} if columns else env, check=True).stdout
+        head, *body = [line.split("\t") for line in rows.splitlines()]
+        assert head == ["job", "host", "state", "bytes", "rate", "last_seen", "streams"] and len(body) == 1, rows
+        job, _host, state, size, rate, _seen, streams = body[0]
+        assert (job, state, size, streams) == ("piped-job-with-a-long-id", "finished with status 3", "6",
+                                               f"stdout {name} 6"), rows
+        assert float(rate) > 0 and not set(rows) & set("│┃━─"), rows
+    for argv, key in (([*tool("gcwrap"), "status", "--spool", str(left)], "left-behind"),):
         wide = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=True).stdout
         row = [line for line in wide.splitlines() if key in line and "│" in line]
         assert len(row) == 1 and name in row[0] and ("status 3" in row[0] or "gave-up" in row[0]), wide

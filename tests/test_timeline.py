@@ -1,287 +1,232 @@
-"""The agent's journal of its delivery, as pure objects (gcwrap.agent.timeline):
-the link's clock (connected, stalled, disconnected, waiting since), the
-notes for home and their frames. Driven by trio's autojump clock: time
-passes with trio.sleep, no real waiting."""
+"""A job's timeline at home, refused connections and the shadow's own
+state, as both states keep them (the root's SQLite and PostgreSQL), and
+`why` a job looks the way it does.
+
+The states are real (a real PostgreSQL: tests/pgserver.py); the shadow's
+side of the recording (what it queues, how it batches and bounds) is in
+tests/test_timeline_e2e.py, with real processes.
+"""
 
 from __future__ import annotations
 
-import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
-import trio
-from trio.testing import MockClock
 
-from gcwrap.agent.timeline import NOTE_TEXT, Journal, LinkClock, Timeline, make_note, note_frames, process_started
-from gcwrap.wire.events import Note, Notes
-from gcwrap.wire.frames import MAX_CONTROL, MAX_NOTES
-from gcwrap.wire.protocol import Connection, Role
+from gcwrap.shadow import timeline
+from gcwrap.shadow.backends import read_homes, read_jobs, read_refusals
+from gcwrap.shadow.state import Store
+from gcwrap.shadow.timeline import EVENTS_KEPT, REFUSALS_KEPT, Batch, Home, JobEvent, Refusal
+from gcwrap.shadow.why import status, why
+from gcwrap.wire.events import StreamSpec
 
-HB = 1.0  # the heartbeat of these tests
-UNIX = 1.7e9  # a Unix time for trio's clock's zero
+pytestmark = pytest.mark.timeout(120)
 
-
-def autojump() -> MockClock:
-    return MockClock(autojump_threshold=0)
+STREAMS = (StreamSpec(1, "stdout", "out.txt"),)
 
 
-def now() -> float:
-    return trio.current_time()
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, str]]:
+    """A store of each kind, and the --state its readers are given."""
+    if request.param == "sqlite":
+        store, url = Store(tmp_path), ""
+    else:
+        from gcwrap.shadow.pgstate import PgStore
+
+        url = request.getfixturevalue("pg_url")
+        store = PgStore(tmp_path, url)
+    try:
+        yield store, url
+    finally:
+        store.close()
 
 
-def journal() -> Journal:
-    return Journal(HB, lambda t: UNIX + t)
+def _open(store: Store, job: str = "j1") -> int:
+    files = store.open_job(job_id=job, instance="a1", streams=STREAMS, host="h", user="u", command=["c"], peer="p")
+    files.close()
+    return files.session
 
 
-def kinds(j: Journal) -> list[str]:
-    return [n.kind for n in j.notes.unsent(0)]
+def test_events_are_kept_once_in_time_order_for_known_jobs_only(state: tuple[Store, str], tmp_path: Path) -> None:
+    store, url = state
+    _open(store)
+    t = time.time()
+    note = JobEvent("j1", t - 5, "stalled", "agent", {"since": t - 17, "seconds": 12.0, "shadow": "h:1"})
+    store.record_timeline(Batch(events=[
+        JobEvent("j1", t, "session_opened", "shadow", {"session": 1, "peer": "p", "host": "h"}),
+        note, note,  # (at least once: the same note twice is kept once)
+        JobEvent("nobody", t, "refused", "shadow", {"code": "AUTH_FAILED", "message": "m", "peer": "p"}),
+    ]))
+    store.record_timeline(Batch(events=[note, JobEvent("j1", t - 5, "stalled", "agent", {"seconds": 12.0})]))
+    [job] = read_jobs(url, tmp_path)
+    assert [(e["kind"], e["source"]) for e in job["events"]] == [
+        ("stalled", "agent"), ("stalled", "agent"), ("session_opened", "shadow")]
+    assert job["events"][-1] == {"time": t, "kind": "session_opened", "source": "shadow",
+                                 "details": {"session": 1, "peer": "p", "host": "h"}}
+    assert {"since": t - 17, "seconds": 12.0, "shadow": "h:1"} in [e["details"] for e in job["events"]]
+    assert [j["job_id"] for j in read_jobs(url, tmp_path)] == ["j1"]  # (no job made for a refusal)
+    assert read_jobs(url, tmp_path, job="j1", events=1)[0]["events"] == job["events"][-1:]
+    assert read_jobs(url, tmp_path, events=0)[0]["events"] == []
 
 
-def details(note: Note) -> dict[str, object]:
-    return dict(note.details)
+def test_a_jobs_events_are_bounded_the_newest_kept(state: tuple[Store, str], tmp_path: Path) -> None:
+    store, url = state
+    _open(store)
+    t = time.time()
+    for start in (0, 700):
+        store.record_timeline(Batch(events=[JobEvent("j1", t + i, "compression", "agent", {"on": i % 2 == 0})
+                                            for i in range(start, start + 700)]))
+    [job] = read_jobs(url, tmp_path)
+    assert len(job["events"]) == EVENTS_KEPT
+    assert job["events"][0]["time"] == t + 1400 - EVENTS_KEPT and job["events"][-1]["time"] == t + 1399
 
 
-# -- the link's clock ----------------------------------------------------------------------------------------
+def test_refusals_are_bounded_newest_first(state: tuple[Store, str], tmp_path: Path) -> None:
+    store, url = state
+    t = time.time()
+    for start in (0, 600):
+        store.record_timeline(Batch(refusals=[Refusal(t + i, f"10.0.0.1:{i}", "", "j9" if i % 2 else "",
+                                                      "AUTH_FAILED", "authentication failed: wrong token")
+                                              for i in range(start, start + 600)]))
+    found = read_refusals(url, tmp_path, limit=5000)
+    assert len(found) == REFUSALS_KEPT
+    assert found[0] == {"time": t + 1199, "peer": "10.0.0.1:1199", "identity": "", "job_id": "j9",
+                        "code": "AUTH_FAILED", "message": "authentication failed: wrong token"}
+    assert [r["time"] for r in read_refusals(url, tmp_path, limit=3)] == [t + 1199, t + 1198, t + 1197]
 
 
-def test_a_wait_longer_than_a_heartbeat_is_a_stall_counted_whole() -> None:
-    async def main() -> None:
-        link = LinkClock(HB)
-        link.connected(now())
-        link.output(now())
-        await trio.sleep(0.5)
-        assert link.acked(now(), pending=True) is None  # half a heartbeat: no stall
-        await trio.sleep(0.2)
-        link.output(now())  # (more output: it waits since the last ACK, not since now)
-        await trio.sleep(3.8)
-        assert link.stalled_since(now()) == pytest.approx(0.5)
-        assert link.figures(now()) == pytest.approx((4.5, 4.0))  # a stall going on counts, whole
-        stall = link.acked(now(), pending=False)
-        assert stall is not None and stall.since == pytest.approx(0.5) and stall.seconds == pytest.approx(4.0)
-        await trio.sleep(10)  # nothing waits: a quiet job is no stall
-        assert link.stalled_since(now()) is None and link.waiting_since is None
-        assert link.figures(now()) == pytest.approx((14.5, 4.0))
-
-    trio.run(main, clock=autojump())
+def test_heard_and_home(state: tuple[Store, str], tmp_path: Path) -> None:
+    store, url = state
+    session = _open(store)
+    t = time.time()
+    store.record_timeline(Batch(heard=[(t, "j1", session), (t + 1, "j1", session + 1)],
+                                home=Home("h:1", str(tmp_path), t - 10, t, 5 << 20, 64 << 20)))
+    [job] = read_jobs(url, tmp_path)
+    assert job["heard"] == t  # (only the session that holds the job stamps it)
+    assert job["home"] is not None and job["home"]["free"] == 5 << 20
+    assert read_homes(url, tmp_path) == [{"shadow": "h:1", "root": str(tmp_path), "started": t - 10, "checked": t,
+                                          "free": 5 << 20, "min_free": 64 << 20}]
+    store.record_timeline(Batch(home=Home("h:1", str(tmp_path), t - 10, t + 1, 100 << 20, 64 << 20)))
+    assert read_jobs(url, tmp_path)[0]["home"] is None
 
 
-def test_a_dead_connection_counts_as_connected_only_until_it_last_worked() -> None:
-    async def main() -> None:
-        link = LinkClock(HB)
-        await trio.sleep(0.3)  # gcwrap's start-up: not connected
-        link.connected(now())
-        link.output(now())
-        for _ in range(10):  # output acknowledged every 0.2 s; the last ACK at 2.3, then the link is cut
-            await trio.sleep(0.2)
-            link.acked(now(), pending=True)
-        await trio.sleep(0.5)
-        link.worked(now())  # t = 2.8: the last PONG
-        await trio.sleep(3)  # the watchdog notices at 5.8 (three heartbeats of silence)
-        stall = link.closed(now())
-        assert stall is None  # 0.5 s of waiting up to when it last worked: no stall
-        assert link.last_worked == pytest.approx(2.8)
-        assert link.figures(now()) == pytest.approx((2.5, 0.0))  # connected from 0.3 to 2.8 only
-        await trio.sleep(2)  # out of reach, and reconnected at 7.8
-        link.connected(now())
-        link.welcomed(now(), moved=False, pending=True)
-        assert link.waiting_since == pytest.approx(2.3)  # (still nothing acknowledged since then)
-        await trio.sleep(0.1)
-        link.acked(now(), pending=False)  # the backlog is home at 7.9
-        connected, stalled = link.figures(now())
-        # wall 7.9 = 2.5 + 0.1 connected; the cut's 5.1 s (from 2.8) and the start-up are not
-        assert (connected, stalled) == pytest.approx((2.6, 0.0))
+# -- why ------------------------------------------------------------------------------------------
 
-    trio.run(main, clock=autojump())
+NOW = 1_800_000_000.0
 
 
-def test_a_stall_that_ends_with_the_connection_lasts_until_it_last_worked() -> None:
-    """Bytes vanish while heartbeats are answered: the stall runs up to the
-    last PONG, the rest of the connection's life is time off the link."""
-
-    async def main() -> None:
-        link = LinkClock(HB)
-        link.connected(now())
-        link.output(now())
-        link.acked(now(), pending=True)
-        for _ in range(5):  # PONGs for 5 s, no ACK
-            await trio.sleep(1)
-            link.worked(now())
-        await trio.sleep(0.5)
-        stall = link.closed(now())
-        assert stall is not None and stall.seconds == pytest.approx(5.0)
-        assert link.figures(now()) == pytest.approx((5.0, 5.0))
-        assert link.stalls == 1
-
-    trio.run(main, clock=autojump())
+def _job(**fields: Any) -> dict[str, Any]:
+    job = {"job_id": "j", "state": "streaming", "last_seen": NOW - 1, "heard": None, "exit_code": None,
+           "exit_signal": None, "reason": "", "events": [], "home": None}
+    return {**job, **fields}
 
 
-def test_a_welcome_that_holds_more_restarts_the_wait() -> None:
-    link = LinkClock(HB)
-    link.output(1.0)
-    link.connected(5.0)
-    link.welcomed(5.1, moved=True, pending=True)
-    assert link.waiting_since == 5.1
-    link.welcomed(5.2, moved=False, pending=False)
-    assert link.waiting_since is None
+def _event(t: float, kind: str, source: str = "shadow", **details: Any) -> dict[str, Any]:
+    return {"time": t, "kind": kind, "source": source, "details": details}
 
 
-# -- notes ---------------------------------------------------------------------------------------------------
+def test_why_streaming_quiet_stalled() -> None:
+    assert (status(_job(), NOW), why(_job(), NOW)) == ("streaming", "streaming")
+    quiet = _job(last_seen=NOW - 12, heard=NOW - 3)
+    assert status(quiet, NOW) == "quiet"
+    assert why(quiet, NOW) == "quiet: connected, heartbeats answered, the job writes nothing for 12 s"
+    stalled = _job(last_seen=NOW - 40, heard=NOW - 30)
+    assert status(stalled, NOW) == "stalled"
+    assert why(stalled, NOW) == "stalled: nothing acknowledged for 40 s (nothing heard from the agent for 30 s)"
 
 
-def test_notes_are_kept_bounded_newest_first_out_until_confirmed() -> None:
-    t = Timeline(kept=3)
-    for i in range(5):
-        t.add(make_note(float(i), "k"))
-    assert [n.time for n in t.unsent(0)] == [2.0, 3.0, 4.0] and t.dropped == 2
-    assert t.has_unsent(4) and not t.has_unsent(5)
-    assert [n.time for n in t.unsent(4)] == [4.0]
-    t.confirmed(4)  # (numbered from 1: the note of time 3.0 is number 4)
-    assert [n.time for n in t.unsent(0)] == [4.0]
-    t.confirmed(5)
-    assert not t.has_unsent(0)
+def test_why_disconnected_refused_short_of_disk_finished() -> None:
+    t = time.mktime((2026, 5, 1, 14, 2, 3, 0, 0, -1))
+    events = [_event(t - 60, "session_opened", session=1, peer="p", host="h"),
+              _event(t - 50, "paused", "agent", reason="disk and network both failed"),
+              _event(t + 15, "session_ended", session=1, reason="timed out", code="TIMEOUT", heard=t)]
+    gone = _job(state="disconnected", events=events, last_seen=t + 15)
+    assert status(gone, t + 100) == "disconnected"
+    assert why(gone, t + 100) == ("disconnected since 14:02:03 (timed out); the agent last said: paused "
+                                  "(disk and network both failed)")
+    refused = {**gone, "events": [*events, _event(t + 20, "refused", code="AUTH_FAILED", peer="p",
+                                                  message="authentication failed: wrong token")]}
+    assert status(refused, t + 100) == "refused"
+    assert why(refused, t + 100) == "refused: authentication failed: wrong token [AUTH_FAILED]"
+    short = {**refused, "home": {"free": 10 << 20, "min_free": 64 << 20}}
+    assert why(short, t + 100) == "home short of disk: 10.0 MiB free, --min-free 64.0 MiB"
+    assert why(_job(state="finished", exit_code=0), NOW) == "finished with status 0"
+    assert status(_job(state="finished", exit_code=3), NOW) == "failed"
+    assert why(_job(state="finished", exit_signal=15, reason="retry limit reached"), NOW) == \
+        "killed by signal 15 (retry limit reached)"
 
 
-def test_note_text_is_bounded_and_unicode() -> None:
-    note = make_note(1.23456, "refused", message="x" * 2000, shadow="a\x00b\udcff")
-    d = details(note)
-    assert note.time == 1.235
-    assert len(str(d["message"])) == NOTE_TEXT
-    assert d["shadow"] == "a\\0b\\udcff"
-    Connection(Role.AGENT)  # (the encoder's checks are the protocol's; see the frames test below)
+def test_timeline_statements_spell_the_same_for_both() -> None:
+    assert timeline.SQLITE.sql("SELECT ? FROM {s}events") == "SELECT ? FROM events"
+    assert timeline.POSTGRES.sql("SELECT ? FROM {s}events") == "SELECT %s FROM gcshadow.events"
 
 
-def test_many_notes_go_in_frames_the_protocol_takes() -> None:
-    big = [make_note(float(i), "stalled", **{f"d{k}": "é" * 500 for k in range(16)}) for i in range(40)]
-    small = [make_note(float(i), "disk", full=True, reason="r") for i in range(200)]
-    for notes in (big, small):
-        frames = note_frames(notes)
-        assert [n for f in frames for n in f.notes] == notes  # all, in order
-        for f in frames:
-            assert 1 <= len(f.notes) <= MAX_NOTES
-            body = json.dumps({"notes": [[n.time, n.kind, dict(n.details)] for n in f.notes]},
-                              separators=(",", ":"), ensure_ascii=False).encode()
-            assert len(body) <= MAX_CONTROL
-    assert len(note_frames(big)) > 1 and len(note_frames(small)) == 4
-    # And the protocol's own encoder takes each of them.
-    from gcwrap.wire.frames import encode
-
-    for f in note_frames(big):
-        assert isinstance(f, Notes) and encode(f)
+# -- the shadow's side: queued, batched, bounded, never in the way --------------------------------------------
 
 
-# -- the journal: what becomes a note --------------------------------------------------------------------------
+class _Failing:
+    """A state that cannot take a batch now (lost, say): what the event log must survive."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        self.failing = True
+
+    def record_timeline(self, batch: Batch) -> None:
+        if self.failing:
+            from gcwrap.shadow.files import StateUnavailable
+
+            raise StateUnavailable("the state database failed: come back shortly", "gone")
+        self.batches.append(batch)
 
 
-def test_a_stall_a_loss_and_a_reconnection_become_notes_in_order() -> None:
-    async def main() -> None:
-        j = journal()
-        link = j.link
-        link.connected(now())
-        link.output(now())
-        j.acked(now(), True, "h:1")
-        await trio.sleep(3)
-        j.acked(now(), True, "h:1")  # a 3 s stall ends
-        await trio.sleep(0.4)
-        link.worked(now())  # t = 3.4: the last frame; the watchdog notices at 6.4
-        await trio.sleep(3)
-        j.session_ended(now(), "h:1", True, "no answer from the shadow h:1", attempts=1)
-        await trio.sleep(1.5)  # two failed attempts, then the third is welcomed at 7.9
-        link.connected(now())
-        j.welcomed(now(), "h:1", attempts=4, first=False, since_start=7.9)
-        notes = j.notes.unsent(0)
-        assert [n.kind for n in notes] == ["stalled", "connection_lost", "reconnected"]
-        assert [n.time for n in notes] == [UNIX + 3, UNIX + 6.4, UNIX + 7.9]
-        assert details(notes[0]) == {"since": UNIX, "seconds": 3.0, "shadow": "h:1"}
-        assert details(notes[1]) == {"reason": "no answer from the shadow h:1", "worked_at": UNIX + 3.4,
-                                     "shadow": "h:1"}
-        assert details(notes[2]) == {"after_s": 4.5, "shadow": "h:1", "attempts": 3}
+async def _worker(fn: Any) -> Any:
+    import trio
 
-    trio.run(main, clock=autojump())
+    return await trio.to_thread.run_sync(fn)
 
 
-def test_refusals_are_noted_once_until_they_change_or_a_welcome() -> None:
-    j = journal()
-    for _ in range(3):
-        j.refused(1.0, "BUSY", "busy", "h:1")
-    j.refused(2.0, "AUTH_FAILED", "bad token", "h:1")
-    j.welcomed(3.0, "h:1", attempts=5, first=True, since_start=3.0)
-    j.refused(4.0, "AUTH_FAILED", "bad token", "h:1")
-    assert kinds(j) == ["refused", "refused", "connected", "refused"]
-    assert details(j.notes.unsent(0)[2]) == {"after_s": 3.0, "shadow": "h:1", "attempts": 5}
+async def test_a_batch_the_state_cannot_take_is_dropped_and_the_next_one_goes(tmp_path: Path) -> None:
+    from gcwrap.shadow.admission import ShadowOptions
+    from gcwrap.shadow.eventlog import Caller, EventLog
+
+    state = _Failing()
+    events = EventLog(ShadowOptions(root=tmp_path), state, {}, _worker)  # type: ignore[arg-type]
+    caller = Caller("10.0.0.1:5", "token", job_id="j1")
+    events.opened(caller, 3, "node7")
+    await events.flush()  # (raises nothing: logged and dropped)
+    assert events.dropped["batches"] == 1 and not state.batches
+    state.failing = False
+    events.ended(caller, "timed out", "TIMEOUT", 12.5)
+    await events.flush()
+    [batch] = state.batches
+    assert [(e.kind, e.details) for e in batch.events] == [
+        ("session_ended", {"session": 3, "reason": "timed out", "code": "TIMEOUT", "heard": 12.5})]
 
 
-def test_a_refused_connection_is_lost_without_a_connection_lost_note() -> None:
-    j = journal()
-    j.link.connected(0.0)
-    j.session_ended(1.0, "h:1", True, "", attempts=1)
-    assert kinds(j) == []
-    j.link.connected(2.0)
-    j.welcomed(2.0, "h:1", attempts=2, first=False, since_start=2.0)
-    assert kinds(j) == ["reconnected"]
+async def test_refusals_are_rate_limited_and_notes_bounded_per_session(tmp_path: Path) -> None:
+    from gcwrap.shadow import eventlog
+    from gcwrap.shadow.admission import ShadowOptions
+    from gcwrap.shadow.durability import LiveJob
+    from gcwrap.shadow.eventlog import Caller, EventLog
+    from gcwrap.wire.events import Note
 
-
-def test_compression_is_noted_when_it_turns() -> None:
-    j = journal()
-    j.compression(1.0, False, "x")
-    j.compression(2.0, True, "the link is the bottleneck")
-    j.compression(3.0, True, "still")
-    j.compression(4.0, False, "no longer compresses")
-    assert [(n.kind, details(n)["on"]) for n in j.notes.unsent(0)] == [("compression", True), ("compression", False)]
-
-
-def test_the_process_start_is_the_kernels() -> None:
-    """A fresh interpreter: its start lies before its first line of code, by
-    the interpreter's own start-up (a few tens of ms; seconds on a busy machine)."""
-    import subprocess
-    import sys
-
-    code = ("import time; t = time.monotonic(); import gcwrap.agent.timeline as tl; "
-            "print(t - tl.process_started())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert 0.0 < float(out.stdout) < 10.0, out.stdout
-    assert process_started() < __import__("time").monotonic()
-
-
-# -- in words ---------------------------------------------------------------------------------------------------
-
-
-def test_the_summary_says_the_stalls_of_the_time_connected() -> None:
-    from gcwrap.render import summary_lines, summary_rows
-
-    figures = {"stdout_bytes": 10, "wall_s": 20.0, "throughput_mb_s": 0.0, "connected_s": 18.0, "stalled_s": 10.04,
-               "disconnected_s": 2.0, "paused_s": 0.0, "connections": 1, "reconnects": 0, "failed_attempts": 0}
-    lines = summary_lines("j", 0, figures)
-    assert lines[2] == "  connected 18.0 s (stalled 10.0 s), disconnected 2.0 s, job paused 0.0 s"
-    assert "stalled" not in summary_lines("j", 0, {**figures, "stalled_s": 0.0})[2]
-    assert "stalled" not in summary_lines("j", 0, {k: v for k, v in figures.items() if k != "stalled_s"})[2]
-    # At home the summary comes as text: the same words.
-    assert ("stalled (connected, nothing acknowledged)", "10.0 s") in summary_rows({"stalled_s": "10.04"})
-
-
-def test_gcwrap_status_says_how_long_nothing_was_acknowledged() -> None:
-    from gcwrap.render import status_details
-    from gcwrap.status import ack_age
-
-    spool = {"job_id": "j", "spool": "/s", "shadow": "h:1", "connected": True, "retries": 0, "streams": []}
-    assert ack_age({"waiting_since": 100.0}, 112.4) == 12.4
-    assert ack_age({"waiting_since": None}, 112.4) is None and ack_age({}, 1.0) is None
-    assert ack_age({"waiting_since": True}, 5.0) is None
-    text = " ".join(status_details([{**spool, "last_ack_age_s": 12.4}]))
-    assert "(connected)" in text and text.endswith("; nothing acknowledged for 12 s")
-    assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": 0.6}]))  # (a round trip)
-    assert "nothing" not in " ".join(status_details([{**spool, "last_ack_age_s": None}]))
-
-
-def test_why_compression_turned_is_said_in_words() -> None:
-    from gcwrap.agent.timeline import compression_why
-    from gcwrap.wire import compress as zc
-
-    assert compression_why(zc.Policy(zc.Mode.ZSTD, 0.0)).startswith("--compress zstd")
-    auto = zc.Policy(zc.Mode.AUTO, 0.0)
-    assert compression_why(auto) == "a new connection starts uncompressed"
-    auto.active, auto.link_rate, auto.ratio = True, 250_000.0, 0.2
-    auto.history.append((1.0, True))
-    assert compression_why(auto) == "the link is the bottleneck (0.25 MB/s) and the output compresses to 20% of its size"
-    auto.active, auto.ratio = False, 0.95
-    assert compression_why(auto) == "the output no longer compresses well (to 95% of its size)"
-    auto.ratio = 0.2
-    assert "fits the link uncompressed" in compression_why(auto)
+    state = _Failing()
+    state.failing = False
+    events = EventLog(ShadowOptions(root=tmp_path), state, {}, _worker)  # type: ignore[arg-type]
+    for i in range(10_000):  # a flood, faster than any rate: the burst is taken, the rest counted
+        events.refused(Caller(f"10.0.0.1:{i}", ""), "BAD_FRAME", "x" * 5000)
+    assert eventlog.REFUSALS_BURST <= len(events.batch.refusals) <= eventlog.REFUSALS_BURST + 5
+    assert events.dropped["refusals"] >= 10_000 - eventlog.REFUSALS_BURST - 5
+    assert max(len(r.message) for r in events.batch.refusals) == eventlog.MESSAGE_MOST
+    assert not events.batch.events  # (no job named: no timeline touched)
+    job = LiveJob("j1")
+    note = Note(1.0, "stalled", (("seconds", 12.0),))
+    for _ in range(eventlog.NOTES_PER_SESSION // 64 + 2):
+        events.notes(job, (note,) * 64)
+    assert len(events.batch.events) == eventlog.NOTES_PER_SESSION
+    await events.flush()  # (what was queued goes in one batch)
+    [batch] = state.batches
+    assert len(batch.refusals) <= eventlog.REFUSALS_BURST + 5 and len(batch.events) == eventlog.NOTES_PER_SESSION

@@ -57,11 +57,11 @@ class Refused(Exception):
         self.retry_after = retry_after
 
 
-async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, peer: str,
-                ip: str) -> tuple[trio.abc.Stream, str] | None:
+async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, peer: str, ip: str,
+                refused: Callable[[str, str], None]) -> tuple[trio.abc.Stream, str] | None:
     """Allow-list (before a single byte is read), then TLS. Returns the
     stream to speak on and the client certificate's CN, or None (refused:
-    logged, and told why when it can be)."""
+    logged, told why when it can be, and `refused(code, message)`)."""
     allow = opts.allow
     if allow:
         if allow.hosts or allow.suffixes:
@@ -70,6 +70,7 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
             why = allow.check(ip)
         if why:
             log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
+            refused(ErrorCode.AUTH_FAILED.name, f"not allowed to connect: {why}")
             if opts.tls is None:
                 await refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}")
             return None
@@ -81,8 +82,9 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
             await tls.do_handshake()
     except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
         cause = e.__cause__ or e
-        log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer,
-                    cause if str(cause) else type(cause).__name__)
+        said = str(cause) if str(cause) else type(cause).__name__
+        log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer, said)
+        refused("TLS", f"TLS handshake failed: {said}")
         return None
     return tls, subject_cn(tls.getpeercert())
 

@@ -21,6 +21,7 @@ from .syncer import Syncer
 
 if TYPE_CHECKING:
     from .state import Attempt
+    from .timeline import Batch
 
 log = logging.getLogger("gcshadow")
 
@@ -65,6 +66,10 @@ class StateBackend(Protocol):
 
     def mark_disconnected(self) -> None: ...
 
+    def record_timeline(self, batch: Batch) -> None:
+        """Jobs' events, refused connections, when agents were last heard from, the root's free space."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -81,13 +86,38 @@ def open_store(state: str, root: Path) -> StateBackend:
     return Store(root)
 
 
-def read_jobs(state: str, root: Path) -> list[dict[str, Any]]:
-    """Every job the state knows, with its streams (`gcshadow jobs`, `tail`)."""
+def read_jobs(state: str, root: Path, *, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
+    """Every job the state knows (or `job` alone), with its streams, its
+    timeline (`events`, oldest first: the newest `events` of each, None for
+    all kept, 0 for none), the shadow short of disk at home (`home`) and
+    `why` (`gcshadow jobs`, `tail`)."""
     if is_shared(state):
         from .pgstate import list_jobs as list_pg
 
-        return list_pg(check_state(state))
-    from .state import list_jobs
+        return list_pg(check_state(state), job, events)
+    from .listing import list_jobs
 
-    return list_jobs(root)
+    return list_jobs(root, job, events)
 
+
+def read_refusals(state: str, root: Path, limit: int = 200) -> list[dict[str, Any]]:
+    """The newest refused connections first: time, peer, identity ("" if
+    none was established), job_id ("" if the handshake did not get that far), code, message."""
+    if is_shared(state):
+        from .pgstate import list_refusals as pg_refusals
+
+        return pg_refusals(check_state(state), limit)
+    from .listing import list_refusals
+
+    return list_refusals(root, limit)
+
+
+def read_homes(state: str, root: Path) -> list[dict[str, Any]]:
+    """The shadows serving the root now, each with its root's free space and --min-free."""
+    if is_shared(state):
+        from .pgstate import list_homes as pg_homes
+
+        return pg_homes(check_state(state))
+    from .listing import list_homes
+
+    return list_homes(root)

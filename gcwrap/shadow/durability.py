@@ -87,6 +87,9 @@ class LiveJob:
     fenced: str = ""  # why this session must stop, once it must
     trouble: Trouble = Trouble.TAKEN_OVER  # ...and which kind of trouble that is
     finished: bool = False
+    heard: float = 0.0  # when its agent last sent anything (time.time(): for the timeline at home)
+    ended: str = ""  # how it ended, when not in failure (the agent's EXIT, ERROR or close)
+    notes: int = 0  # the agent's notes it took (`eventlog.NOTES_PER_SESSION`)
 
     def __post_init__(self) -> None:
         self.files = JobFiles(self.job_id, "", session=0)

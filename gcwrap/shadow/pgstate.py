@@ -46,14 +46,13 @@ true of the files it was recorded for).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..wire.events import StreamSpec
+from . import timeline
 from .files import (
     JobFiles,
     Problem,
@@ -73,6 +73,7 @@ from .files import (
     lock_root,
     root_identity,
 )
+from .pgconn import Health, PgConnection, Prober
 from .state import LAST_SEEN_EVERY, LAST_SEEN_JOBS, Attempt, Store, _attempt
 from .stateurl import shown
 from .syncer import Syncer
@@ -80,15 +81,6 @@ from .syncer import Syncer
 log = logging.getLogger("gcshadow")
 
 MIGRATION_LOCK = 0x6763736864  # the advisory lock two shadows starting at once migrate under
-CONNECT = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
-           "keepalives_count": 3, "tcp_user_timeout": 10000}  # a dead server is noticed in seconds, not hours
-PROBE_EVERY = 0.2  # seconds between the prober's connection attempts while the database is lost
-PROBE_TIMEOUT = 2  # seconds a probe's connection attempt may take (libpq's least)
-PROBE_CONNECT = {**CONNECT, "connect_timeout": PROBE_TIMEOUT}
-IDLE_PING = 1.0  # seconds: a connection idle longer is pinged before use
-LOCK_TIMEOUT = "3s"  # a claim waits this long for a job row a transaction in doubt still locks
-IDLE_IN_TRANSACTION = "30s"  # the server ends a transaction of ours left open this long (its client gone)
-
 
 # -- the schema ---------------------------------------------------------------------
 
@@ -120,8 +112,33 @@ def _m001_initial(conn: psycopg.Connection[Any]) -> None:
     conn.execute("INSERT INTO gcshadow.meta VALUES ('state_id', md5(random()::text || clock_timestamp()::text))")
 
 
+def _m002_timeline(conn: psycopg.Connection[Any]) -> None:
+    # Each job's events, the refused connections, each shadow's own state (`timeline`).
+    conn.execute(
+        """CREATE TABLE gcshadow.events (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, job_id TEXT NOT NULL,
+            time DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL, source TEXT NOT NULL, details TEXT NOT NULL,
+            digest TEXT NOT NULL)"""
+    )
+    conn.execute("CREATE UNIQUE INDEX events_digest ON gcshadow.events (job_id, digest)")
+    conn.execute("CREATE INDEX events_time ON gcshadow.events (job_id, time)")
+    conn.execute(
+        """CREATE TABLE gcshadow.refusals (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, time DOUBLE PRECISION NOT NULL,
+            peer TEXT NOT NULL, identity TEXT NOT NULL, job_id TEXT NOT NULL, code TEXT NOT NULL,
+            message TEXT NOT NULL)"""
+    )
+    conn.execute(
+        """CREATE TABLE gcshadow.shadows (
+            shadow TEXT PRIMARY KEY, root TEXT NOT NULL, started DOUBLE PRECISION,
+            checked DOUBLE PRECISION NOT NULL, free BIGINT NOT NULL, min_free BIGINT NOT NULL)"""
+    )
+    conn.execute("ALTER TABLE gcshadow.jobs ADD COLUMN heard DOUBLE PRECISION")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[psycopg.Connection[Any]], None]]] = [
     (1, "initial", _m001_initial),
+    (2, "timeline", _m002_timeline),
 ]
 
 
@@ -138,164 +155,6 @@ def migrate(conn: psycopg.Connection[Any]) -> None:
             if number not in done:
                 fn(conn)
                 conn.execute("INSERT INTO gcshadow.migrations VALUES (%s, %s, %s)", [number, name, time.time()])
-
-
-# -- connections -----------------------------------------------------------------------
-
-
-class Health:
-    """Whether the state database answers: said once in the log when it is
-    lost, once when it is back. While it is lost (`down`), no connection
-    tries it: `Prober` does, and `ok()` lets them through again."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)
-        self.down = ""
-        self.failures = 0  # how many times a connection failed: the others' may be broken too
-
-    def failed(self, why: str) -> None:
-        with self.lock:
-            self.failures += 1
-            if not self.down:
-                log.error("lost the state database %s: %s; acknowledging nothing and refusing sessions "
-                          "until it is back", self.name, why)
-            self.down = why
-            self.changed.notify_all()
-
-    def ok(self) -> None:
-        if self.down:
-            with self.lock:
-                if self.down:
-                    log.warning("the state database %s is back: serving again", self.name)
-                self.down = ""
-
-
-class Prober:
-    """A thread that, while the state database is lost, tries to connect to
-    it every PROBE_EVERY seconds, and says it is back as soon as it is: no
-    claim or record waits for a connection attempt meanwhile."""
-
-    def __init__(self, url: str, health: Health) -> None:
-        self.url = url
-        self.health = health
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="gcshadow-state-prober", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        health = self.health
-        while True:
-            with health.lock:
-                while not health.down and not self.stopping:
-                    health.changed.wait()
-                if self.stopping:
-                    return
-            try:
-                psycopg.connect(self.url, autocommit=True, **PROBE_CONNECT).close()  # type: ignore[arg-type]
-            except psycopg.Error:
-                with health.lock:
-                    if not self.stopping:
-                        health.changed.wait(PROBE_EVERY)
-                continue
-            health.ok()
-
-    def stop(self) -> None:
-        with self.health.lock:
-            self.stopping = True
-            self.health.changed.notify_all()
-        self.thread.join(PROBE_TIMEOUT + 1)
-
-
-class PgConnection:
-    """One connection to the state database, for one thread at a time (its
-    lock), opened again after a failure once the database is back."""
-
-    def __init__(self, url: str, health: Health) -> None:
-        self.url = url
-        self.health = health
-        self.lock = threading.Lock()
-        self.conn: psycopg.Connection[Any] | None = None
-        self.why = ""
-        self.used = 0.0  # when the connection last answered
-        self.seen = 0  # health.failures then
-        self.password = str(psycopg.conninfo.conninfo_to_dict(url).get("password") or "")
-
-    def _say(self, e: BaseException) -> str:
-        """An error in one line, never with the password."""
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return why.replace(self.password, "***") if self.password else why
-
-    def _connected(self) -> psycopg.Connection[Any]:
-        conn = self.conn
-        if conn is not None and not conn.closed and not conn.broken:
-            if time.monotonic() - self.used < IDLE_PING and self.seen == self.health.failures:
-                return conn
-            # Idle a while, or another connection failed since this one was
-            # last used: the server may have restarted meanwhile. A ping finds
-            # out (then one new connection, at once), rather than the next
-            # record failing and its sessions being stopped for nothing.
-            try:
-                conn.execute("SELECT 1")
-                self.used, self.seen = time.monotonic(), self.health.failures
-                return conn
-            except psycopg.Error:
-                with contextlib.suppress(Exception):
-                    conn.close()
-        self.conn = None
-        if self.health.down:  # (the prober says when it is back)
-            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.health.down}",
-                                   self.health.down)
-        try:
-            conn = psycopg.connect(self.url, autocommit=True, **CONNECT)  # type: ignore[arg-type]
-            # A claim waits this long at most for a row a transaction in doubt
-            # holds; the server ends one of ours whose client went silent.
-            conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
-            conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'")
-        except psycopg.Error as e:
-            self._failed(e)
-            raise StateUnavailable(f"cannot reach the state database {self.health.name}: {self.why}",
-                                   self.why) from None
-        self.conn = conn
-        self.used, self.seen = time.monotonic(), self.health.failures
-        return conn
-
-    def _failed(self, e: BaseException) -> None:
-        self.why = self._say(e)
-        self.health.failed(self.why)
-        if self.conn is not None:
-            with contextlib.suppress(Exception):
-                self.conn.close()
-            self.conn = None
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        """A transaction on the connection: committed when the block ends,
-        rolled back on an error; StateUnavailable when the database fails
-        (for a COMMIT whose connection was lost: it may have applied)."""
-        with self.lock:
-            conn = self._connected()
-            try:
-                with conn.transaction():
-                    yield conn
-            except psycopg.errors.LockNotAvailable:
-                # Rolled back, on a connection that works: a row is held by a
-                # transaction in doubt (its client gone) until the server ends it.
-                raise StateUnavailable("a job's record is locked by an unfinished transaction "
-                                       "(a connection lost mid-commit): come back shortly") from None
-            except psycopg.Error as e:
-                self._failed(e)
-                raise StateUnavailable(f"the state database {self.health.name} failed: {self.why}", self.why) from None
-            self.used, self.seen = time.monotonic(), self.health.failures
-            self.health.ok()
-
-    def close(self) -> None:
-        with self.lock:
-            if self.conn is not None:
-                with contextlib.suppress(Exception):
-                    self.conn.close()
-                self.conn = None
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -647,6 +506,16 @@ class PgStore(Store):
             for job_id, shadow in dead:
                 conn.execute("UPDATE gcshadow.jobs SET state = 'disconnected' "
                              "WHERE job_id = %s AND shadow = %s AND state = 'streaming'", [job_id, shadow])
+            rows = conn.execute("SELECT shadow FROM gcshadow.shadows WHERE shadow LIKE %s",
+                                [host.replace("%", r"\%").replace("_", r"\_") + ":%"]).fetchall()
+            gone = [shadow for (shadow,) in rows if not _alive(int(shadow.rsplit(":", 1)[1]))]
+            conn.execute("DELETE FROM gcshadow.shadows WHERE shadow = ANY(%s)", [gone])
+
+    def record_timeline(self, batch: timeline.Batch) -> None:
+        """Jobs' events, refused connections, when agents were last heard
+        from, the root's free space (`timeline`), in a transaction of their own."""
+        with self.pg.transaction() as conn:
+            timeline.write(conn, timeline.POSTGRES, batch)
 
 
 def _alive(pid: int) -> bool:
@@ -659,25 +528,57 @@ def _alive(pid: int) -> bool:
     return pid != os.getpid()
 
 
-def _jobs(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+def _jobs(conn: psycopg.Connection[Any], job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
     cur = conn.cursor(row_factory=dict_row)
-    jobs = cur.execute("SELECT * FROM gcshadow.jobs WHERE state != 'new' ORDER BY first_seen").fetchall()
-    streams = cur.execute("SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
-                          "ORDER BY job_id, stream").fetchall()
+    one, args = (" AND job_id = %s", [job]) if job is not None else ("", [])
+    jobs = cur.execute(f"SELECT * FROM gcshadow.jobs WHERE state != 'new'{one} ORDER BY first_seen", args).fetchall()
+    streams = cur.execute(f"SELECT job_id, stream, kind, name, durable, wire FROM gcshadow.streams "
+                          f"WHERE true{one} ORDER BY job_id, stream", args).fetchall()
     by_job: dict[str, list[dict[str, Any]]] = {}
     for s in streams:
         by_job.setdefault(s.pop("job_id"), []).append(s)
-    for job in jobs:
-        job.pop("shadow", None)
-        job["streams"] = by_job.get(job["job_id"], [])
-        job["command"] = json.loads(job["command"] or "[]")
-        job["summary"] = json.loads(job["summary"] or "{}")
-    return jobs
+    for j in jobs:
+        j.pop("shadow", None)
+        j["streams"] = by_job.get(j["job_id"], [])
+        j["command"] = json.loads(j["command"] or "[]")
+        j["summary"] = json.loads(j["summary"] or "{}")
+    now = time.time()
+    if not _has_timeline(conn):
+        return timeline.attach(jobs, {}, [], now)
+    found = timeline.read_events(conn, timeline.POSTGRES, job, events) if events != 0 else {}
+    return timeline.attach(jobs, found, timeline.read_homes(conn, timeline.POSTGRES, now), now)
 
 
-def list_jobs(url: str) -> list[dict[str, Any]]:
-    """Every job the state at `url` knows, with its streams (for `gcshadow jobs`)."""
-    return JobsReader(url).read(close=True)
+def _has_timeline(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the state has the timeline's tables (its shadows may all be of an older version)."""
+    row = conn.execute("SELECT to_regclass('gcshadow.events') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+def list_jobs(url: str, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
+    """Every job the state at `url` knows (or `job` alone), with its streams
+    and timeline (the newest `events` of each), for `gcshadow jobs`."""
+    return JobsReader(url).read(close=True, job=job, events=events)
+
+
+def list_refusals(url: str, limit: int) -> list[dict[str, Any]]:
+    """The newest refused connections first, of every shadow of the state at `url`."""
+    reader = JobsReader(url)
+    try:
+        with reader.pg.transaction() as conn:
+            return timeline.read_refusals(conn, timeline.POSTGRES, limit) if _has_timeline(conn) else []
+    finally:
+        reader.close()
+
+
+def list_homes(url: str) -> list[dict[str, Any]]:
+    """The shadows serving with the state at `url`, each with its root's free space."""
+    reader = JobsReader(url)
+    try:
+        with reader.pg.transaction() as conn:
+            return timeline.read_homes(conn, timeline.POSTGRES, time.time()) if _has_timeline(conn) else []
+    finally:
+        reader.close()
 
 
 class JobsReader:
@@ -687,11 +588,12 @@ class JobsReader:
         self.pg = PgConnection(url, Health(shown(url)))
         self.pg.health.failed = lambda why: None  # type: ignore[method-assign]  # a reader logs nothing
 
-    def read(self, *, close: bool = False) -> list[dict[str, Any]]:
-        """The jobs, with their streams; StateUnavailable if the state cannot be read."""
+    def read(self, *, close: bool = False, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
+        """The jobs (or `job` alone), with their streams and timelines (the
+        newest `events` of each; None: all kept); StateUnavailable if the state cannot be read."""
         try:
             with self.pg.transaction() as conn:
-                return _jobs(conn)
+                return _jobs(conn, job, events)
         finally:
             if close:
                 self.pg.close()

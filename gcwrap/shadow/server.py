@@ -38,11 +38,10 @@ import errno
 import logging
 import math
 import os
-import signal
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 
@@ -50,6 +49,7 @@ from ..ranks import Rank, ranked
 from ..sync import worst_error
 from ..wire import compress
 from ..wire.events import (
+    NOTES_FEATURE,
     PROTOCOL_VERSION,
     ConnectionClosed,
     Data,
@@ -60,6 +60,7 @@ from ..wire.events import (
     Event,
     Exit,
     Hello,
+    Notes,
     Ping,
     Pong,
     StdinRead,
@@ -69,10 +70,11 @@ from ..wire.events import (
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
-from .backends import StateBackend, open_store
+from .backends import StateBackend
 from .collector import keep_collections_short
 from .descriptors import ACCEPT_ERRNOS, FdBudget, nofile, open_fds, raise_fd_limit
 from .durability import Durability, Fenced, LiveJob
+from .eventlog import Caller, EventLog
 from .files import FileCache, Problem, StoreError, StreamFile
 from .handshakes import HandshakeMemory, await_event, refuse
 from .receive import Buffers, StdinReader, inflate, read_into, read_some
@@ -117,8 +119,8 @@ class Shadow:
         self.stopping = ""  # why the shadow stops, once it does (see `stop`)
         self.accepting: trio.CancelScope | None = None
         self.serving: trio.CancelScope | None = None
-        # Compressed DATA is accepted from agents that offer it, when this Python can decode it.
-        self.features = (compress.FEATURE,) if compress.available() else ()
+        # Compressed DATA is accepted from agents that offer it, when this Python can decode it; NOTES always.
+        self.features = ((compress.FEATURE,) if compress.available() else ()) + (NOTES_FEATURE,)
         # With identities (per-identity tokens, or client certificates), each
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
@@ -126,6 +128,7 @@ class Shadow:
         # Job handshakes, exits and disconnections recorded in groups, one state transaction each.
         self.records = GroupCommit(store.grouped, self._worker)
         self.buffers = Buffers()  # what streaming sessions read into, lent a read at a time
+        self.events = EventLog(opts, store, self.live, self._worker)  # timelines, refusals, free space
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         raise_fd_limit()
@@ -152,11 +155,15 @@ class Shadow:
             nursery.start_soon(self.durability.run)
             nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
             nursery.start_soon(self.root_watch.run)
+            nursery.start_soon(self.events.run)
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self._worker)
             accepting = await nursery.start(self._accept_all, listeners, nursery)
             port = listeners[0].socket.getsockname()[1]
             log.info("serving %s on %s:%d", self.opts.root, self.opts.host, port)
+            if short := disk_busy(self.opts):
+                log.warning("%s: every job is told to come back later (BUSY) until the root has room "
+                            "(or give a smaller --min-free)", short)
             if self.opts.port_file is not None:
                 tmp = self.opts.port_file.with_name(self.opts.port_file.name + ".tmp")
                 try:
@@ -192,6 +199,7 @@ class Shadow:
         with trio.move_on_at(self.durability.stop_by):
             while self.connections:
                 await self.fds_freed.wait()
+            await self.events.flush()  # (how the sessions ended)
         if self.serving is not None:
             self.serving.cancel()
 
@@ -258,10 +266,12 @@ class Shadow:
                 self.stats["busy"] += 1
                 log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
                             self.connections, self.budget.max_served)
+                self.events.refused(Caller(peer, ""), ErrorCode.BUSY.name, "too many connections at the shadow")
                 await refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow",
                                    retry_after=retry_after())
                 return
-            admitted = await admit(self.opts, tcp, conn, peer, ip)
+            admitted = await admit(self.opts, tcp, conn, peer, ip,
+                                   lambda code, said: self.events.refused(Caller(peer, ""), code, said))
             if admitted is None:
                 self.stats["refused"] += 1
                 return
@@ -280,44 +290,45 @@ class Shadow:
     async def _serve_stream(self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str,
                             cn: str) -> None:
         """Serve one admitted connection; every failure ends in an ERROR to the
-        peer, and a log line naming the peer and its identity."""
-        who = [cn or "unauthenticated"]  # the identity, once the handshake has established it
+        peer, a log line naming the peer, its identity and its job, and a
+        record: the session's end in the job's timeline, and a refusal."""
+        caller = Caller(peer, cn or "unauthenticated", cn)  # (who it is, once the handshake has established it)
+        job: list[LiveJob] = []  # its session, once it holds its job
         try:
             with worst_error():
-                await self._serve_connection(stream, conn, peer, identity, cn, who)
+                await self._serve_connection(stream, conn, identity, cn, caller, job)
         except Exception as e:  # (every failure of one connection ends there: `replies`)
             said = reply_to(e)
             if said.refused:
                 self.stats["refused"] += 1
-            log.log(said.level, "%s [%s]: %s", peer, who[0], said.said, exc_info=said.traceback)
+            named = f" (job {caller.job_id})" if caller.job_id else ""
+            log.log(said.level, "%s [%s]: %s%s", peer, caller.who, said.said, named, exc_info=said.traceback)
+            code = said.code.name if said.code is not None else ""
+            self.events.ended(caller, said.said, code, job[0].heard if job else 0.0)
+            if said.refused or (not caller.session and isinstance(e, (ProtocolError, trio.TooSlowError))):
+                self.events.refused(caller, code, said.message)
             if said.code is not None:
                 await refuse(stream, conn, said.code, said.message, retry_after=said.retry_after)
+        else:
+            if job:
+                self.events.ended(caller, job[0].ended or "connection closed", "", job[0].heard)
 
     async def _serve_connection(
-        self, stream: trio.abc.Stream, conn: Connection, peer: str, identity: str, cn: str, who: list[str]
+        self, stream: trio.abc.Stream, conn: Connection, identity: str, cn: str, caller: Caller, held: list[LiveJob],
     ) -> None:
         pending: list[Event] = []
-        try:
-            with trio.fail_after(self.opts.handshake_timeout):  # the whole handshake: slowloris gets nowhere
-                hello = await await_event(stream, conn, Hello, pending, self.handshakes)
-                if hello is None:
-                    return
-                assert isinstance(hello, Hello)
-                authenticated = await authenticate(self.opts, self.tenancy, stream, conn, hello, cn, pending,
-                                                   self.handshakes)
-                if authenticated is None:
-                    return
-        finally:
-            self.handshakes.over(conn)
-        proof, named = authenticated
-        self.handshakes.gone(conn)
+        peer = caller.peer
+        introduced = await self._handshake(stream, conn, cn, caller, pending)
+        if introduced is None:
+            return
+        hello, proof, named = introduced
         tenant = named if self.tenancy else ""
-        who[0] = named or ("token" if self.opts.token is not None else "anonymous")
         identity = named or identity  # what --max-jobs-per-identity counts: the identity, else the host
         busy = self.root_watch.check() or disk_busy(self.opts)
         if busy:  # (a root that is gone was said once, by its watch)
             log.log(logging.DEBUG if self.root_watch.gone else logging.WARNING, "%s [%s]: job %s told to come back "
-                    "later: %s", peer, who[0], hello.job_id, busy)
+                    "later: %s", peer, caller.who, hello.job_id, busy)
+            self.events.refused(caller, ErrorCode.BUSY.name, busy)
             await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=ROOT_RETRY_AFTER)
             return
         if PROTOCOL_VERSION not in hello.versions:
@@ -348,13 +359,16 @@ class Shadow:
                 self._check(job)
                 sender = Sender(stream, conn, job, lambda: self._holds(job))
                 await sender.send(conn.send(welcome))
-                log.info("%s [%s]: job %s session %d (%s)", peer, who[0], files.job_id, files.session,
+                log.info("%s [%s]: job %s session %d (%s)", peer, caller.who, files.job_id, files.session,
                          hello.host or "?")
+                held.append(job)
+                job.heard = time.time()
+                self.events.opened(caller, files.session, hello.host)
                 try:
                     async with trio.open_nursery() as nursery:
                         sender.attach(nursery)  # (its task, started when first needed)
                         try:
-                            await self._receive(stream, conn, job, sender, f"{peer} [{who[0]}]", pending)
+                            await self._receive(stream, conn, job, sender, f"{peer} [{caller.who}]", pending)
                         finally:
                             sender.close()  # (before the nursery closes: no batch starts the task after)
                 finally:
@@ -368,6 +382,30 @@ class Shadow:
             if self.live.get(job.job_id) is job:
                 del self.live[job.job_id]
             await self._release(job)
+
+    async def _handshake(self, stream: trio.abc.Stream, conn: Connection, cn: str, caller: Caller,
+                         pending: list[Event]) -> tuple[Hello, str, str] | None:
+        """HELLO and authentication, within the handshake timeout (slowloris
+        gets nowhere): the HELLO, the proof for WELCOME and the identity, or
+        None if the agent went away. `caller` learns the job and the identity."""
+        try:
+            with trio.fail_after(self.opts.handshake_timeout):
+                hello = await await_event(stream, conn, Hello, pending, self.handshakes)
+                if hello is None:
+                    return None
+                assert isinstance(hello, Hello)
+                caller.job_id = hello.job_id
+                authenticated = await authenticate(self.opts, self.tenancy, stream, conn, hello, cn, pending,
+                                                   self.handshakes)
+                if authenticated is None:
+                    return None
+        finally:
+            self.handshakes.over(conn)
+        self.handshakes.gone(conn)
+        proof, named = authenticated
+        caller.who = named or ("token" if self.opts.token is not None else "anonymous")
+        caller.identity = named
+        return hello, proof, named
 
     async def _known_attempt(self, hello: Hello) -> bool:
         """Whether the state knew this attempt of the job already, when a
@@ -506,6 +544,7 @@ class Shadow:
                     else:
                         events = await read_some(stream, conn)
                     idle.deadline = math.inf
+                    job.heard = time.time()
                 over = await self._process(stream, conn, job, sender, peer, events)
                 # DATA payloads are views of the read's buffer: keep none of
                 # them while waiting for the next read, and lend the buffer on.
@@ -544,14 +583,19 @@ class Shadow:
                 await sender.send(conn.send(await self.stdin.read(files, ev)))
             elif isinstance(ev, Ping):
                 await sender.send(conn.send(Pong(ev.nonce)))
+            elif isinstance(ev, Notes):
+                self.events.notes(job, ev.notes)
             elif isinstance(ev, Exit):
                 await self._finish(conn, job, ev, sender, peer)
+                job.ended = "the job ended"
                 return True
             elif isinstance(ev, Error):
                 log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
+                job.ended = f"the agent reported {ev.code.name}: {ev.message}"
                 return True
             elif isinstance(ev, ConnectionClosed):  # between frames, before its EXIT: the agent gave up on it
                 log.info("%s: connection lost (closed by the agent)", peer)
+                job.ended = "connection lost (closed by the agent)"
                 return True
         return False  # (a PONG asks nothing)
 
@@ -620,40 +664,9 @@ class Shadow:
             job.fence("a newer connection of this job took over")
             job.check()
         job.finished = True  # recorded: the exit stands whoever holds the job next
+        self.events.event(files.job_id, "exit", code=ev.code, signal=ev.signal, reason=ev.reason)
         self._check(job)
         status = (f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None
                   else "unknown status")
         log.info("%s: job %s finished with %s", peer, files.job_id, status)
         await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
-
-
-async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
-    """Serve until stopped. True if a sync that hangs was left behind (the process must not wait for it)."""
-    try:
-        store = await trio.to_thread.run_sync(open_store, state, opts.root)
-    except OSError as e:
-        raise StoreError(Problem.ROOT, f"cannot use the root {opts.root}: {e.strerror or e}") from None
-    shadow = Shadow(opts, store)
-    try:
-        with worst_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signals, shadow, signals)
-                await shadow.serve(task_status=task_status)  # (until `stop` ends it)
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
-    return shadow.durability.abandoned
-
-
-async def _stop_on_signals(shadow: Shadow, signals: Any) -> None:
-    """The first SIGTERM or SIGINT stops the shadow in order (`Shadow.stop`),
-    a second one at once."""
-    async with trio.open_nursery() as nursery:
-        async for signum in signals:
-            if shadow.stopping:
-                log.warning("%s received again: stopping now", signal.Signals(signum).name)
-                if shadow.serving is not None:
-                    shadow.serving.cancel()
-                return
-            nursery.start_soon(shadow.stop, f"{signal.Signals(signum).name} received")
-

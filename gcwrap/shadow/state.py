@@ -36,6 +36,7 @@ from ..db import migrate as db_migrate
 from ..db import transaction, uri
 from ..wire.events import StreamSpec
 from ..wire.names import STATE_DIR, NameError_, split_name
+from . import timeline
 from .files import (
     JobFiles,
     Problem,
@@ -114,11 +115,34 @@ def _m004_settled(db: sqlite_utils.Database) -> None:
     db.execute("CREATE TABLE settled (id INTEGER PRIMARY KEY CHECK (id = 1), at REAL, why TEXT)")
 
 
+def _m005_timeline(db: sqlite_utils.Database) -> None:
+    # Each job's events, the refused connections, the shadow's own state (`timeline`).
+    db.execute(
+        """CREATE TABLE events (
+            id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
+            source TEXT NOT NULL, details TEXT NOT NULL, digest TEXT NOT NULL)"""
+    )
+    db.execute("CREATE UNIQUE INDEX events_digest ON events (job_id, digest)")
+    db.execute("CREATE INDEX events_time ON events (job_id, time)")
+    db.execute(
+        """CREATE TABLE refusals (
+            id INTEGER PRIMARY KEY, time REAL NOT NULL, peer TEXT NOT NULL, identity TEXT NOT NULL,
+            job_id TEXT NOT NULL, code TEXT NOT NULL, message TEXT NOT NULL)"""
+    )
+    db.execute(
+        """CREATE TABLE shadows (
+            shadow TEXT PRIMARY KEY, root TEXT NOT NULL, started REAL, checked REAL NOT NULL,
+            free INTEGER NOT NULL, min_free INTEGER NOT NULL)"""
+    )
+    db.execute("ALTER TABLE jobs ADD COLUMN heard REAL")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (1, "initial", _m001_initial),
     (2, "owner", _m002_owner),
     (3, "wire", _m003_wire),
     (4, "settled", _m004_settled),
+    (5, "timeline", _m005_timeline),
 ]
 
 
@@ -608,10 +632,19 @@ class Store:
         taken since: none, with the root's state this shadow's alone."""
         return set()
 
+    def record_timeline(self, batch: timeline.Batch) -> None:
+        """Jobs' events, refused connections, when agents were last heard
+        from, the root's free space (`timeline`): in a transaction of their
+        own, or a savepoint of a group."""
+        with self.db_lock, self._atomic():
+            timeline.write(self.db.conn, timeline.SQLITE, batch)
+
     def mark_disconnected(self) -> None:
-        """At start-up: no job is connected to a shadow that just started."""
+        """At start-up: no job is connected to a shadow that just started
+        (nor is any other shadow serving the root)."""
         with self._transaction():
             self.db.execute("UPDATE jobs SET state = 'disconnected' WHERE state = 'streaming'")
+            self.db.execute("DELETE FROM shadows")
 
 
 def _close_opened(results: list[Any]) -> None:
@@ -640,18 +673,3 @@ def _attempt(current: str | None, known: bool, instance: str) -> Attempt:
     if current == instance:
         return "current"
     return "replaced" if known else "new"
-
-
-def list_jobs(root: Path) -> list[dict[str, Any]]:
-    """Every job the shadow at `root` knows, with its streams (for `gcshadow jobs`)."""
-    db = open_state(root, readonly=True)
-    try:
-        jobs = list(db["jobs"].rows_where(order_by="first_seen"))
-        for job in jobs:
-            job["streams"] = list(db["streams"].rows_where(
-                "job_id = ?", [job["job_id"]], select="stream, kind, name, durable, wire", order_by="stream"))
-            job["command"] = json.loads(job["command"] or "[]")
-            job["summary"] = json.loads(job["summary"] or "{}")
-        return jobs
-    finally:
-        db.conn.close()

@@ -1,5 +1,9 @@
 """`gcshadow tail`: print jobs' output from the shadow's files, and follow it.
 
+Like tail(1) and condor_tail, it may start at the last N lines (`lines`) or
+bytes (`nbytes`) of each stream rather than at its first byte: found
+by reading the file backwards from its end, a block at a time.
+
 Following polls the files' sizes every POLL seconds (20 ms: far below what a
 person notices, and cheap: one fstat per file) and the shadow's state every
 STATE_POLL seconds to learn which jobs have ended. A job's stream is done when
@@ -33,6 +37,8 @@ class Followed:
     done: bool = False
     final_length: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lines: int | None = None  # start at the last `lines` lines, or...
+    nbytes: int | None = None  # ...the last `nbytes` bytes (when the file is first opened)
 
 
 def _select(jobs: list[dict[str, Any]], job: str | None, stream: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -60,12 +66,44 @@ def _emit(f: Followed, data: bytes, write: Callable[[bytes], None]) -> None:
         write(b"".join(f.prefix + line + b"\n" for line in lines))
 
 
+BACK_READ = 1 << 16  # bytes read at a time, backwards, to find where the last lines start
+
+
+def start_offset(fd: int, lines: int | None, nbytes: int | None) -> int:
+    """Where the last `lines` lines (a last line without its newline counts)
+    or the last `nbytes` bytes of the file begin; 0 for neither."""
+    size = os.fstat(fd).st_size
+    if nbytes is not None:
+        return max(0, size - nbytes)
+    if lines is None:
+        return 0
+    if lines == 0:
+        return size
+    end = size - 1 if size and os.pread(fd, 1, size - 1) == b"\n" else size  # (the last line's own newline)
+    need = lines
+    while end > 0:
+        start = max(0, end - BACK_READ)
+        block = os.pread(fd, end - start, start)
+        at = len(block)
+        while need:
+            at = block.rfind(b"\n", 0, at)
+            if at < 0:
+                break
+            need -= 1
+        if not need:
+            return start + at + 1
+        end = start
+    return 0
+
+
 def _drain(f: Followed, write: Callable[[bytes], None]) -> None:
     if f.fd is None:
         try:
             f.fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return
+        if f.lines is not None or f.nbytes is not None:
+            f.offset = start_offset(f.fd, f.lines, f.nbytes)
     if os.fstat(f.fd).st_size < f.offset:
         # A new attempt of the job started the file afresh: follow it from the top.
         write(f.prefix + b"--- file restarted by a new attempt of the job ---\n")
@@ -88,11 +126,14 @@ def tail(
     prefix: bool,
     timeout: float | None = None,
     state_url: str = "",
+    lines: int | None = None,
+    nbytes: int | None = None,
 ) -> int:
     """Print (and with `follow`, follow) the selected streams (`state_url`: the
-    --state URL, "" for the root's own). Returns the
-    number of streams printed; raises LookupError when nothing matches."""
-    state = {j["job_id"]: j for j in read_jobs(state_url, root)}
+    --state URL, "" for the root's own), each from its last `lines` lines or
+    `nbytes` bytes if given. Returns the number of streams printed; raises
+    LookupError when nothing matches."""
+    state = {j["job_id"]: j for j in read_jobs(state_url, root, job=job, events=0)}
     selected = _select(list(state.values()), job, stream)
     if not selected and not (follow and job is None):
         raise LookupError(f"no job {job!r} with a {stream} stream at this shadow" if job else "no jobs at this shadow")
@@ -108,7 +149,7 @@ def tail(
             key = (j["job_id"], st["kind"])
             if key not in followed:
                 tag = f"[{j['job_id']} {st['kind']}] ".encode() if prefix else b""
-                followed[key] = Followed(j["job_id"], st["kind"], root / st["name"], tag)
+                followed[key] = Followed(j["job_id"], st["kind"], root / st["name"], tag, lines=lines, nbytes=nbytes)
             f = followed[key]
             if j["state"] == "finished":
                 f.final_length = st["durable"]
@@ -134,7 +175,7 @@ def tail(
             if deadline is not None and now > deadline:
                 break
             if now >= next_state:
-                refresh({j["job_id"]: j for j in read_jobs(state_url, root)})
+                refresh({j["job_id"]: j for j in read_jobs(state_url, root, job=job, events=0)})
                 next_state = now + STATE_POLL
             time.sleep(POLL)
     finally:
