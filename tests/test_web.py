@@ -478,16 +478,15 @@ def record_timeline(monkeypatch: pytest.MonkeyPatch, timelines: dict[str, list[d
 
     real = backends.read_jobs
 
-    def read_jobs(state: str, root: Path) -> list[dict[str, Any]]:
-        jobs = real(state, root)
+    def read_jobs(state: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
+        jobs = real(state, root, **kw)
         for job in jobs:
             if job["job_id"] in timelines:
                 job["events"], job["why"] = list(timelines[job["job_id"]]), whys.get(job["job_id"], "")
         return jobs
 
     monkeypatch.setattr(backends, "read_jobs", read_jobs)
-    monkeypatch.setattr(backends, "read_refusals", lambda state, root, limit=200: list(refusals[:limit]),
-                        raising=False)
+    monkeypatch.setattr(backends, "read_refusals", lambda state, root, limit=200: list(refusals[:limit]))
 
 
 def test_the_timeline_why_and_refusals_the_state_records_are_served(home: Path, shadow: ShadowProc, tmp_path: Path,

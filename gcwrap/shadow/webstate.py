@@ -53,6 +53,7 @@ EXTRAS_EVERY = 1.0  # seconds between reads of the timelines and refusals while 
 WHY_EVERY = 3.0  # ... and while it does not
 LOOKED = 10.0  # seconds since a client last looked during which they are read
 REFUSALS = 200  # refused connections shown, the newest
+TIMELINE = 200  # events of a job's timeline shown, the newest
 LINE_MARK = 4 << 20  # bytes between two checkpoints of a file's line count
 LINE_COUNT_MAX = 256 << 20  # bytes read at most to number one place in a file; further, lines are not numbered
 
@@ -423,19 +424,15 @@ def job_duration(job: dict[str, Any], summary: dict[str, Any], wall: float) -> f
 
 
 def read_timelines(state: str, root: Path) -> dict[str, dict[str, Any]]:
-    """Each job's timeline (`events`) and "why", by job id, as `gcshadow jobs` reads them;
-    only the jobs that have either (a shadow that records neither gives {})."""
-    out = {}
-    for job in backends.read_jobs(state, root):
-        if "events" in job or "why" in job:
-            out[job["job_id"]] = {"events": list(job.get("events") or []), "why": str(job.get("why") or "")}
-    return out
+    """Each job's timeline (`events`, the newest TIMELINE of them) and "why", by job id, as `gcshadow jobs`
+    reads them."""
+    return {job["job_id"]: {"events": list(job.get("events") or []), "why": str(job.get("why") or "")}
+            for job in backends.read_jobs(state, root, events=TIMELINE)}
 
 
 def read_refusals(state: str, root: Path) -> list[dict[str, Any]]:
-    """The connections the shadow refused, the newest first ([] from one that records none)."""
-    reader = getattr(backends, "read_refusals", None)
-    return [] if reader is None else list(reader(state, root, limit=REFUSALS))
+    """The connections the shadow refused, the newest first."""
+    return backends.read_refusals(state, root, limit=REFUSALS)
 
 
 def exit_words(job: dict[str, Any]) -> str:
