@@ -64,6 +64,30 @@ def test_a_wait_longer_than_a_heartbeat_is_a_stall_counted_whole() -> None:
     trio.run(main, clock=autojump())
 
 
+def test_bytes_moving_on_a_slow_link_are_no_stall_and_a_link_that_holds_still_is() -> None:
+    """A thin link: one frame takes longer than a heartbeat to cross, but its
+    bytes move (the send queue shrinks: `busy`): no stall. Once they stop
+    moving, the wait is a stall from the last moment they moved."""
+
+    async def main() -> None:
+        link = LinkClock(HB)
+        link.connected(now())
+        link.output(now())
+        for _ in range(20):  # 5 s of bytes moving, no ACK
+            await trio.sleep(0.25)
+            link.busy(now())
+        assert link.stalled_since(now()) is None
+        assert link.acked(now(), pending=True) is None and link.stalled_s == 0.0
+        for _ in range(4):
+            await trio.sleep(0.25)
+            link.busy(now())
+        await trio.sleep(3.0)  # the bytes stopped moving (a cut): 3 s since they last did
+        stall = link.acked(now(), pending=False)
+        assert stall is not None and stall.seconds == pytest.approx(3.0)
+
+    trio.run(main, clock=autojump())
+
+
 def test_a_dead_connection_counts_as_connected_only_until_it_last_worked() -> None:
     async def main() -> None:
         link = LinkClock(HB)

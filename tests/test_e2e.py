@@ -65,7 +65,7 @@ def test_bulk_byte_exact_with_job_status(
     else:
         assert rec["exit_code"] == status and rec["exit_signal"] is None
     # the I/O summary: on gcwrap's stderr, and recorded at the shadow
-    assert rec["summary"]["stdout_bytes"] == str(100 * MB) and rec["summary"]["stderr_bytes"] == str(20 * MB)
+    assert rec["summary"]["stdout_bytes"] == 100 * MB and rec["summary"]["stderr_bytes"] == 20 * MB  # (numbers)
     assert int(rec["summary"]["connections"]) >= 1 and float(rec["summary"]["connected_s"]) > 0
     assert f"job bulk-{status} ended with status {want}".encode() in w.err
     assert b"output: stdout 95.4 MiB, stderr 19.1 MiB" in w.err

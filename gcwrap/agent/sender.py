@@ -61,7 +61,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
-from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role, TruncatedFrame
+from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role, State, TruncatedFrame
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
@@ -161,11 +161,20 @@ class Session:
         self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
         self.journal = journal if journal is not None else Journal(config.heartbeat, lambda t: t)
         self.notes = False  # the WELCOME accepted notes
+        self.queued_before = 0  # the send queue at the watchdog's last look (`_probe`)
         self.notes_sent = 0  # the number of the last note sent on this connection
         self.unconfirmed: deque[tuple[int, int]] = deque()  # (PING nonce, last note sent before it)
 
+    def _open(self) -> None:
+        """A send racing the shadow's ERROR (or its hang-up), which closed the
+        connection as the send was being made: the connection is lost, which
+        is no bug of ours (the ERROR, received, says why)."""
+        if self.conn.state is State.CLOSED:
+            raise ConnectionLost("the shadow ended the connection")
+
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
         async with self.send_lock:
+            self._open()
             data = self.conn.send(event)
             await stream.send_all(data)
 
@@ -174,6 +183,7 @@ class Session:
         sendmsg gathers both (the payload is never copied in user space).
         The protocol checks the frame (`send_data_head`), as for any other."""
         async with self.send_lock:
+            self._open()
             header = self.conn.send_data_head(sid, offset, len(payload))
             if isinstance(stream, trio.SSLStream):
                 await stream.send_all(b"".join((header, payload)))
@@ -211,6 +221,7 @@ class Session:
         except trio.WouldBlock:
             await self.send_lock.acquire()
         try:
+            self._open()
             header = memoryview(self.conn.send_data_head(sid, offset, size))
             try:
                 try:
@@ -522,9 +533,20 @@ class Session:
             waiting.append("exit")
         return waiting
 
+    def _probe(self) -> tuple[int, list[object]]:
+        """The send queue and the requests waiting, for the watchdog. A queue
+        that shrank since the last look is bytes moving on a slow link: the
+        link's clock counts no stall for that (one that holds still, a cut or
+        a black hole, or is empty while nothing is acknowledged, it does)."""
+        queued = send_queue(self.sock)
+        if queued < self.queued_before:
+            self.journal.link.busy(trio.current_time())
+        self.queued_before = queued
+        return queued, self._waiting()
+
     async def _watchdog(self) -> None:
         """Replace a connection that is dead by the rules of `Liveness`."""
-        rule, request = await watch(self.liveness, self.heartbeat, lambda: (send_queue(self.sock), self._waiting()))
+        rule, request = await watch(self.liveness, self.heartbeat, self._probe)
         limit = f"{self.liveness.limit:g} s"
         if rule == "silent":
             raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit}")

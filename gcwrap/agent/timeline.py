@@ -81,6 +81,7 @@ class LinkClock:
         self.up_since: float | None = None  # the connection now up: when it was made
         self.worked_at: float | None = None  # ...and when it last worked
         self.waiting_since: float | None = None  # output pending since then, nothing acknowledged
+        self.busy_at: float | None = None  # when bytes last moved on the connection up (`busy`)
         self.last_worked: float | None = None  # when the last connection to end had last worked
 
     def output(self, now: float) -> None:
@@ -90,6 +91,14 @@ class LinkClock:
 
     def connected(self, now: float) -> None:
         self.up_since = self.worked_at = now
+        self.busy_at = None
+
+    def busy(self, now: float) -> None:
+        """Bytes of ours are moving (the shadow's TCP acknowledged some: the
+        kernel's send queue shrank): a slow link, not a stall. A stall is a
+        wait with nothing moving (`liveness` tells the two apart alike)."""
+        if self.up_since is not None:
+            self.busy_at = now
 
     def worked(self, now: float) -> None:
         """Something came from the shadow on the connection that is up."""
@@ -99,7 +108,7 @@ class LinkClock:
     def _stall_start(self) -> float | None:
         if self.up_since is None or self.waiting_since is None:
             return None
-        return max(self.waiting_since, self.up_since)
+        return max(self.waiting_since, self.up_since, self.busy_at or self.up_since)
 
     def _stall_until(self, end: float) -> Stall | None:
         """The stall that ends at `end`, if the wait up to then was one."""
