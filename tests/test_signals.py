@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -330,7 +331,8 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
     named = ["--spool", str(spool_dir), "--stdout", "c.out"] if streams == "stdout" else []
     handled = 0
     for i, delay in enumerate(START_DELAYS):
-        marker = f"{60 + i}.{os.getpid() % 1000:03d}1"  # (sleep's argument: this job's, and no other's)
+        # (sleep's argument: this job's, and no other's, in this run and parameter)
+        marker = f"{60 + i}.{os.getpid() % 1000:03d}{len(streams) % 10}"
         p = subprocess.Popen([*tool("gcwrap"), "--shadow", shadow.address, "--job-id",  # type: ignore[attr-defined]
                               f"ctrl-c-{i}", *named, "--", "sleep", marker],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -339,15 +341,15 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
             time.sleep(delay)  # (the moment is what is tested: nothing to wait for)
         p.send_signal(signal.SIGINT)
         try:
-            _, raw = p.communicate(timeout=60)
+            _, raw = p.communicate(timeout=30)
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+            left = _running(marker)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
         err = raw.decode(errors="replace")
-        left = _running(marker)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
         assert not left, f"at {delay * 1000:.0f} ms: the job was left running; gcwrap said: {err}"
         if _before_gcwrap_ran(p.returncode, err):
             continue
@@ -357,6 +359,39 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
         assert p.returncode == 128 + signal.SIGINT, f"at {delay * 1000:.0f} ms: exit {p.returncode}: {err}"
     assert handled >= len(START_DELAYS) // 3, f"only {handled} signals reached gcwrap's own code"
     assert list(spool_dir.glob("*.spool")) == [], "every job's output was delivered"
+
+
+def test_a_ctrl_c_python_reported_before_gcwrap_ran_still_stops_the_job(shadow: object, tmp_path: Path) -> None:
+    """A Ctrl-C while Python checks its argv[0] (after `site`, before the
+    console script runs) is reported by Python ("Failed checking if argv[0]
+    is an import path entry", a KeyboardInterrupt) and then gcwrap runs
+    regardless: only `sys.last_value` remembers it. gcwrap counts it as a
+    SIGINT that came early: the job gets it, gcwrap exits 130. Before: the
+    Ctrl-C was lost, gcwrap ran the job to its end (a minute's sleep). The
+    interpreter's report is reproduced here as Python makes it (the moment
+    itself is a few microseconds wide)."""
+    marker = f"59.{os.getpid() % 1000:03d}7"
+    start = ("import sys\n"
+             "try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt:\n"
+             "    sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()\n"
+             "from gcwrap.entry import gcwrap\n"
+             f"sys.argv = ['gcwrap', '--shadow', {shadow.address!r}, '--job-id', 'early', '--', 'sleep', {marker!r}]\n"  # type: ignore[attr-defined]
+             "gcwrap()\n")
+    p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    try:
+        _, raw = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        left = _running(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    err = raw.decode(errors="replace")
+    assert not left, f"the job was left running: {err}"
+    assert p.returncode == 128 + signal.SIGINT, f"exit {p.returncode}: {err}"
+    assert "Traceback" not in err, err
 
 
 def test_a_command_that_starts_no_job_gets_the_early_signals_back(tmp_path: Path) -> None:

@@ -8,12 +8,22 @@ and handed to it, so that it reaches the job (started meanwhile) and starts
 gcwrap's own end, as one that came later would. A command that starts no
 job gets them back, each as if it came then (`release`).
 
+One Ctrl-C can come before even that, and be lost by Python itself: the
+interpreter's own handler turns it into a KeyboardInterrupt, and where that
+happens while Python checks its argv[0] (after `site`, before the console
+script runs), it prints "Failed checking if argv[0] is an import path entry"
+and the traceback, and goes on to run gcwrap as if nothing had come. Only
+`sys.last_value` (set by the report) remembers it: EarlySignals counts it as
+a SIGINT caught (`swallowed_interrupt`), or gcwrap would start the job and
+wait for it, the Ctrl-C gone.
+
 This module imports nothing of gcwrap, and little else: it runs first.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the job; gcwrap ends (StopClock)
@@ -25,6 +35,18 @@ def stop_signals() -> tuple[int, ...]:
     return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)
 
 
+def swallowed_interrupt() -> bool:
+    """Whether a Ctrl-C came while the interpreter started, and Python
+    reported it and went on (see above): the report left it in
+    `sys.last_value`, which is then cleared, so that it counts once."""
+    if not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        return False
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    return True
+
+
 class EarlySignals:
     """Catches the stop signals until the event loop's receiver takes over
     (`take`): a signal that came in between is kept, not lost, and does not
@@ -33,6 +55,8 @@ class EarlySignals:
     def __init__(self, signums: tuple[int, ...]) -> None:
         self.pending: list[int] = []
         self.previous = {s: signal.signal(s, self._catch) for s in signums}
+        if signal.SIGINT in signums and swallowed_interrupt():
+            self.pending.append(signal.SIGINT)
 
     def _catch(self, signum: int, frame: FrameType | None) -> None:
         self.pending.append(signum)
