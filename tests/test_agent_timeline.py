@@ -88,6 +88,37 @@ def test_bytes_moving_on_a_slow_link_are_no_stall_and_a_link_that_holds_still_is
     trio.run(main, clock=autojump())
 
 
+def test_a_send_queue_that_empties_into_a_peer_that_holds_the_bytes_is_a_stall() -> None:
+    """The send queue as the watchdog sees it: shrinking while bytes remain
+    is a slow link (no stall); emptying, again and again, while nothing is
+    acknowledged is a peer that takes the bytes and holds them (a relay, a
+    proxy): the wait is a stall counted whole. Before, any shrinking queue
+    was "moving", and a relay holding a job's lines for 4 s was counted a
+    2 s stall, or none, by when the watchdog happened to look."""
+
+    async def main() -> None:
+        link = LinkClock(HB)
+        link.connected(now())
+        link.output(now())
+        start, before = now(), 0
+        for i in range(16):  # 4 s: every line taken off the queue at once, nothing acknowledged
+            await trio.sleep(0.25)
+            queued = 120 if i % 2 else 0
+            link.send_queue(now(), before, queued)
+            before = queued
+        stall = link.acked(now(), pending=True)
+        assert stall is not None and stall.seconds == pytest.approx(now() - start)
+        link.output(now())
+        for queued in range(1 << 20, 0, -(1 << 16)):  # a thin link: the queue drains, still non-empty
+            await trio.sleep(0.25)
+            link.send_queue(now(), before, queued)
+            before = queued
+        assert link.stalled_since(now()) is None
+        assert link.acked(now(), pending=False) is None
+
+    trio.run(main, clock=autojump())
+
+
 def test_a_dead_connection_counts_as_connected_only_until_it_last_worked() -> None:
     async def main() -> None:
         link = LinkClock(HB)

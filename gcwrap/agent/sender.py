@@ -534,13 +534,11 @@ class Session:
         return waiting
 
     def _probe(self) -> tuple[int, list[object]]:
-        """The send queue and the requests waiting, for the watchdog. A queue
-        that shrank since the last look is bytes moving on a slow link: the
-        link's clock counts no stall for that (one that holds still, a cut or
-        a black hole, or is empty while nothing is acknowledged, it does)."""
+        """The send queue and the requests waiting, for the watchdog; the
+        link's clock hears of the queue too (a queue shrinking is a slow
+        link, no stall: `LinkClock.send_queue`)."""
         queued = send_queue(self.sock)
-        if queued < self.queued_before:
-            self.journal.link.busy(trio.current_time())
+        self.journal.link.send_queue(trio.current_time(), self.queued_before, queued)
         self.queued_before = queued
         return queued, self._waiting()
 

@@ -100,6 +100,16 @@ class LinkClock:
         if self.up_since is not None:
             self.busy_at = now
 
+    def send_queue(self, now: float, before: int, queued: int) -> None:
+        """The kernel's send queue of the connection, at the watchdog's look
+        (`queued`) and at its last (`before`). Bytes still queued and fewer
+        than before are moving on a slow link (`busy`). A queue that emptied
+        is not: its bytes are at the peer, which acknowledges nothing (a
+        relay, a firewall or a proxy that accepts and holds them, or a
+        shadow that cannot write), so the wait goes on counting as a stall."""
+        if 0 < queued < before:
+            self.busy(now)
+
     def worked(self, now: float) -> None:
         """Something came from the shadow on the connection that is up."""
         if self.up_since is not None:
