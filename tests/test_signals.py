@@ -59,7 +59,9 @@ def check_message(err: bytes, spool_dir: Path, left: str, name: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+# (SIGINT takes SIGTERM's path here: --run-slow.)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGHUP],
+                         ids=lambda s: s.name)
 def test_first_signal_after_the_job_ended_is_obeyed(spool_dir: Path, sig: signal.Signals) -> None:
     """The job has ended, home is down: the first signal ends gcwrap within
     the grace. Before: it was ignored, and gcwrap retried on forever."""
@@ -171,7 +173,9 @@ def test_stop_clock() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+# (SIGINT takes SIGTERM's path here: --run-slow.)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGHUP],
+                         ids=lambda s: s.name)
 def test_resume_obeys_a_signal_within_the_grace(spool_dir: Path, sig: signal.Signals) -> None:
     """`gcwrap resume` at a walltime, home still down: it ends within the
     grace, exits 122 naming what is left and the spool, and a later resume
