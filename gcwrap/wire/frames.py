@@ -12,14 +12,32 @@ one event, each checking every field; which frames are legal when is
 
 from __future__ import annotations
 
-import enum
-import json
 import math
 import re
 import struct
 from collections.abc import Callable
 from typing import Any, cast
 
+from .codec import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
+from .codec import HEADER as HEADER
+from .codec import MAX_CONTROL as MAX_CONTROL
+from .codec import MAX_OFFSET as MAX_OFFSET
+from .codec import MAX_PAYLOAD as MAX_PAYLOAD
+from .codec import FrameType as FrameType
+from .codec import LocalProtocolError as LocalProtocolError
+from .codec import ProtocolError as ProtocolError
+from .codec import RemoteProtocolError as RemoteProtocolError
+from .codec import TruncatedFrame as TruncatedFrame
+from .codec import bad as _bad
+from .codec import check_offset as _check_offset
+from .codec import fixed as _fixed
+from .codec import frame as _frame
+from .codec import get as _get
+from .codec import is_int as _is_int
+from .codec import is_unicode as _is_unicode
+from .codec import json_body as _json_body
+from .codec import load_json as _load_json
+from .codec import text as _text
 from .events import (
     STREAM_KINDS,
     Ack,
@@ -44,17 +62,6 @@ from .events import (
     ZData,
 )
 
-MAX_PAYLOAD = 1 << 20  # largest DATA / STDIN_DATA payload either side sends
-MAX_CONTROL = 64 << 10  # largest JSON control frame body
-DEFAULT_MAX_FRAME = MAX_PAYLOAD + 64
-
-# Offsets and lengths travel as u64 but are file offsets (off_t) at both
-# ends: no file holds more than 2**63 - 1 bytes, and pread/pwrite refuse a
-# range that ends past it. So every offset, and every offset plus length,
-# is at most MAX_OFFSET, else the frame is malformed (BAD_FRAME), never left
-# to fail later at the receiver as an error of its own.
-MAX_OFFSET = (1 << 63) - 1
-HEADER = struct.Struct("!IB")  # length, type: every frame starts so
 _DATA = struct.Struct("!BQ")
 _ACK = struct.Struct("!BQ")
 _STDIN_READ = struct.Struct("!BQI")
@@ -75,45 +82,6 @@ _MAX_NAME = 4096
 _MAX_STREAMS = 16
 
 
-class FrameType(enum.IntEnum):
-    HELLO = 1
-    WELCOME = 2
-    DATA = 3
-    ACK = 4
-    EXIT = 5
-    DONE = 6
-    STDIN_READ = 7
-    STDIN_DATA = 8
-    PING = 9
-    PONG = 10
-    ERROR = 11
-    CHALLENGE = 12
-    AUTH = 13
-    ZDATA = 14  # DATA as one zstd frame, once the handshake agreed on the "zstd" feature
-    NOTES = 15  # moments of the job's life for its timeline, once the handshake agreed on "notes"
-
-
-class ProtocolError(Exception):
-    """A violation of the protocol. `code` is what the peer is told."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_FRAME) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class LocalProtocolError(ProtocolError):
-    """We tried to send something the protocol does not allow: our bug."""
-
-
-class RemoteProtocolError(ProtocolError):
-    """The peer sent something the protocol does not allow."""
-
-
-class TruncatedFrame(RemoteProtocolError):
-    """The peer closed the connection in the middle of a frame. Nothing it
-    sent was malformed: it hung up (or its host or the path died) mid-send,
-    and the side serving it reports a lost connection, not a protocol
-    error."""
 
 
 
@@ -125,22 +93,6 @@ def data_header(stream: int, offset: int, size: int) -> bytes:
     """The bytes of a DATA frame that come before its `size`-byte payload
     (a sender may write the payload after it without joining the two)."""
     return _DATA_HEADER.pack(1 + _DATA.size + size, DATA_TYPE, stream, offset)
-
-
-def _frame(ftype: FrameType, body: bytes) -> bytes:
-    return HEADER.pack(len(body) + 1, ftype) + body
-
-
-def _json_body(obj: dict[str, Any]) -> bytes:
-    try:
-        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
-        # A lone surrogate (say an undecodable argv byte under surrogateescape)
-        # is not Unicode text: the peer would refuse it, so we never send it.
-        raise LocalProtocolError(f"control frame holds text that is not valid Unicode: {e}") from None
-    if len(body) > MAX_CONTROL:
-        raise LocalProtocolError(f"control frame of {len(body)} bytes is too large")
-    return body
 
 
 _HEX_RE = re.compile(r"[0-9a-f]{0,128}\Z")
@@ -157,11 +109,6 @@ def _hex(obj: dict[str, Any], key: str, ftype: FrameType) -> str:
     if not isinstance(value, str) or not _HEX_RE.match(value):
         raise _bad(f"{ftype.name}: {key!r} must be at most 128 lowercase hex digits")
     return value
-
-
-def _check_offset(value: int, what: str) -> None:
-    if not 0 <= value <= MAX_OFFSET:
-        raise LocalProtocolError(f"{what} {value} out of range (0..{MAX_OFFSET})")
 
 
 def _check_pairs(pairs: tuple[tuple[int, int], ...], what: str) -> None:
@@ -377,38 +324,6 @@ def _features(obj: dict[str, Any], ftype: FrameType) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _bad(message: str) -> RemoteProtocolError:
-    return RemoteProtocolError(message, ErrorCode.BAD_FRAME)
-
-
-def _load_json(body: bytes | memoryview, ftype: FrameType) -> dict[str, Any]:
-    if len(body) > MAX_CONTROL:
-        raise RemoteProtocolError(f"{ftype.name} frame too large", ErrorCode.FRAME_TOO_LARGE)
-    try:
-        obj = json.loads(str(body, "utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _bad(f"{ftype.name} frame is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise _bad(f"{ftype.name} frame is not a JSON object")
-    return obj
-
-
-def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
-    value = obj.get(key)
-    # bool is an int in Python; never accept it where a number is wanted.
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise _bad(f"{ftype.name}: field {key!r} missing or of the wrong type")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...]:
     if not isinstance(value, list) or len(value) > _MAX_STREAMS:
         raise _bad(f"{ftype.name}: {key!r} must be a short list")
@@ -424,22 +339,6 @@ def _pairs(value: Any, ftype: FrameType, key: str) -> tuple[tuple[int, int], ...
             raise _bad(f"{ftype.name}: {key!r} holds a bad (stream, length) pair")
         out.append((item[0], item[1]))
     return tuple(out)
-
-
-def _is_unicode(value: str) -> bool:
-    """False for a string holding a lone surrogate (JSON's "\\udce9"): such a
-    string cannot be encoded, and would crash whatever stores or prints it."""
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _text(value: Any, limit: int, ftype: FrameType, key: str) -> str:
-    if not isinstance(value, str) or len(value) > limit or "\x00" in value or not _is_unicode(value):
-        raise _bad(f"{ftype.name}: {key!r} must be Unicode text of at most {limit} characters, without NUL")
-    return value
 
 
 def _decode_hello(obj: dict[str, Any]) -> Hello:
@@ -547,12 +446,6 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
     if not isinstance(retry_after, (int, float)) or isinstance(retry_after, bool) or not 0 <= retry_after < 86400:
         raise _bad("ERROR: 'retry_after' must be a number of seconds")
     return Error(code, _text(obj.get("message", ""), MAX_CONTROL, ftype, "message"), float(retry_after))
-
-
-def _fixed(st: struct.Struct, body: bytes | memoryview, ftype: FrameType, exact: bool) -> tuple[Any, ...]:
-    if len(body) < st.size or (exact and len(body) != st.size):
-        raise _bad(f"{ftype.name} frame has the wrong length ({len(body)} bytes)")
-    return st.unpack_from(body)
 
 
 DATA_HEAD = HEADER.size + _DATA.size  # the bytes of a DATA frame before its payload
