@@ -34,6 +34,12 @@ from gcwrap.wire.events import (
     ErrorCode,
     Event,
     Exit,
+    FileAck,
+    FileCommit,
+    FileCopy,
+    FileData,
+    FileHeld,
+    FileOpen,
     Hello,
     Note,
     Notes,
@@ -159,10 +165,10 @@ HELLO = Hello(
     user="alice",
     command=("python3", "-c", "print('héllo wörld ✓')"),
     nonce="0123456789abcdef" * 2,
-    features=("zstd", "notes", "a-newer-feature-2"),
+    features=("zstd", "notes", "files", "a-newer-feature-2"),
 )
 WELCOME = Welcome(version=PROTOCOL_VERSION, session=3, durable=((1, 100), (2, 0)), heartbeat=15.5,
-                  proof="fe" * 32, features=("zstd", "notes"))
+                  proof="fe" * 32, features=("zstd", "notes", "files"), files=(FileHeld(1, 2, 300, 120),))
 EXIT = Exit(
     code=0, signal=None, lengths=((1, 106), (2, 9)), reason="", summary=(("cpu", "1.5 s"), ("rss", "12 MiB"))
 )
@@ -178,6 +184,13 @@ CONVERSATION: list[tuple[Role, Event]] = [
     (A, Data(1, 106, b"")),
     (A, ZData(2, 9, 4096, b"(a zstd frame: the protocol carries it, the codec reads it)")),
     (A, Notes((Note(1764000000.5, "reconnected", (("after_s", 12.5), ("reason", "connection reset"))),))),
+    (A, FileOpen(1, "runs/42/status.json", 3, base=2)),
+    (A, FileCopy(1, 3, 0, 0, 4096)),
+    (A, FileData(1, 3, 4096, b'{"step": 7}\n')),
+    (A, FileCommit(1, 3, 4108, "ab" * 32)),
+    (S, FileAck(1, 3, 4108, committed=True)),
+    (A, FileOpen(2, "runs/42/train.log", 1)),
+    (A, FileData(2, 1, 0, b"epoch 1\n")),
     (A, StdinRead(0, 0, 65536)),
     (S, Ack(1, 106)),
     (S, StdinData(0, 0, b"input bytes", False)),
@@ -186,8 +199,10 @@ CONVERSATION: list[tuple[Role, Event]] = [
     (S, Pong(7)),
     (S, Ping(U64)),
     (A, Pong(U64)),
-    (A, Exit(code=None, signal=9, lengths=((1, 106), (2, 9)), reason="killed: memory limit")),
+    (A, Exit(code=None, signal=9, lengths=((1, 106), (2, 9)), reason="killed: memory limit",
+             files=((1, 3, 4108), (2, 1, 8)))),
     (S, Ack(2, 9)),  # sent before the EXIT arrived: crosses it
+    (S, FileAck(2, 1, 8)),  # so may a file's
     (A, StdinRead(0, 11, 1)),
     (S, Done()),
 ]
@@ -961,7 +976,7 @@ def play(conn: Connection, data: bytes, pieces: list[int] | None = None,
                 if isinstance(ev, Hello) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
                     conn.send(Challenge("ab" * 16))
                 elif isinstance(ev, Auth) and conn.role is Role.SHADOW and conn.state is State.AWAIT_WELCOME:
-                    conn.send(Welcome(PROTOCOL_VERSION, 1, (), features=("zstd", "notes")))
+                    conn.send(Welcome(PROTOCOL_VERSION, 1, (), features=("zstd", "notes", "files")))
                 elif isinstance(ev, Challenge) and conn.state is State.AWAIT_AUTH:
                     conn.send(Auth("cd" * 32))
                 elif isinstance(ev, Welcome) and conn.state is State.STREAMING:
@@ -1716,7 +1731,7 @@ def test_error_hierarchy() -> None:
 
 
 def test_a_handshake_without_features_is_what_older_peers_sent() -> None:
-    for event in (replace(HELLO, features=()), replace(WELCOME, features=())):
+    for event in (replace(HELLO, features=()), replace(WELCOME, features=(), files=())):
         assert b"features" not in encode(event)
     older_hello = encode(replace(HELLO, features=()))
     assert decode(older_hello[4], older_hello[5:]) == replace(HELLO, features=())
@@ -1725,7 +1740,7 @@ def test_a_handshake_without_features_is_what_older_peers_sent() -> None:
 @pytest.mark.parametrize("features", [(), ("later-1",)])
 def test_zdata_without_the_feature_is_refused_by_both_ends(features: tuple[str, ...]) -> None:
     pair = Pair()
-    pair.run([(A, HELLO), (S, replace(WELCOME, features=features))])
+    pair.run([(A, HELLO), (S, replace(WELCOME, features=features, files=()))])
     zdata = ZData(1, 100, 10, b"zstd frame")
     with pytest.raises(LocalProtocolError) as sent:
         pair.agent.send(zdata)
@@ -1767,7 +1782,7 @@ def test_malformed_features_are_a_bad_frame(features: Any) -> None:
 @pytest.mark.parametrize("features", [(), ("zstd",)])
 def test_notes_without_the_feature_are_refused_by_both_ends(features: tuple[str, ...]) -> None:
     pair = Pair()
-    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=features))])
+    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=features, files=()))])
     sent_notes = Notes((Note(1.5e9, "stalled", (("seconds", 12.5),)),))
     with pytest.raises(LocalProtocolError) as sent:
         pair.agent.send(sent_notes)
@@ -1780,7 +1795,7 @@ def test_notes_without_the_feature_are_refused_by_both_ends(features: tuple[str,
 
 def test_notes_with_the_feature_cross_byte_by_byte_and_keep_their_types() -> None:
     pair = Pair(lambda d: [d[i : i + 1] for i in range(len(d))])
-    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=("notes",)))])
+    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=("notes",), files=()))])
     sent = Notes((Note(1764000000.25, "connection_lost", (("reason", "reset"), ("after_s", 3), ("tls", False),
                                                          ("shadow", None), ("rate", 0.5))),
                   Note(1764000003.0, "reconnected", ())))

@@ -45,6 +45,12 @@ class FrameType(enum.IntEnum):
     AUTH = 13
     ZDATA = 14  # DATA as one zstd frame, once the handshake agreed on the "zstd" feature
     NOTES = 15  # moments of the job's life for its timeline, once the handshake agreed on "notes"
+    # The files the job writes, once the handshake agreed on "files" (gcwrap.wire.fileframes):
+    FILE_OPEN = 16
+    FILE_DATA = 17
+    FILE_COPY = 18
+    FILE_COMMIT = 19
+    FILE_ACK = 20
 
 
 class ProtocolError(Exception):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 PROTOCOL_VERSION = 1
 
 NOTES_FEATURE = "notes"  # the agent sends NOTES, for the job's timeline at home (`Notes`)
+FILES_FEATURE = "files"  # the agent sends the files the job writes (`FileOpen`, ...)
 
 # Stream ids the agent uses. The protocol carries any id 0..255; these are the
 # conventional ones so logs and state read the same everywhere.
@@ -70,6 +71,18 @@ class Event:
 
 
 @dataclass(frozen=True)
+class FileHeld:
+    """What home holds of one version of a file the job writes (WELCOME):
+    every byte below `durable` is durable, and the version is NAME's
+    content at `committed` bytes (-1: not committed yet)."""
+
+    file: int
+    version: int
+    durable: int
+    committed: int = -1
+
+
+@dataclass(frozen=True)
 class Hello(Event):
     """Agent → shadow, first frame: who this job is and what it streams.
 
@@ -100,6 +113,7 @@ class Welcome(Event):
     heartbeat: float = 10.0  # seconds the shadow waits for a frame before it gives up
     proof: str = ""  # the shadow's answer to the agent's nonce (hex HMAC), when a token is in use
     features: tuple[str, ...] = ()  # the agent's features the shadow accepts for this connection
+    files: tuple[FileHeld, ...] = ()  # what home holds of this run's files ("files" feature)
 
 
 @dataclass(frozen=True)
@@ -200,6 +214,74 @@ class Exit(Event):
     lengths: tuple[tuple[int, int], ...]
     reason: str = ""
     summary: tuple[tuple[str, str], ...] = field(default=())
+    files: tuple[tuple[int, int, int], ...] = ()  # (file, version, size): each file's final version
+
+
+# -- the files the job writes ("files" feature) ----------------------------------
+#
+# A file is delivered as versions. A version is append-only with
+# acknowledged offsets, as an output stream is; its bytes come from the wire
+# (FILE_DATA) or from the version home holds (FILE_COPY, a block that did
+# not change), and it ends in a commit: home checks its size and SHA-256 and
+# makes NAME hold exactly it. A newer version of a file abandons an older
+# one that is not committed. `file` is a handle (1..2**32-1) the agent gives
+# a NAME for this run of the job; versions (1..2**32-1) only grow.
+
+
+@dataclass(frozen=True)
+class FileOpen(Event):
+    """Agent → shadow: version `version` of file `file` is NAME's next
+    content; `base` (a version home holds committed) is what FILE_COPY
+    frames copy from (None: every byte comes on the wire)."""
+
+    file: int
+    name: str
+    version: int
+    base: int | None = None
+
+
+@dataclass(frozen=True)
+class FileData(Event):
+    """Agent → shadow: bytes of a file's version at an absolute offset."""
+
+    file: int
+    version: int
+    offset: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FileCopy(Event):
+    """Agent → shadow: the version's `length` bytes at `offset` are its
+    base's at `source` (a block home holds already)."""
+
+    file: int
+    version: int
+    offset: int
+    source: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FileCommit(Event):
+    """Agent → shadow: the version is whole at `size` bytes, whose SHA-256 is
+    `sha256` (64 hex digits): home makes NAME hold exactly it."""
+
+    file: int
+    version: int
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class FileAck(Event):
+    """Shadow → agent: every byte of the version below `offset` is durable
+    at home; `committed`: the version is NAME's content at `offset` bytes."""
+
+    file: int
+    version: int
+    offset: int
+    committed: bool = False
 
 
 NoteValue = str | int | float | bool | None

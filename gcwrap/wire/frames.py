@@ -18,6 +18,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, cast
 
+from . import fileframes
 from .codec import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
 from .codec import HEADER as HEADER
 from .codec import MAX_CONTROL as MAX_CONTROL
@@ -39,6 +40,7 @@ from .codec import json_body as _json_body
 from .codec import load_json as _load_json
 from .codec import text as _text
 from .events import (
+    FILES_FEATURE,
     STREAM_KINDS,
     Ack,
     Auth,
@@ -199,6 +201,8 @@ def _encode_hello(event: Hello) -> bytes:
 
 def _encode_welcome(event: Welcome) -> bytes:
     _check_offset(event.session, "session")
+    if event.files and FILES_FEATURE not in event.features:
+        raise LocalProtocolError("WELCOME: files held, but the \"files\" feature not accepted")
     _check_pairs(event.durable, "WELCOME")
     return _frame(FrameType.WELCOME, _json_body({
         "version": event.version,
@@ -207,6 +211,7 @@ def _encode_welcome(event: Welcome) -> bytes:
         "heartbeat": event.heartbeat,
         "proof": event.proof,
         **_features_field(event.features),
+        **fileframes.held_member(event.files),
     }))
 
 
@@ -218,6 +223,7 @@ def _encode_exit(event: Exit) -> bytes:
         "lengths": [list(p) for p in event.lengths],
         "reason": event.reason,
         "summary": [list(p) for p in event.summary],
+        **fileframes.final_member(event.files),
     }))
 
 
@@ -297,6 +303,7 @@ _ENCODERS: dict[type[Event], Callable[[Any], bytes]] = {
     Auth: lambda e: _frame(FrameType.AUTH, _json_body({"mac": _hex_field(e.mac, "mac")})),
     Error: _encode_error,
     Notes: _encode_notes,
+    **fileframes.ENCODERS,
 }
 
 
@@ -404,6 +411,7 @@ def _decode_exit(obj: dict[str, Any]) -> Exit:
         lengths=_pairs(obj.get("lengths"), f, "lengths"),
         reason=_text(obj.get("reason", ""), 4096, f, "reason"),
         summary=tuple(summary),
+        files=fileframes.decode_final(obj, f),
     )
 
 
@@ -419,9 +427,13 @@ def _decode_json_frame(ftype: FrameType, body: bytes | memoryview) -> Event:
             raise _bad("WELCOME: 'heartbeat' must be a positive number of seconds")
         if not 0 <= session <= MAX_OFFSET:
             raise _bad("WELCOME: 'session' out of range")
+        features = _features(obj, ftype)
+        files = fileframes.decode_held(obj, ftype)
+        if files and FILES_FEATURE not in features:
+            raise _bad("WELCOME: 'files' without the \"files\" feature")
         return Welcome(
             version, session, _pairs(obj.get("durable"), ftype, "durable"), float(heartbeat),
-            _hex(obj, "proof", ftype), _features(obj, ftype),
+            _hex(obj, "proof", ftype), features, files,
         )
     if ftype is FrameType.CHALLENGE:
         nonce = _hex(obj, "nonce", ftype)
@@ -524,6 +536,8 @@ def decode(raw_type: int, body: bytes | memoryview) -> Event:
         ftype = FrameType(raw_type)
     except ValueError:
         raise _bad(f"unknown frame type {raw_type}") from None
+    if ftype in fileframes.FRAMES:
+        return fileframes.decode(ftype, body)
     if ftype in _JSON_FRAMES:
         return _decode_json_frame(ftype, body)
     return _decode_binary(ftype, body)

@@ -43,6 +43,7 @@ import enum
 
 from .compress import FEATURE
 from .events import (
+    FILES_FEATURE,
     NOTES_FEATURE,
     PROTOCOL_VERSION,
     Ack,
@@ -56,6 +57,11 @@ from .events import (
     ErrorCode,
     Event,
     Exit,
+    FileAck,
+    FileCommit,
+    FileCopy,
+    FileData,
+    FileOpen,
     Hello,
     Notes,
     Ping,
@@ -141,18 +147,20 @@ _TRANSITIONS: dict[State, dict[Role, dict[type[Event], State]]] = {
     },
     State.STREAMING: {
         Role.AGENT: {Data: State.STREAMING, ZData: State.STREAMING, StdinRead: State.STREAMING, Exit: State.EXITING,
-                     Notes: State.STREAMING},
-        Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING},
+                     Notes: State.STREAMING, FileOpen: State.STREAMING, FileData: State.STREAMING,
+                     FileCopy: State.STREAMING, FileCommit: State.STREAMING},
+        Role.SHADOW: {Ack: State.STREAMING, StdinData: State.STREAMING, FileAck: State.STREAMING},
     },
     State.EXITING: {
         Role.AGENT: {StdinRead: State.EXITING},
         # An ACK or STDIN_DATA sent before the EXIT arrived may still cross it.
-        Role.SHADOW: {Ack: State.EXITING, StdinData: State.EXITING, Done: State.CLOSED},
+        Role.SHADOW: {Ack: State.EXITING, StdinData: State.EXITING, FileAck: State.EXITING, Done: State.CLOSED},
     },
     State.CLOSED: {Role.AGENT: {}, Role.SHADOW: {}},
 }
 
 
+_FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit, FileAck)
 _DATA_PROBE = Data(0, 0, b"")  # (what `send_data_head` asks the transitions about)
 _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWAIT_AUTH})
 
@@ -160,10 +168,13 @@ _HANDSHAKE_STATES = frozenset({State.AWAIT_HELLO, State.AWAIT_WELCOME, State.AWA
 def _next_state(state: State, role: Role, event: Event, features: frozenset[str]) -> State | None:
     """The state `event` from `role` leads to, or None where it is illegal
     (ZDATA too, unless the handshake accepted compression; NOTES unless it
-    accepted them)."""
+    accepted them; the files' frames, and an EXIT listing files, unless it
+    accepted "files")."""
     if isinstance(event, ZData) and FEATURE not in features:
         return None
     if isinstance(event, Notes) and NOTES_FEATURE not in features:
+        return None
+    if FILES_FEATURE not in features and (isinstance(event, _FILE_EVENTS) or (isinstance(event, Exit) and event.files)):
         return None
     if state is not State.CLOSED:
         if isinstance(event, (Ping, Pong)):
