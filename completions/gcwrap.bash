@@ -44,7 +44,7 @@ _gcwrap() {
             continue
         fi
         case $cmd:$w in
-            run:--shadow|run:--stdout|run:--stderr|run:--stdin|run:--job-id|run:--spool|run:--spool-limit|run:--min-free|run:--memory-limit|run:--write-behind|run:--retry-limit|run:--retry-timeout|run:--heartbeat|run:--log-format|run:--compress|run:--token-file|run:--tls-ca|run:--tls-cert|run:--tls-key) skip=1; lastopt=$w ;;
+            run:--shadow|run:--stdout|run:--stderr|run:--stdin|run:--file|run:--job-id|run:--spool|run:--spool-limit|run:--min-free|run:--memory-limit|run:--write-behind|run:--retry-limit|run:--retry-timeout|run:--heartbeat|run:--log-format|run:--compress|run:--token-file|run:--tls-ca|run:--tls-cert|run:--tls-key) skip=1; lastopt=$w ;;
             run:--) wrapped=$((i + 1)); break ;;
             status:--spool) skip=1; lastopt=$w ;;
             resume:--spool|resume:--shadow|resume:--retry-limit|resume:--retry-timeout|resume:--heartbeat|resume:--log-format|resume:--compress|resume:--token-file|resume:--tls-ca|resume:--tls-cert|resume:--tls-key) skip=1; lastopt=$w ;;
@@ -88,11 +88,11 @@ _gcwrap() {
     fi
     if [[ $cur == -* ]]; then
         if (( COMP_CWORD == 1 )); then
-            _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help --version"
+            _gcwrap_words "--shadow --stdout --stderr --stdin --file --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help --version"
             return 0
         fi
         case $cmd in
-            run) _gcwrap_words "--shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
+            run) _gcwrap_words "--shadow --stdout --stderr --stdin --file --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
             status) _gcwrap_words "--spool --json -h --help" ;;
             resume) _gcwrap_words "--spool --shadow --include-refused --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
             demo) _gcwrap_words "--size --keep -h --help" ;;

@@ -24,7 +24,7 @@ function __gcwrap_command_start --description 'Where the wrapped COMMAND starts,
     set -l value_options
     switch $sub
         case run
-            set value_options --shadow --stdout --stderr --stdin --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat --log-format --compress --token-file --tls-ca --tls-cert --tls-key
+            set value_options --shadow --stdout --stderr --stdin --file --job-id --spool --spool-limit --min-free --memory-limit --write-behind --retry-limit --retry-timeout --heartbeat --log-format --compress --token-file --tls-ca --tls-cert --tls-key
         case '*'
             return 1
     end
@@ -83,6 +83,7 @@ complete -c gcwrap -n '__gcwrap_using run' -l shadow -x -d 'Where gcshadow liste
 complete -c gcwrap -n '__gcwrap_using run' -l stdout -x -d 'File (relative to the shadow\'s root) that receives the job\'s stdout'
 complete -c gcwrap -n '__gcwrap_using run' -l stderr -x -d 'File that receives the job\'s stderr; the same NAME as --stdout...'
 complete -c gcwrap -n '__gcwrap_using run' -l stdin -x -d 'File at the shadow that is fed to the job\'s stdin'
+complete -c gcwrap -n '__gcwrap_using run' -l file -x -d 'A file the job writes that comes home too, live and exact at the end...'
 complete -c gcwrap -n '__gcwrap_using run' -l job-id -x -d 'Job id at the shadow'
 complete -c gcwrap -n '__gcwrap_using run' -l spool -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory for the spool'
 complete -c gcwrap -n '__gcwrap_using run' -l spool-limit -x -d 'Most bytes the spool may hold (0: only free disk space limits it)'

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,6 +20,9 @@ from . import __version__, exitcodes
 from .agent.stopsignals import EarlySignals, stop_signals
 from .clitypes import Size
 from .wire.names import NameError_, normalize
+
+if TYPE_CHECKING:
+    from .agent.filespecs import FileSpec
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -96,6 +99,26 @@ def check_name(param: str) -> Callable[[click.Context, click.Parameter, str | No
         return value
 
     return callback
+
+
+def check_files(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[FileSpec, ...]:
+    """`--file PATH[=NAME]`, each parsed (gcwrap.agent.filespecs) and its NAME
+    template's syntax checked; the NAMEs are expanded once the job is known."""
+    from .agent.filespecs import FileSpecError, parse_file_spec
+    from .agent.templates import TemplateError, check
+
+    specs: list[FileSpec] = []
+    for value in values:
+        try:
+            spec = parse_file_spec(value)
+            if spec.name is not None:
+                check(spec.name)
+        except (FileSpecError, TemplateError) as e:
+            raise click.BadParameter(str(e), param_hint="--file") from None
+        if spec.pattern in (s.pattern for s in specs):
+            raise click.BadParameter(f"{spec.pattern!r} is given twice", param_hint="--file")
+        specs.append(spec)
+    return tuple(specs)
 
 
 def expand_name(value: str | None, values: dict[str, str], param: str) -> str | None:
@@ -188,6 +211,15 @@ def main(ctx: click.Context) -> None:
         ctx.obj.release()
 
 
+file_option = click.option(
+    "--file", "files", metavar="PATH[=NAME]", multiple=True, envvar="GCWRAP_FILES", show_envvar=True,
+    callback=check_files,
+    help="A file the job writes that comes home too, live and exact at the end (repeat it for more; "
+         "GCWRAP_FILES: separated by spaces). PATH is relative to the job's working directory, or a "
+         "glob ('out/*.csv') matched while the job runs. At home it lands at NAME (templates as for "
+         "--stdout), else at PATH.")
+
+
 @main.command(context_settings={**CONTEXT, "allow_interspersed_args": False}, epilog=EXIT_HELP)
 @click.option("--shadow", metavar="HOST:PORT", multiple=True, envvar="GCWRAP_SHADOW", show_envvar=True,
               help="Where gcshadow listens. Several shadows serving one root (a comma-separated list, or "
@@ -205,6 +237,7 @@ def main(ctx: click.Context) -> None:
               show_envvar=True, callback=check_name("--stdin"),
               help="File at the shadow that is fed to the job's stdin. Unset: pass through. "
                    "Templates as for --stdout.")
+@file_option
 @click.option("--job-id", metavar="ID", envvar="GCWRAP_JOB_ID", show_envvar=True,
               help="Job id at the shadow. Default: the batch system's (Slurm, HTCondor, PBS), else host-pid-time.")
 @click.option("--spool", "spool_dir", metavar="DIR", type=SpoolDir(file_okay=False, path_type=Path),
@@ -230,7 +263,7 @@ def run(
     shadow: tuple[str, ...], stdout_name: str | None, stderr_name: str | None, stdin_name: str | None,
     job_id: str | None, spool_dir: Path | None, spool_limit: int, min_free: int | None, memory_limit: int,
     write_behind: float, retry_limit: int, retry_timeout: float, heartbeat: float, verbose: int, quiet: bool,
-    log_format: str, compress: Any,
+    log_format: str, compress: Any, files: tuple[FileSpec, ...],
     token_file: Path | None, tls_on: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
     command: tuple[str, ...],
 ) -> None:
@@ -251,15 +284,17 @@ def run(
 
     setup_logging("gcwrap", -1 if quiet else verbose, log_format)
     addresses = shadow_addresses(shadow)
-    if not addresses and (stdout_name or stderr_name or stdin_name):
-        raise click.UsageError("a stream NAME needs a shadow: use --shadow HOST:PORT or set BYPASS_SHADOW_HOST/PORT")
-    job_id, (stdout_name, stderr_name, stdin_name) = job_and_names(job_id, stdout_name, stderr_name, stdin_name)
+    if not addresses and (stdout_name or stderr_name or stdin_name or files):
+        raise click.UsageError("a stream NAME or a --file needs a shadow: use --shadow HOST:PORT or set "
+                               "BYPASS_SHADOW_HOST/PORT")
+    job_id, names = job_and_names(job_id, stdout_name, stderr_name, stdin_name, *(f.name for f in files))
+    (stdout_name, stderr_name, stdin_name), files = names[:3], file_specs(files, names[3:])
     from .agent.options import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
     opts = AgentOptions(
         shadows=addresses, stdout=stdout_name, stderr=None if merge else stderr_name, stdin=stdin_name,
-        merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
+        files=files, merge_stderr=merge, retry_limit=retry_limit, retry_timeout=retry_timeout, heartbeat=heartbeat,
         spool_limit=spool_limit, min_free=min_free, mem_limit=memory_limit,
         write_behind=write_behind, compress=compress, **security(token_file, tls_on, tls_ca, tls_cert, tls_key),
     )
@@ -277,11 +312,30 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
 
     ident = detect()
     values = values_for(ident, job_id)
-    expanded = [expand_name(name, values, option) for name, option in zip(names, ("--stdout", "--stderr", "--stdin"))]
+    options = ("--stdout", "--stderr", "--stdin", *("--file",) * (len(names) - 3))
+    expanded = [expand_name(name, values, option) for name, option in zip(names, options, strict=True)]
     job_id = job_id or ident.job_id
     if job_id and not job_id.isprintable():  # from the batch system's environment: the shadow would refuse it
         raise click.UsageError(f"the job id {job_id!r} from the environment holds control characters: give --job-id")
     return job_id, expanded
+
+
+def file_specs(files: tuple[FileSpec, ...], names: list[str | None]) -> tuple[FileSpec, ...]:
+    """The --file specs with their NAMEs expanded; a PATH without a NAME
+    lands at PATH, so it must be a NAME (a glob's matches are checked as they
+    appear)."""
+    import dataclasses
+
+    specs = []
+    for spec, name in zip(files, names, strict=True):
+        if name is None and not spec.is_glob:
+            try:
+                normalize(spec.pattern)
+            except NameError_ as e:
+                raise click.BadParameter(f"{spec.pattern!r} cannot land at home under its own name ({e}): "
+                                         "give it one, PATH=NAME", param_hint="--file") from None
+        specs.append(dataclasses.replace(spec, name=name))
+    return tuple(specs)
 
 
 def _run(

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import click
 import pytest
+from click.testing import CliRunner
 from helpers import tool
 
 from gcwrap.cli import main as gcwrap_main
@@ -94,3 +95,57 @@ def test_a_memory_limit_below_1mib_is_refused(tmp_path: Path, value: str, how: s
 
 def test_a_memory_limit_of_1mib_is_taken() -> None:
     assert parse(gcwrap_main.commands["run"], "run", ["--memory-limit", "1MiB"])["memory_limit"] == 1 << 20
+
+
+# -- --file PATH[=NAME] ------------------------------------------------------------------------
+
+
+def run_options(monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str] | None = None) -> Any:
+    """The AgentOptions `gcwrap run` builds from `args` (the job is not run)."""
+    import gcwrap.cli
+
+    seen: list[Any] = []
+    monkeypatch.setattr(gcwrap.cli, "_run", lambda opts, *rest: seen.append(opts) or 0)
+    result = CliRunner().invoke(gcwrap_main, ["run", "--shadow", "127.0.0.1:9", *args, "--", "true"], env=env)
+    assert result.exit_code == 0, result.output
+    (opts,) = seen
+    return opts
+
+
+def test_file_specs_reach_the_agents_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gcwrap.agent.filespecs import FileSpec
+
+    opts = run_options(monkeypatch, ["--job-id", "4242", "--file", "train.log", "--file", "out/*.csv",
+                                     "--file", "./model.bin=results/%j.bin"])
+    assert opts.files == (FileSpec("train.log"), FileSpec("out/*.csv"), FileSpec("model.bin", "results/4242.bin"))
+    assert run_options(monkeypatch, []).files == ()
+
+
+def test_file_specs_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gcwrap.agent.filespecs import FileSpec
+
+    opts = run_options(monkeypatch, [], env={"GCWRAP_FILES": "train.log  out/*.csv"})
+    assert opts.files == (FileSpec("train.log"), FileSpec("out/*.csv"))
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--file", "/etc/passwd"], "must be relative to the job's working directory"),
+    (["--file", "out/../../x"], "must not leave the job's working directory"),
+    (["--file", "out/*.csv=all.csv"], "cannot land at one NAME"),
+    (["--file", "x.bin=out/%z"], "%z"),
+    (["--file", "a.log", "--file", "./a.log"], "given twice"),
+    (["--file", ".gcshadow/x"], "give it one, PATH=NAME"),
+    (["--file", "x.bin=../x"], "contains '..'"),
+])
+def test_file_specs_refused_with_a_clear_line(args: list[str], says: str) -> None:
+    result = CliRunner().invoke(gcwrap_main, ["run", "--shadow", "127.0.0.1:9", "--job-id", "j", *args, "--", "true"])
+    assert result.exit_code == 2, result.output
+    assert "--file" in result.output and says in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_file_needs_a_shadow(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("GCWRAP_SHADOW", "BYPASS_SHADOW_HOST", "BYPASS_SHADOW_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    result = CliRunner().invoke(gcwrap_main, ["run", "--file", "x.log", "--", "true"])
+    assert result.exit_code == 2 and "needs a shadow" in result.output, result.output

@@ -49,19 +49,19 @@ def parse_file_spec(text: str) -> FileSpec:
     NAME given to a glob (many files cannot land at one NAME)."""
     path, sep, name = text.partition("=")
     if sep and not name:
-        raise FileSpecError(f"--file {text!r}: the NAME after '=' is empty")
+        raise FileSpecError(f"{text!r}: the NAME after '=' is empty")
     if not path:
-        raise FileSpecError(f"--file {text!r}: the PATH is empty")
+        raise FileSpecError(f"{text!r}: the PATH is empty")
     pure = PurePosixPath(path)
     if pure.is_absolute():
-        raise FileSpecError(f"--file {text!r}: the PATH must be relative to the job's working directory")
+        raise FileSpecError(f"{text!r}: the PATH must be relative to the job's working directory")
     if ".." in pure.parts:
-        raise FileSpecError(f"--file {text!r}: the PATH must not leave the job's working directory ('..')")
+        raise FileSpecError(f"{text!r}: the PATH must not leave the job's working directory ('..')")
     if path.endswith("/") or pure.parts in ((), (".",)):
-        raise FileSpecError(f"--file {text!r}: the PATH names a directory, not a file")
+        raise FileSpecError(f"{text!r}: the PATH names a directory, not a file")
     spec = FileSpec(pure.as_posix(), name if sep else None)
     if spec.is_glob and spec.name is not None:
-        raise FileSpecError(f"--file {text!r}: a glob matches many files, which cannot land at one NAME")
+        raise FileSpecError(f"{text!r}: a glob matches many files, which cannot land at one NAME")
     return spec
 
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import ssl
 
     from .addresses import Address
+    from .filespecs import FileSpec
 
 
 @dataclass
@@ -24,6 +25,7 @@ class AgentOptions:
     stdout: str | None = None
     stderr: str | None = None
     stdin: str | None = None
+    files: tuple[FileSpec, ...] = ()  # --file: the job's files that come home too (NAMEs expanded)
     merge_stderr: bool = False  # stderr goes into the stdout stream (2>&1)
     retry_limit: int = 20
     retry_timeout: float = 60.0
