@@ -6,6 +6,8 @@ a poll too slow to be what saw the change) and with the poll alone."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,3 +261,53 @@ def test_check_is_a_stat_pass_on_demand(tmp_path: Path) -> None:
     assert watcher.check() == []
     (tmp_path / "x").unlink()
     assert [(e.change, e.stat) for e in watcher.check()] == [(Change.DELETED, None)]
+
+
+def test_without_inotify_the_poll_alone_reports(tmp_path: Path) -> None:
+    """No descriptor left for inotify (a real limit, RLIMIT_NOFILE, in a
+    process of its own): the watcher falls back to the poll and still
+    reports (stat, truncate and unlink need no descriptor)."""
+    (tmp_path / "x.log").write_text("0123456789")
+    script = f"""
+import os, resource, sys
+from pathlib import Path
+import trio
+from gcwrap.agent.filespecs import FileSpec
+from gcwrap.agent.filewatch import Change, FileWatcher
+
+async def main():
+    path = Path({str(tmp_path)!r})
+    watcher = FileWatcher(path, (FileSpec("x.log"),), interval=0.005, settle=0.001)
+    send, receive = trio.open_memory_channel(100)
+    lowest = os.dup(0)  # the lowest descriptor free: every new one would be at least this
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    seen = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watcher.run, send)
+            assert watcher.inotify is None, "inotify opened a descriptor beyond the limit"
+            for act, what in ((None, Change.APPEARED), (lambda: os.truncate(path / "x.log", 3), Change.REWRITTEN),
+                              (lambda: os.unlink(path / "x.log"), Change.DELETED)):
+                if act:
+                    act()
+                while (event := await receive.receive()).change is not what:
+                    pass
+                seen.append(event.change.value)
+            nursery.cancel_scope.cancel()
+    print(" ".join(seen))
+
+trio.run(main)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["appeared", "rewritten", "deleted"]
+
+
+def test_a_glob_skips_the_drafts_a_job_renames_over(tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_text("{}")
+    (tmp_path / ".status.json.tmp").write_text("{")
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    (tmp_path / "deep" / "er" / "x.json").write_text("{}")
+    assert sorted(matches(tmp_path, (FileSpec("*.json"),))) == ["status.json"]
+    assert sorted(matches(tmp_path, (FileSpec("**/*.json"),))) == ["deep/er/x.json", "status.json"]

@@ -2,8 +2,11 @@
 
 A PATH is relative to the job's working directory: a file's path, or a glob
 (`out/*.csv`) matched again and again while the job runs, so that files that
-appear later count. NAME, where given, is where the file lands at home
-(templated as --stdout's); without it, the file lands under its PATH.
+appear later count. Globs match as the shell's do (`**` too): `*` matches
+no leading dot, so the `.status.json.tmp` a job writes before renaming it
+over `status.json` is not picked up by `*.json`. NAME, where given, is where
+the file lands at home (templated as --stdout's); without it, the file
+lands under its PATH.
 
 No event loop here: the command line parses the specs before the job starts.
 """
