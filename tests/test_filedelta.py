@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from gcwrap.agent.filedelta import (
     Digests,
     Literal,
     Op,
+    Scanner,
     apply,
     digests_of,
     literal_bytes,
@@ -179,3 +181,30 @@ def test_digests_that_do_not_fit_the_size_are_refused() -> None:
 def test_apply_refuses_a_plan_with_a_gap() -> None:
     with pytest.raises(ValueError):
         rebuilt([Literal(1, 1)], b"ab", b"ab")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=12), st.sampled_from([1, SMALL, 64]))
+def test_a_scanner_reads_only_the_appends_and_agrees_with_a_whole_scan(appends: list[bytes], block_size: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "log")
+        path.write_bytes(b"")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            scanner = Scanner(block_size)
+            content = b""
+            for piece in appends:
+                with path.open("ab") as f:
+                    f.write(piece)
+                content += piece
+                assert scanner.advance(fd, len(content)) == scan(fd, len(content), block_size)
+                assert scanner.scan().digests == digests_of(content, block_size)
+            # Bytes already read are not read again: a rewrite below them goes unseen (the caller's to find).
+            if content:
+                os.truncate(path, 0)
+                path.write_bytes(b"\0" * len(content))
+                assert scanner.advance(fd, len(content)).sha256 == hashlib.sha256(content).hexdigest()
+                # A file shorter than asked: scanned as far as it goes.
+                assert scanner.advance(fd, len(content) + 100).digests.size == len(content)
+        finally:
+            os.close(fd)

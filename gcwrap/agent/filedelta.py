@@ -89,6 +89,40 @@ def scan(fd: int, size: int, block_size: int = BLOCK_SIZE) -> Scan:
     return Scan(whole.hexdigest(), Digests(offset, tuple(blocks), block_size))
 
 
+class Scanner:
+    """A content scanned as it grows (a log): its Scan at each size, reading
+    only the bytes past the last one read, so that a file appended to for
+    hours costs its appends, not its size at every commit. It trusts the
+    bytes it read to stay as they were: a rewrite below them is for the
+    caller to find (a new version, scanned whole)."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.size = 0
+        self._sha = hashlib.sha256()
+        self._blocks: list[bytes] = []
+        self._tail = b""  # the last block's bytes while it is short
+
+    def advance(self, fd: int, size: int) -> Scan:
+        """Read [self.size, size) of the file at `fd` (less where the file
+        ends sooner) and return the Scan of [0, self.size)."""
+        while self.size < size:
+            piece = _read_block(fd, self.size, min(self.block_size - len(self._tail), size - self.size))
+            if not piece:
+                break
+            self._sha.update(piece)
+            self.size += len(piece)
+            self._tail += piece
+            if len(self._tail) == self.block_size:
+                self._blocks.append(block_digest(self._tail))
+                self._tail = b""
+        return self.scan()
+
+    def scan(self) -> Scan:
+        blocks = (*self._blocks, block_digest(self._tail)) if self._tail else tuple(self._blocks)
+        return Scan(self._sha.copy().hexdigest(), Digests(self.size, blocks, self.block_size))
+
+
 def _read_block(fd: int, offset: int, length: int) -> bytes:
     """One block, reading again after a short read until it is whole or the file ends."""
     parts: list[bytes] = []
