@@ -6,13 +6,18 @@ a poll too slow to be what saw the change) and with the poll alone."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 from gcwrap.agent.filespecs import FileSpec, FileSpecError, FileStat, matches, parse_file_spec
 from gcwrap.agent.filewatch import Change, FileEvent, FileWatcher, change
@@ -72,21 +77,21 @@ def test_matches_are_regular_files_each_once(tmp_path: Path) -> None:
 # -- what a stat pass calls a change ------------------------------------------------
 
 
-def st(ino: int = 1, size: int = 10, mtime: int = 100, dev: int = 1) -> FileStat:
+def fst(ino: int = 1, size: int = 10, mtime: int = 100, dev: int = 1) -> FileStat:
     return FileStat(dev, ino, size, mtime)
 
 
 @pytest.mark.parametrize(("old", "new", "what"), [
     (None, None, None),
-    (None, st(), Change.APPEARED),
-    (st(), None, Change.DELETED),
-    (st(), st(), None),
-    (st(), st(size=11, mtime=101), Change.GREW),
-    (st(), st(ino=2), Change.REPLACED),
-    (st(), st(dev=2), Change.REPLACED),
-    (st(), st(ino=2, size=5), Change.REPLACED),
-    (st(), st(size=5), Change.REWRITTEN),
-    (st(), st(mtime=101), Change.REWRITTEN),
+    (None, fst(), Change.APPEARED),
+    (fst(), None, Change.DELETED),
+    (fst(), fst(), None),
+    (fst(), fst(size=11, mtime=101), Change.GREW),
+    (fst(), fst(ino=2), Change.REPLACED),
+    (fst(), fst(dev=2), Change.REPLACED),
+    (fst(), fst(ino=2, size=5), Change.REPLACED),
+    (fst(), fst(size=5), Change.REWRITTEN),
+    (fst(), fst(mtime=101), Change.REWRITTEN),
 ])
 def test_change(old: FileStat | None, new: FileStat | None, what: Change | None) -> None:
     assert change(old, new) is what
@@ -311,3 +316,100 @@ def test_a_glob_skips_the_drafts_a_job_renames_over(tmp_path: Path) -> None:
     (tmp_path / "deep" / "er" / "x.json").write_text("{}")
     assert sorted(matches(tmp_path, (FileSpec("*.json"),))) == ["status.json"]
     assert sorted(matches(tmp_path, (FileSpec("**/*.json"),))) == ["deep/er/x.json", "status.json"]
+
+
+# -- the model: one change between two passes is reported as what it is ---------------
+
+
+class WatchModel(RuleBasedStateMachine):
+    """Random changes to two files (one named, one matched by a glob), a stat
+    pass after each: the pass reports exactly the change made, nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="gcwrap-watch-test-"))
+        (self.dir / "out").mkdir()
+        self.watcher = FileWatcher(self.dir, (FileSpec("f.bin"), FileSpec("out/*.csv")), inotify=False)
+        self.size = {"f.bin": -1, "out/a.csv": -1}  # -1: absent
+        self.clock = 10**18  # each change gets an mtime of its own, whatever the clock's granularity
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.dir)
+
+    def _stamp(self, rel: str) -> None:
+        self.clock += 1
+        os.utime(self.dir / rel, ns=(self.clock, self.clock))
+
+    def _expect(self, rel: str, what: Change) -> None:
+        events = self.watcher.check()
+        assert [(e.path, e.change) for e in events] == [(rel, what)]
+        stat = os.stat(self.dir / rel) if what is not Change.DELETED else None
+        assert events[0].stat == (stat and FileStat.of(stat))
+
+    files = st.sampled_from(["f.bin", "out/a.csv"])
+
+    @rule(rel=files, data=st.binary(max_size=50))
+    def create(self, rel: str, data: bytes) -> None:
+        if self.size[rel] >= 0:
+            return
+        (self.dir / rel).write_bytes(data)
+        self.size[rel] = len(data)
+        self._expect(rel, Change.APPEARED)
+
+    @rule(rel=files, data=st.binary(min_size=1, max_size=50))
+    def append(self, rel: str, data: bytes) -> None:
+        if self.size[rel] < 0:
+            return
+        with (self.dir / rel).open("ab") as f:
+            f.write(data)
+        self._stamp(rel)
+        self.size[rel] += len(data)
+        self._expect(rel, Change.GREW)
+
+    @rule(rel=files, data=st.binary(max_size=50))
+    def rename_over(self, rel: str, data: bytes) -> None:
+        if self.size[rel] < 0:
+            return
+        draft = self.dir / (rel + ".tmp")
+        draft.write_bytes(data)
+        os.rename(draft, self.dir / rel)
+        self.size[rel] = len(data)
+        self._expect(rel, Change.REPLACED)
+
+    @rule(rel=files, keep=st.integers(0, 49))
+    def truncate(self, rel: str, keep: int) -> None:
+        if self.size[rel] <= 0:
+            return
+        keep %= self.size[rel]
+        os.truncate(self.dir / rel, keep)
+        self.size[rel] = keep
+        self._expect(rel, Change.REWRITTEN)
+
+    @rule(rel=files, at=st.integers(0, 49), data=st.binary(min_size=1, max_size=8))
+    def pwrite_in_place(self, rel: str, at: int, data: bytes) -> None:
+        if self.size[rel] < len(data):
+            return
+        fd = os.open(self.dir / rel, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, at % (self.size[rel] - len(data) + 1))
+        finally:
+            os.close(fd)
+        self._stamp(rel)
+        self._expect(rel, Change.REWRITTEN)
+
+    @rule(rel=files)
+    def delete(self, rel: str) -> None:
+        if self.size[rel] < 0:
+            return
+        os.unlink(self.dir / rel)
+        self.size[rel] = -1
+        self._expect(rel, Change.DELETED)
+
+    @rule()
+    def nothing(self) -> None:
+        assert self.watcher.check() == []
+
+
+def test_random_changes_each_reported_as_what_it_is() -> None:
+    run_state_machine_as_test(WatchModel, settings=settings(
+        max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)))
