@@ -180,7 +180,9 @@ class FileWatcher:
     def _directories(self, seen: dict[str, tuple[FileSpec, FileStat]]) -> set[Path]:
         """The directories to watch: for each spec, the deepest existing one
         of those its matches lie in (a missing `out/` is watched through its
-        parent, where it appears); and each matched file's own."""
+        parent, where it appears); and each matched file's own. A directory
+        a wildcard enters (`a/*/x.csv`) is watched once it holds a match:
+        until then the poll alone finds it."""
         found = set()
         for spec in self.specs:
             directory = self.workdir / spec.fixed_dir
