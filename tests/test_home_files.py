@@ -18,6 +18,7 @@ from gcwrap.shadow.fileversions import VersionRecord, held
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import (
     FILES_FEATURE,
+    Data,
     Done,
     Error,
     ErrorCode,
@@ -134,6 +135,20 @@ def _close_sockets() -> Iterator[None]:
 _SOCKETS: list[socket.socket] = []
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either(request: pytest.FixtureRequest, home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
+    """A gcshadow with each kind of state."""
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    state = ["--state", request.getfixturevalue("pg_url")] if request.param == "postgresql" else []
+    sh = ShadowProc(home, logs, extra=state)
+    sh.start()
+    try:
+        yield sh
+    finally:
+        sh.stop()
+
+
 def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1") -> tuple[RawAgent, Welcome]:
     a = RawAgent(shadow.port)
     _SOCKETS.append(a.sock)
@@ -185,7 +200,8 @@ def test_a_file_appended_in_place_lands_in_name_and_is_acknowledged(shadow: Shad
 
 
 @pytest.mark.timeout(60)
-def test_a_rewrite_is_a_new_version_built_from_the_committed_one(shadow: ShadowProc, home: Path) -> None:
+def test_a_rewrite_is_a_new_version_built_from_the_committed_one(either: ShadowProc, home: Path) -> None:
+    shadow = either
     old = bytes(range(256)) * 1024  # 256 KiB
     new = old[:65536] + b"X" * 65536 + old[131072:] + b"tail"
     a, _ = _agent(shadow)
@@ -278,7 +294,8 @@ def test_a_name_escaping_the_root_is_refused_as_a_streams_would_be(shadow: Shado
 
 
 @pytest.mark.timeout(90)
-def test_kill_9_mid_version_loses_nothing_acknowledged(shadow: ShadowProc, home: Path) -> None:
+def test_kill_9_mid_version_loses_nothing_acknowledged(either: ShadowProc, home: Path) -> None:
+    shadow = either
     a, _ = _agent(shadow)
     a.send(FileOpen(1, "k.txt", 1))
     a.send(FileData(1, 1, 0, b"committed"))
@@ -307,3 +324,23 @@ def test_kill_9_mid_version_loses_nothing_acknowledged(shadow: ShadowProc, home:
     _file_ack(b, 1, 3, 22, committed=True)
     assert (home / "k.txt").read_bytes() == b"version threecommitted"
     assert _staging(home) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_quota_counts_the_files_bytes_with_the_streams(home: Path, tmp_path: Path) -> None:
+    sh = ShadowProc(home, tmp_path, extra=["--quota", "100"])
+    sh.start()
+    try:
+        a, _ = _agent(sh)
+        a.send(Data(1, 0, b"s" * 60))
+        a.send(FileOpen(1, "q.txt", 1))
+        a.send(FileData(1, 1, 0, b"f" * 40))
+        _file_ack(a, 1, 1, 40)  # 100 bytes: within the quota
+        a.send(FileData(1, 1, 40, b"!"))
+        assert _error(a) is ErrorCode.QUOTA
+        b, w = _agent(sh)
+        assert w.files == (FileHeld(1, 1, 40, -1),)
+        b.send(Data(1, 60, b"?"))  # (a stream's byte counts the files' too)
+        assert _error(b) is ErrorCode.QUOTA
+    finally:
+        sh.stop()

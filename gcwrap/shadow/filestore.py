@@ -40,6 +40,7 @@ from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileD
 from ..wire.names import NameError_, split_name
 from . import fileversions
 from .acks import Sender
+from .admission import Refused
 from .backends import StateBackend
 from .durability import Fenced, Trouble
 from .files import Problem, StateUnavailable, StoreError, open_confined, open_dir
@@ -88,8 +89,10 @@ class SessionFiles:
     run in worker threads; the others in the event loop, between frames."""
 
     def __init__(self, store: StateBackend, job_id: str, instance: str, session: int, tenant: str,
-                 stream_names: Iterable[str]) -> None:
+                 stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0) -> None:
         self.store = store
+        self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
+        self.streams = streams  # bytes its streams hold now
         self.job_id = job_id
         self.instance = instance
         self.session = session
@@ -254,10 +257,20 @@ class SessionFiles:
             raise ProtocolError(f"{what} at offset {offset} of {v.name!r} would leave a gap after byte {v.written}",
                                 ErrorCode.OFFSET_GAP)
 
+    def written(self) -> int:
+        """Bytes the versions in progress hold (what the job's quota counts of its files)."""
+        return sum(v.written for v in self.current.values())
+
+    def _charge(self, v: Version, end: int) -> None:
+        """Refuse bytes past the job's quota (QUOTA), its streams' bytes counted with its files'."""
+        if self.quota and end > v.written and self.streams() + self.written() + end - v.written > self.quota:
+            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes")
+
     def data(self, ev: FileData) -> None:
         """FILE_DATA: appended at its offset, less what the version holds (a resend)."""
         v = self._version(ev.file, ev.version, "FILE_DATA")
         self._check_offset(v, ev.offset, "FILE_DATA")
+        self._charge(v, ev.offset + len(ev.payload))
         skip = v.written - ev.offset
         if skip >= len(ev.payload):
             return
@@ -284,6 +297,7 @@ class SessionFiles:
             raise ProtocolError(f"FILE_COPY of bytes {ev.source}..{ev.source + ev.length} of version {base[0]} "
                                 f"of {v.name!r}, which has {base[1]}", ErrorCode.UNEXPECTED)
         self._check_offset(v, ev.offset, "FILE_COPY")
+        self._charge(v, ev.offset + ev.length)
         skip = max(v.written - ev.offset, 0)
         if skip >= ev.length:
             return

@@ -359,8 +359,9 @@ class Shadow:
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
                 features = tuple(f for f in self.features if f in hello.features)
                 if FILES_FEATURE in features:  # (what home holds of the files the job writes)
-                    self.written[job] = SessionFiles(self.store, job.job_id, hello.instance, files.session, tenant,
-                                               [sf.name for sf in files.all()])
+                    self.written[job] = SessionFiles(
+                        self.store, job.job_id, hello.instance, files.session, tenant, [sf.name for sf in files.all()],
+                        quota=self.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()))
                 held_files = await self._worker(self.written[job].load) if job in self.written else ()
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features,
                                   held_files)
@@ -632,7 +633,8 @@ class Shadow:
                 )
             quota = self.opts.quota
             if quota and end > sf.written:
-                total = sum(f.written for f in job.files.outputs.values())
+                total = sum(f.written for f in job.files.outputs.values()) + (self.written[job].written()
+                                                                               if job in self.written else 0)
                 if total + end - sf.written > quota:
                     raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         last = offset + len(payload) == end
