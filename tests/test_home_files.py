@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gcwrap.shadow.fileversions import VersionRecord, held
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import (
     FILES_FEATURE,
+    ConnectionClosed,
     Data,
     Done,
     Error,
@@ -33,6 +35,7 @@ from gcwrap.wire.events import (
     StreamSpec,
     Welcome,
 )
+from gcwrap.wire.names import STATE_DIR
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -344,3 +347,76 @@ def test_the_quota_counts_the_files_bytes_with_the_streams(home: Path, tmp_path:
         assert _error(b) is ErrorCode.QUOTA
     finally:
         sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_fenced_session_writes_and_acknowledges_no_more_of_a_file(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "fenced.txt", 1))
+    a.send(FileData(1, 1, 0, b"mine"))
+    _file_ack(a, 1, 1, 4)
+    b, w = _agent(shadow)  # a newer connection of the job takes it over
+    assert w.files == (FileHeld(1, 1, 4, -1),)
+    try:
+        a.send(FileData(1, 1, 4, b" and late"))
+        ev = a.until(FileAck)
+        assert isinstance(ev, (Error, ConnectionClosed)), ev
+    except OSError:
+        pass  # (the shadow closed it first)
+    b.send(FileOpen(1, "fenced.txt", 1))
+    b.send(FileData(1, 1, 4, b", then b"))
+    _file_ack(b, 1, 1, 12)
+    assert (home / "fenced.txt").read_bytes() == b"mine, then b"
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_recorded_but_not_renamed_is_completed_at_the_next_session(shadow: ShadowProc,
+                                                                            home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "r.txt", 1))
+    a.send(FileData(1, 1, 0, b"old"))
+    a.send(FileCommit(1, 1, 3, _sha(b"old")))
+    _file_ack(a, 1, 1, 3, committed=True)
+    a.send(FileOpen(1, "r.txt", 2, base=1))
+    a.send(FileData(1, 2, 0, b"new content"))
+    _file_ack(a, 1, 2, 11)
+    shadow.kill9()
+    a.close()
+    # As if the shadow had died between the commit's record and its rename.
+    with sqlite3.connect(home / STATE_DIR / "state.db") as db:
+        db.execute("UPDATE file_versions SET committed = 11, sha256 = ? WHERE version = 2", [_sha(b"new content")])
+    shadow.start()
+    _, w = _agent(shadow)
+    assert w.files == (FileHeld(1, 2, 11, 11),)
+    assert (home / "r.txt").read_bytes() == b"new content"
+    assert _staging(home) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_name_home_would_take_for_a_staging_file_is_refused(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "x.txt", 1))
+    a.send(FileOpen(2, "d/.x.txt.gcwrap-1-7", 1))
+    assert _error(a) is ErrorCode.PATH_FORBIDDEN
+
+
+@pytest.mark.timeout(60)
+def test_a_staged_version_never_committed_goes_when_the_job_ends(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "s.txt", 1))
+    a.send(FileData(1, 1, 0, b"kept"))
+    a.send(FileCommit(1, 1, 4, _sha(b"kept")))
+    _file_ack(a, 1, 1, 4, committed=True)
+    a.send(FileOpen(2, "t.txt", 1))
+    a.send(FileData(2, 1, 0, b"t"))
+    a.send(FileCommit(2, 1, 1, _sha(b"t")))
+    _file_ack(a, 2, 1, 1, committed=True)
+    a.send(FileOpen(2, "t.txt", 2, base=1))
+    a.send(FileData(2, 2, 0, b"half"))
+    _file_ack(a, 2, 2, 4)
+    assert _staging(home) == [".t.txt.gcwrap-2-2"]
+    a.send(Exit(0, None, ((1, 0),), files=((1, 1, 4),)))
+    assert isinstance(a.until(Done), Done)
+    assert _staging(home) == []
+    assert (home / "s.txt").read_bytes() == b"kept"
+    assert (home / "t.txt").read_bytes() == b"t"

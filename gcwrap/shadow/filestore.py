@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from .durability import Fenced, Trouble
 from .files import Problem, StateUnavailable, StoreError, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
+_STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
 
 
@@ -219,6 +221,8 @@ class SessionFiles:
             norm = "/".join(split_name(ev.name))
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
+        if _STAGING.fullmatch(norm.rpartition("/")[2]):
+            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a file it stages")
         if self.tenant:
             norm = f"{self.tenant}/{norm}"
         known = self.names.get(ev.file)
@@ -420,6 +424,12 @@ class SessionFiles:
                 held = f"version {base[0]} at {v.committed if v else -1} bytes" if base else "nothing committed"
                 raise ProtocolError(f"EXIT says file {file} is version {version} at {size} bytes, home holds "
                                     f"{held}", ErrorCode.LENGTH_MISMATCH)
+
+    def finish(self) -> None:
+        """The job ended (its EXIT checked): staged versions never committed go (blocking)."""
+        for v in self.current.values():
+            if v.staged and v.committed < 0:
+                self._abandon(v)
 
     def close(self) -> None:
         for v in self.current.values():

@@ -666,6 +666,7 @@ class Shadow:
         if job in self.written:
             await flush(self.written[job], sender)
             self.written[job].check_exit(ev.files)
+            await trio.to_thread.run_sync(self.written[job].finish)
         for sid, length in ev.lengths:
             sf = files.outputs.get(sid)
             if sf is None or sf.durable != length:
