@@ -20,6 +20,7 @@ from .stateurl import check_state, is_shared, shown
 from .syncer import Syncer
 
 if TYPE_CHECKING:
+    from .fileversions import VersionRecord, VersionRow
     from .state import Attempt
     from .timeline import Batch
 
@@ -51,6 +52,12 @@ class StateBackend(Protocol):
     def make_durable(
         self, files: list[tuple[StreamFile, int]]
     ) -> tuple[list[tuple[StreamFile, int, OSError | None]], str]: ...
+
+    def record_files(self, records: list[VersionRecord]) -> set[tuple[str, int, int]]:
+        """Versions of the files jobs write, fenced as durable lengths are: the (job, file, version) refused."""
+        ...
+
+    def read_files(self, job_id: str, instance: str) -> list[VersionRow]: ...
 
     def record_disconnected(self, job_id: str, session: int) -> bool: ...
 

@@ -60,7 +60,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..wire.events import StreamSpec
-from . import timeline
+from . import fileversions, timeline
 from .files import (
     JobFiles,
     Problem,
@@ -139,6 +139,7 @@ def _m002_timeline(conn: psycopg.Connection[Any]) -> None:
 MIGRATIONS: list[tuple[int, str, Callable[[psycopg.Connection[Any]], None]]] = [
     (1, "initial", _m001_initial),
     (2, "timeline", _m002_timeline),
+    (3, "file_versions", fileversions.migrate_postgres),
 ]
 
 
@@ -461,6 +462,15 @@ class PgStore(Store):
                 del stamped[j]
         stamped.update(dict.fromkeys(stale, now))
         return refused
+
+    def record_files(self, records: list[fileversions.VersionRecord]) -> set[tuple[str, int, int]]:
+        """As `Store.record_files`; the jobs' rows locked as `record_durable` locks them."""
+        with self.pg_durable.transaction() as conn:
+            return fileversions.record(conn, fileversions.POSTGRES, records)
+
+    def read_files(self, job_id: str, instance: str) -> list[fileversions.VersionRow]:
+        with self.pg.transaction() as conn:
+            return fileversions.read(conn, fileversions.POSTGRES, job_id, instance)
 
     def record_disconnected(self, job_id: str, session: int) -> bool:
         with self.pg.transaction() as conn:

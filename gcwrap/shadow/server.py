@@ -49,6 +49,7 @@ from ..ranks import Rank, ranked
 from ..sync import worst_error
 from ..wire import compress
 from ..wire.events import (
+    FILES_FEATURE,
     NOTES_FEATURE,
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -76,6 +77,7 @@ from .descriptors import ACCEPT_ERRNOS, FdBudget, nofile, open_fds, raise_fd_lim
 from .durability import Durability, Fenced, LiveJob
 from .eventlog import Caller, EventLog
 from .files import FileCache, Problem, StoreError, StreamFile
+from .filestore import FILE_EVENTS, SessionFiles, flush, on_event
 from .handshakes import HandshakeMemory, await_event, refuse
 from .receive import Buffers, StdinReader, inflate, read_into, read_some
 from .replies import ROOT_RETRY_AFTER, ShuttingDown, reply_to
@@ -113,14 +115,15 @@ class Shadow:
         self.budget = FdBudget(nofile(), open_fds(), opts.max_connections)
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.root_watch = RootWatch(opts.root, store.root_fd, self.live)  # deleted or replaced: refuse, fence
+        self.written: dict[LiveJob, SessionFiles] = {}  # each session's files the job writes ("files" feature)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
         self.stopping = ""  # why the shadow stops, once it does (see `stop`)
         self.accepting: trio.CancelScope | None = None
         self.serving: trio.CancelScope | None = None
-        # Compressed DATA is accepted from agents that offer it, when this Python can decode it; NOTES always.
-        self.features = ((compress.FEATURE,) if compress.available() else ()) + (NOTES_FEATURE,)
+        # Compressed DATA is accepted from agents that offer it, when this Python can decode it; NOTES and files always.
+        self.features = ((compress.FEATURE,) if compress.available() else ()) + (NOTES_FEATURE, FILES_FEATURE)
         # With identities (per-identity tokens, or client certificates), each
         # identity's files are under ROOT/<identity>/; without, under ROOT.
         self.tenancy = bool(opts.tokens) or (opts.tls is not None and opts.tls.verify_mode == ssl.CERT_REQUIRED)
@@ -355,7 +358,13 @@ class Shadow:
                 files = job.files
                 durable = tuple((sid, sf.durable) for sid, sf in files.outputs.items())
                 features = tuple(f for f in self.features if f in hello.features)
-                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features)
+                if FILES_FEATURE in features:  # (what home holds of the files the job writes)
+                    self.written[job] = SessionFiles(
+                        self.store, job.job_id, hello.instance, files.session, tenant, [sf.name for sf in files.all()],
+                        quota=self.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()))
+                held_files = await self._worker(self.written[job].load) if job in self.written else ()
+                welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features,
+                                  held_files)
                 self._check(job)
                 sender = Sender(stream, conn, job, lambda: self._holds(job))
                 await sender.send(conn.send(welcome))
@@ -381,6 +390,8 @@ class Shadow:
         finally:
             if self.live.get(job.job_id) is job:
                 del self.live[job.job_id]
+            if job in self.written:
+                self.written.pop(job).close()
             await self._release(job)
 
     async def _handshake(self, stream: trio.abc.Stream, conn: Connection, cn: str, caller: Caller,
@@ -581,6 +592,9 @@ class Shadow:
                     await self._open(files.stdin)
                 self._check(job)
                 await sender.send(conn.send(await self.stdin.read(files, ev)))
+            elif isinstance(ev, FILE_EVENTS):
+                # (file frames are refused unless WELCOME accepted the feature: the session has its files)
+                await on_event(self.written[job], ev, sender)
             elif isinstance(ev, Ping):
                 await sender.send(conn.send(Pong(ev.nonce)))
             elif isinstance(ev, Notes):
@@ -597,6 +611,8 @@ class Shadow:
                 log.info("%s: connection lost (closed by the agent)", peer)
                 job.ended = "connection lost (closed by the agent)"
                 return True
+        if job in self.written and self.written[job].dirty:
+            await flush(self.written[job], sender)
         return False  # (a PONG asks nothing)
 
     def _write(self, job: LiveJob, stream: int, offset: int, payload: bytes, start: int, end: int,
@@ -617,7 +633,8 @@ class Shadow:
                 )
             quota = self.opts.quota
             if quota and end > sf.written:
-                total = sum(f.written for f in job.files.outputs.values())
+                total = sum(f.written for f in job.files.outputs.values()) + (self.written[job].written()
+                                                                               if job in self.written else 0)
                 if total + end - sf.written > quota:
                     raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
         last = offset + len(payload) == end
@@ -646,6 +663,10 @@ class Shadow:
     ) -> None:
         files = job.files
         await self.durability.flush(job)
+        if job in self.written:
+            await flush(self.written[job], sender)
+            self.written[job].check_exit(ev.files)
+            await trio.to_thread.run_sync(self.written[job].finish)
         for sid, length in ev.lengths:
             sf = files.outputs.get(sid)
             if sf is None or sf.durable != length:

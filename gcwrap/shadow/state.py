@@ -36,7 +36,7 @@ from ..db import migrate as db_migrate
 from ..db import transaction, uri
 from ..wire.events import StreamSpec
 from ..wire.names import STATE_DIR, NameError_, split_name
-from . import timeline
+from . import fileversions, timeline
 from .files import (
     JobFiles,
     Problem,
@@ -143,6 +143,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite_utils.Database], None]]] = [
     (3, "wire", _m003_wire),
     (4, "settled", _m004_settled),
     (5, "timeline", _m005_timeline),
+    (6, "file_versions", fileversions.migrate_sqlite),
 ]
 
 
@@ -601,6 +602,21 @@ class Store:
                 del stamped[j]
         stamped.update(dict.fromkeys(stale, now))
         return refused
+
+    def record_files(self, records: list[fileversions.VersionRecord]) -> set[tuple[str, int, int]]:
+        """Versions of the files jobs write, each only while its session holds
+        its job: the (job, file, version) not recorded (`fileversions.record`)."""
+        with self._transaction():
+            return fileversions.record(self.db.conn, fileversions.SQLITE, records)
+
+    def read_files(self, job_id: str, instance: str) -> list[fileversions.VersionRow]:
+        """The versions home holds of the files of a run of a job."""
+        with self.db_lock:
+            self._settle()
+            try:
+                return fileversions.read(self.db.conn, fileversions.SQLITE, job_id, instance)
+            except sqlite3.Error as e:
+                raise self._failed(e) from None
 
     def record_disconnected(self, job_id: str, session: int) -> bool:
         """The job's session `session` is gone, recorded only while that

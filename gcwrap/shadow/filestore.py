@@ -1,0 +1,506 @@
+"""The files a job writes, at home: one session's versions of them ("files" feature).
+
+A file handle of the job's run names one NAME (checked as a stream's NAME
+is). Its content arrives as versions (FILE_OPEN), each an append-only byte
+sequence like a stream's (FILE_DATA, or FILE_COPY from the version home
+holds committed: its base), that ends in a commit (FILE_COMMIT: its size
+and SHA-256).
+
+Where a version's bytes go: the first version of a handle (no base, nothing
+committed) is written in place, into NAME, tail-able while the job runs.
+Any other is staged beside NAME, `.<basename>.gcwrap-<file>-<version>` (the
+same directory: the rename is atomic), until its commit. A newer version
+abandons one not committed (its staging file is removed).
+
+Durable, then acknowledged: after each read's frames, the versions written
+to are synced (fdatasync; their directory once, for the entry made), their
+lengths recorded in the state (`fileversions`, fenced by the session), then
+FILE_ACK. A commit is checked (every byte durable, the SHA-256 of the
+version's bytes), recorded, then made NAME's content (a staged version:
+renamed over NAME, the directory synced), then acknowledged. A commit
+recorded whose rename a crash prevented is completed when the job's next
+session loads its files (`SessionFiles.load`): the staging file of a
+committed version is renamed over NAME then; staging files of abandoned
+versions are removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..wire.codec import ProtocolError
+from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
+from ..wire.names import NameError_, split_name
+from . import fileversions
+from .acks import Sender
+from .admission import Refused
+from .backends import StateBackend
+from .durability import Fenced, Trouble
+from .files import Problem, StateUnavailable, StoreError, open_confined, open_dir
+
+FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
+_STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
+_CHUNK = 1 << 20
+
+
+class Fencing(Exception):
+    """A record of the session's versions was refused: a newer session holds the job."""
+
+
+@dataclass(eq=False)
+class Version:
+    """One version of a file, as this session holds it."""
+
+    file: int
+    name: str  # NAME under the root
+    version: int
+    base: int | None
+    staged: bool  # its bytes are in the staging file, not yet NAME's
+    written: int = 0
+    durable: int = 0
+    acked: int = -1  # what FILE_ACK said last
+    committed: int = -1
+    sha256: str | None = None
+    fd: int = -1
+    entry_synced: bool = True  # False: its file's directory entry was made and is not yet durable
+
+    @property
+    def path(self) -> str:
+        """Where its bytes are: NAME, or its staging file."""
+        return staging_name(self.name, self.file, self.version) if self.staged else self.name
+
+
+def staging_name(name: str, file: int, version: int) -> str:
+    """A staged version's file, beside NAME."""
+    head, _, base = name.rpartition("/")
+    return f"{head}/" * bool(head) + f".{base}.gcwrap-{file}-{version}"
+
+
+class SessionFiles:
+    """The versions of the files a job writes, for one session of it.
+
+    Blocking methods (`load`, `sync_and_record`, `digest`, `commit_file`)
+    run in worker threads; the others in the event loop, between frames."""
+
+    def __init__(self, store: StateBackend, job_id: str, instance: str, session: int, tenant: str,
+                 stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0) -> None:
+        self.store = store
+        self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
+        self.streams = streams  # bytes its streams hold now
+        self.job_id = job_id
+        self.instance = instance
+        self.session = session
+        self.tenant = tenant
+        self.stream_names = set(stream_names)
+        self.names: dict[int, str] = {}  # handle -> NAME, fixed for the run
+        self.current: dict[int, Version] = {}  # handle -> its newest version
+        self.bases: dict[int, tuple[int, int]] = {}  # handle -> (version, bytes NAME holds of it) committed
+        self.dirty: set[Version] = set()  # written to (or new) since the last record
+
+    # -- a session's start ---------------------------------------------------------
+
+    def load(self) -> tuple[FileHeld, ...]:
+        """What home holds of the run's files (for WELCOME), the files made
+        consistent with the state: a committed version's rename completed,
+        abandoned staging files removed, torn tails cut back."""
+        rows = self.store.read_files(self.job_id, self.instance)
+        for row in rows:
+            self.names[row.file] = row.name
+            if row.committed >= 0:
+                self.bases[row.file] = (row.version, row.durable)
+        newest: dict[int, fileversions.VersionRow] = {r.file: r for r in rows}  # (ordered by file, version)
+        for file, row in newest.items():
+            staged = row.committed < 0 and (row.base is not None or file in self.bases)
+            v = Version(file, row.name, row.version, row.base, staged, row.durable, row.durable, row.durable,
+                        row.committed, row.sha256)
+            self.current[file] = v
+            try:
+                if file in self.bases:
+                    self._complete_rename(row.name, file, self.bases[file][0])
+                self._remove_staging(row.name, file, keep=row.version if staged else 0)
+                self._open(v, create=False)
+            except FileNotFoundError:
+                raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was removed at home") from None
+            except OSError as e:
+                raise StoreError(Problem.IO, f"cannot open {v.path!r}: {e.strerror}") from None
+            size = os.fstat(v.fd).st_size
+            if size < v.durable:
+                raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} holds {size} bytes but {v.durable} were "
+                                                          "acknowledged: it was truncated or replaced at home")
+            if size > v.durable:
+                os.ftruncate(v.fd, v.durable)  # a torn or unacknowledged tail: it will be resent
+        return fileversions.held(rows)
+
+    def _dir(self, name: str) -> tuple[int, str]:
+        """A descriptor of NAME's directory, and NAME's last component."""
+        parts = split_name(name)
+        return open_dir(self.root_fd, parts[:-1], create=False), parts[-1]
+
+    @property
+    def root_fd(self) -> int:
+        return self.store.root_fd
+
+    def _complete_rename(self, name: str, file: int, version: int) -> None:
+        """A committed version whose staging file is still there: a crash came
+        between the commit's record and its rename. Complete it."""
+        dfd, base = self._dir(name)
+        try:
+            staged = staging_name(base, file, version)
+            try:
+                os.rename(staged, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _remove_staging(self, name: str, file: int, keep: int) -> None:
+        """Remove the staging files of the handle's versions other than `keep`."""
+        dfd, base = self._dir(name)
+        try:
+            prefix = f".{base}.gcwrap-{file}-"
+            gone = [e for e in os.listdir(dfd) if e.startswith(prefix) and e != f"{prefix}{keep}"]
+            for entry in gone:
+                os.unlink(entry, dir_fd=dfd)
+            if gone:
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _open(self, v: Version, *, create: bool) -> None:
+        made: list[str] = []
+        try:
+            v.fd = open_confined(self.root_fd, v.path, write=True, create=create, made=made)
+        except NameError_ as e:
+            raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
+        if made:
+            v.entry_synced = False
+
+    # -- frames ------------------------------------------------------------------------
+
+    def opened(self, ev: FileOpen) -> None:
+        """FILE_OPEN: a new version (or the one in progress, again after a reconnection)."""
+        norm = self._name(ev)
+        cur = self.current.get(ev.file)
+        if cur is not None and cur.version == ev.version:
+            if cur.base != ev.base:
+                raise ProtocolError(f"version {ev.version} of file {ev.file} was opened with base {cur.base}",
+                                    ErrorCode.UNEXPECTED)
+            return
+        if cur is not None and ev.version < cur.version:
+            raise ProtocolError(f"file {ev.file}: version {ev.version} after version {cur.version}",
+                                ErrorCode.UNEXPECTED)
+        committed = self.bases.get(ev.file)
+        if ev.base != (committed[0] if committed else None):
+            holds = f"version {committed[0]}" if committed else "no version"
+            raise ProtocolError(f"file {ev.file}: base {ev.base}, but home holds {holds} of it committed",
+                                ErrorCode.UNEXPECTED)
+        v = Version(ev.file, norm, ev.version, ev.base, staged=committed is not None)
+        try:
+            if cur is not None:
+                self._abandon(cur)
+            self._open(v, create=True)
+            os.ftruncate(v.fd, 0)  # (a new version starts empty: whatever the file held was never this one's)
+        except OSError as e:
+            raise StoreError(Problem.IO, f"cannot open {v.path!r}: {e.strerror}") from None
+        v.entry_synced = False
+        self.names[ev.file] = norm
+        self.current[ev.file] = v
+        self.dirty.add(v)
+
+    def _name(self, ev: FileOpen) -> str:
+        try:
+            norm = "/".join(split_name(ev.name))
+        except NameError_ as e:
+            raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
+        if _STAGING.fullmatch(norm.rpartition("/")[2]):
+            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a file it stages")
+        if self.tenant:
+            norm = f"{self.tenant}/{norm}"
+        known = self.names.get(ev.file)
+        if known is not None and known != norm:
+            raise ProtocolError(f"file {ev.file} is {known!r}, not {norm!r}", ErrorCode.UNEXPECTED)
+        if known is None and (norm in self.stream_names or norm in self.names.values()):
+            raise StoreError(Problem.FORBIDDEN_NAME, f"two files or streams of the job name {norm!r}")
+        return norm
+
+    def _abandon(self, v: Version) -> None:
+        """A newer version supersedes `v`: close it; a staged one's file goes."""
+        self.dirty.discard(v)
+        if v.fd >= 0:
+            os.close(v.fd)
+            v.fd = -1
+        if v.staged and v.committed < 0:
+            dfd, base = self._dir(v.name)
+            try:
+                os.unlink(staging_name(base, v.file, v.version), dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(dfd)
+
+    def _version(self, file: int, version: int, what: str) -> Version:
+        v = self.current.get(file)
+        if v is None or v.version != version:
+            raise ProtocolError(f"{what} for version {version} of file {file}, which is not the one open",
+                                ErrorCode.UNEXPECTED)
+        if v.fd < 0:
+            raise ProtocolError(f"{what} for file {file}, which this connection has not opened", ErrorCode.UNEXPECTED)
+        return v
+
+    def _check_offset(self, v: Version, offset: int, what: str) -> None:
+        if offset > v.written:
+            raise ProtocolError(f"{what} at offset {offset} of {v.name!r} would leave a gap after byte {v.written}",
+                                ErrorCode.OFFSET_GAP)
+
+    def written(self) -> int:
+        """Bytes the versions in progress hold (what the job's quota counts of its files)."""
+        return sum(v.written for v in self.current.values())
+
+    def _charge(self, v: Version, end: int) -> None:
+        """Refuse bytes past the job's quota (QUOTA), its streams' bytes counted with its files'."""
+        if self.quota and end > v.written and self.streams() + self.written() + end - v.written > self.quota:
+            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes")
+
+    def data(self, ev: FileData) -> None:
+        """FILE_DATA: appended at its offset, less what the version holds (a resend)."""
+        v = self._version(ev.file, ev.version, "FILE_DATA")
+        self._check_offset(v, ev.offset, "FILE_DATA")
+        self._charge(v, ev.offset + len(ev.payload))
+        skip = v.written - ev.offset
+        if skip >= len(ev.payload):
+            return
+        view = memoryview(ev.payload)[max(skip, 0):]
+        at = v.written
+        try:
+            while view:
+                n = os.pwrite(v.fd, view, at)
+                at += n
+                view = view[n:]
+        except OSError as e:
+            raise StoreError(Problem.IO, f"cannot write {v.path!r}: {e.strerror}") from None
+        v.written = at
+        self.dirty.add(v)
+
+    def copy(self, ev: FileCopy) -> None:
+        """FILE_COPY: the base's bytes (NAME's), appended at the offset, less what the version holds."""
+        v = self._version(ev.file, ev.version, "FILE_COPY")
+        base = self.bases.get(ev.file)
+        if v.base is None or base is None or base[0] != v.base:
+            raise ProtocolError(f"FILE_COPY for version {v.version} of file {v.file}, which has no base",
+                                ErrorCode.UNEXPECTED)
+        if ev.source + ev.length > base[1]:
+            raise ProtocolError(f"FILE_COPY of bytes {ev.source}..{ev.source + ev.length} of version {base[0]} "
+                                f"of {v.name!r}, which has {base[1]}", ErrorCode.UNEXPECTED)
+        self._check_offset(v, ev.offset, "FILE_COPY")
+        self._charge(v, ev.offset + ev.length)
+        skip = max(v.written - ev.offset, 0)
+        if skip >= ev.length:
+            return
+        try:
+            src = open_confined(self.root_fd, v.name, write=False)
+        except (NameError_, OSError) as e:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"cannot read {v.name!r} to copy from it: {e}") from None
+        try:
+            _copy(src, v.fd, ev.source + skip, v.written, ev.length - skip)
+        except OSError as e:
+            raise StoreError(Problem.IO, f"cannot copy into {v.path!r}: {e.strerror}") from None
+        finally:
+            os.close(src)
+        v.written = ev.offset + ev.length
+        self.dirty.add(v)
+
+    # -- durability ----------------------------------------------------------------------
+
+    def take_dirty(self) -> list[tuple[Version, int]]:
+        """The versions to make durable, each with its length now (in the event loop)."""
+        taken = [(v, v.written) for v in self.dirty]
+        self.dirty.clear()
+        return taken
+
+    def sync_and_record(self, taken: list[tuple[Version, int]], commit: tuple[Version, int, str] | None = None
+                        ) -> None:
+        """Sync the versions up to their lengths and record them (and a
+        commit), fenced by the session (blocking: in a worker thread).
+        Fencing if a newer session holds the job; StateUnavailable if the
+        state failed (the record's outcome unknown: nothing is acknowledged)."""
+        for v, _ in taken:
+            try:
+                os.fdatasync(v.fd)
+                if not v.entry_synced:
+                    dfd, _base = self._dir(v.path)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                    v.entry_synced = True
+            except OSError as e:
+                raise StoreError(Problem.IO, f"cannot sync {v.path!r}: {e.strerror}") from None
+        records = [self._record(v, n) for v, n in taken]
+        if commit is not None:
+            v, size, sha = commit
+            records.append(self._record(v, max(size, v.durable), size, sha))
+        if self.store.record_files(records):
+            raise Fencing(f"a newer session holds job {self.job_id}")
+
+    def _record(self, v: Version, durable: int, committed: int = -1, sha: str | None = None
+                ) -> fileversions.VersionRecord:
+        return fileversions.VersionRecord(self.job_id, self.session, self.instance, v.file, v.name, v.version,
+                                          v.base, durable, committed, sha)
+
+    def made_durable(self, taken: list[tuple[Version, int]]) -> list[Event]:
+        """After `sync_and_record`: the lengths are durable; the FILE_ACKs due."""
+        for v, n in taken:
+            v.durable = max(v.durable, n)
+        acks: list[Event] = []
+        for v, _ in taken:
+            if v.durable > v.acked and self.current.get(v.file) is v:
+                v.acked = v.durable
+                acks.append(FileAck(v.file, v.version, v.durable))
+        return acks
+
+    # -- commits -------------------------------------------------------------------------
+
+    def to_commit(self, ev: FileCommit) -> Version:
+        """The version FILE_COMMIT commits, once every byte written is durable."""
+        v = self._version(ev.file, ev.version, "FILE_COMMIT")
+        if v.durable != ev.size or v.written != ev.size:
+            raise ProtocolError(f"FILE_COMMIT says version {v.version} of {v.name!r} has {ev.size} bytes, "
+                                f"home holds {v.written}", ErrorCode.LENGTH_MISMATCH)
+        return v
+
+    def digest(self, v: Version, size: int) -> str:
+        """The SHA-256 of the version's first `size` bytes, read back (blocking)."""
+        try:
+            fd = open_confined(self.root_fd, v.path, write=False)
+        except (NameError_, OSError) as e:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"cannot read {v.path!r} back: {e}") from None
+        try:
+            if os.fstat(fd)[1:3] != os.fstat(v.fd)[1:3]:
+                raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
+            h = hashlib.sha256()
+            at = 0
+            while at < size:
+                chunk = os.pread(fd, min(_CHUNK, size - at), at)
+                if not chunk:
+                    break
+                h.update(chunk)
+                at += len(chunk)
+        finally:
+            os.close(fd)
+        return h.hexdigest()
+
+    def commit_file(self, v: Version, size: int, sha: str) -> None:
+        """Record the commit, then make NAME the version (blocking)."""
+        self.sync_and_record([], (v, size, sha))
+        if v.staged:
+            dfd, base = self._dir(v.name)
+            try:
+                os.rename(staging_name(base, v.file, v.version), base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+            except OSError as e:
+                raise StoreError(Problem.IO, f"cannot rename the new version of {v.name!r} over it: "
+                                             f"{e.strerror}") from None
+            finally:
+                os.close(dfd)
+            v.staged = False
+        v.committed, v.sha256 = size, sha
+        self.bases[v.file] = (v.version, max(v.durable, size))
+
+    def check_exit(self, files: Iterable[tuple[int, int, int]]) -> None:
+        """EXIT's final versions: each committed at its size, or LENGTH_MISMATCH."""
+        for file, version, size in files:
+            base = self.bases.get(file)
+            v = self.current.get(file)
+            if base is None or base[0] != version or v is None or v.version != version or v.committed != size:
+                held = f"version {base[0]} at {v.committed if v else -1} bytes" if base else "nothing committed"
+                raise ProtocolError(f"EXIT says file {file} is version {version} at {size} bytes, home holds "
+                                    f"{held}", ErrorCode.LENGTH_MISMATCH)
+
+    def finish(self) -> None:
+        """The job ended (its EXIT checked): staged versions never committed go (blocking)."""
+        for v in self.current.values():
+            if v.staged and v.committed < 0:
+                self._abandon(v)
+
+    def close(self) -> None:
+        for v in self.current.values():
+            if v.fd >= 0:
+                os.close(v.fd)
+                v.fd = -1
+        self.dirty.clear()
+
+
+def _copy(src: int, dst: int, at: int, to: int, length: int) -> None:
+    """Copy `length` bytes of `src` at `at` into `dst` at `to` (copy_file_range where it can)."""
+    while length > 0:
+        try:
+            n = os.copy_file_range(src, dst, min(length, 1 << 30), at, to)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            n = 0
+        if n == 0:
+            chunk = os.pread(src, min(length, _CHUNK), at)
+            if not chunk:
+                raise OSError(errno.EIO, "the base is shorter than home recorded")
+            n = os.pwrite(dst, chunk, to)
+        at += n
+        to += n
+        length -= n
+
+
+
+# -- in the session's handler ---------------------------------------------------------------
+
+
+async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
+    """One of FILE_OPEN, FILE_DATA, FILE_COPY, FILE_COMMIT."""
+    if isinstance(ev, FileOpen):
+        files.opened(ev)
+    elif isinstance(ev, FileData):
+        files.data(ev)
+    elif isinstance(ev, FileCopy):
+        files.copy(ev)
+    elif isinstance(ev, FileCommit):
+        await flush(files, sender)
+        v = files.to_commit(ev)
+        sha = await trio.to_thread.run_sync(files.digest, v, ev.size)
+        if sha != ev.sha256:
+            raise ProtocolError(f"FILE_COMMIT: version {v.version} of {v.name!r} has SHA-256 {sha} at home, not "
+                                f"{ev.sha256}: it was changed at home", ErrorCode.LENGTH_MISMATCH)
+        await _guarded(files.commit_file, v, ev.size, sha)
+        await sender.send(lambda: sender.conn.send(FileAck(v.file, v.version, ev.size, committed=True)), check=True)
+
+
+async def flush(files: SessionFiles, sender: Sender) -> None:
+    """Make what the session's versions hold durable, then acknowledge it."""
+    taken = files.take_dirty()
+    if not taken:
+        return
+    await _guarded(files.sync_and_record, taken)
+    for ack in files.made_durable(taken):
+        await sender.send(lambda ack=ack: sender.conn.send(ack), check=True)  # type: ignore[misc]
+
+
+async def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    """A blocking record of the session's versions, in a worker thread: the
+    session stops if a newer one holds the job, or the state failed."""
+    try:
+        await trio.to_thread.run_sync(fn, *args)
+    except Fencing as e:
+        raise Fenced(str(e)) from None
+    except StateUnavailable as e:
+        raise Fenced(f"the state database failed while recording this job's files ({e}): nothing more is "
+                     "acknowledged until it answers; come back shortly", Trouble.STATE) from None
+
+
+__all__ = ["FILE_EVENTS", "SessionFiles", "Version", "flush", "on_event", "staging_name"]
