@@ -21,6 +21,7 @@ gcwrap.agent.run starts them beside the job.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ import trio
 
 from .. import exitcodes
 from ..wire.compress import WireStats, offered
-from ..wire.events import NOTES_FEATURE, ErrorCode, Exit, Hello, StreamSpec
+from ..wire.events import FILES_FEATURE, NOTES_FEATURE, ErrorCode, Exit, Hello, StreamSpec
 from .addresses import Address, show
+from .filesender import FileSender
 from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
@@ -61,9 +63,8 @@ SMALL_READ = 64 << 10  # a read into memory asks for at least this much (see rea
 LINE_RATE = 1 << 20  # bytes/s: small reads coming at least this fast are from a fast line writer...
 LINE_GAP = 0.001  # ...whose lines then gather in the pipe this long (seconds) before the next read
 LIVE_INTERVAL = 0.5  # seconds between rewrites of the live status file
-# The final flush (see Agent.final_flush) leaves this much free for the rows
-# and WAL pages that record its pieces, and gives up on pieces smaller than
-# FLUSH_MIN that the disk still refuses.
+# The final flush (see Agent.final_flush) leaves this much free for the rows and WAL
+# pages that record its pieces, and gives up on pieces smaller than FLUSH_MIN the disk refuses.
 FLUSH_MARGIN = 64 << 10
 FLUSH_MIN = 4 << 10
 
@@ -142,11 +143,11 @@ class Agent:
         self.delivering = False  # the deliver loop runs
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
+        self.files = FileSender(Path.cwd(), opts.files, self.changed) if opts.files else None  # --file
 
     # -- shared state helpers ---------------------------------------------
 
-    def note_live(self, **fields: Any) -> None:
-        """Fields only the live view shows (the spool's job record has no place for them)."""
+    def note_live(self, **fields: Any) -> None:  # (fields the spool's job record has no place for)
         self.live_fields.update(fields)
 
     def note(self, **fields: Any) -> None:
@@ -482,10 +483,11 @@ class Agent:
         """A session that speaks for this job, through the outbox and the spool."""
         job, opts = self.job, self.opts
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(self.specs), host=job.host,
-                      user=job.user, command=tuple(job.command), features=(*offered(opts.compress), NOTES_FEATURE))
+                      user=job.user, command=tuple(job.command),
+                      features=(*offered(opts.compress), NOTES_FEATURE, *((FILES_FEATURE,) if self.files else ())))
         config = SessionConfig(opts.heartbeat, opts.token, opts.tls is not None, opts.compress)
         return Session(self.outbox, self.spooler, hello, config, where, on_welcome=self.on_welcome,
-                       exit_frame=self.exit_frame, wire=self.wire, journal=self.journal)
+                       exit_frame=self.exit_frame, wire=self.wire, journal=self.journal, files=self.files)
 
     async def _attempt(self, session: Session, address: Address) -> None:
         """Connect and run one session until it ends (SessionEnd: all is home) or fails."""
@@ -670,7 +672,9 @@ class Agent:
 
     def exit_frame(self) -> Exit:
         """The EXIT to send, with the summary as of now."""
-        return self.outbox.exit_frame(tuple((k, str(v)) for k, v in self.summary().items()))
+        files = self.files.exit_files() if self.files is not None else ()
+        return dataclasses.replace(self.outbox.exit_frame(tuple((k, str(v)) for k, v in self.summary().items())),
+                                   files=files)
 
     def on_welcome(self) -> None:
         first = not self.stats["connects"]

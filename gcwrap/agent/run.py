@@ -213,7 +213,7 @@ async def _run_job(
     signals: AsyncIterator[int],
 ) -> Outcome:
     specs = stream_specs(opts)
-    if not specs and opts.shadows:
+    if not specs and not opts.files and opts.shadows:
         # Nothing to deliver: every stream passes through. No spool, no
         # session, no retries: the shadow's state cannot hold the job up.
         log.info("no stream is named (--stdout, --stderr, --stdin): nothing goes to the shadow at %s, "
@@ -283,6 +283,8 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
         nursery.start_soon(end_when_asked)
+        if agent.files is not None:
+            nursery.start_soon(agent.files.run)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)
         nursery.start_soon(deliver)
@@ -307,6 +309,8 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
                 readers.cancel_scope.deadline = trio.current_time() + DRAIN_GRACE
         returncode = proc.returncode
         assert returncode is not None
+        if agent.files is not None:
+            await agent.files.job_ended()
         log.info("the job ended with %s after %.1f s; %d bytes not yet home",
                  f"signal {-returncode}" if returncode < 0 else f"status {returncode}",
                  time.monotonic() - agent.started, sum(o.read_end - o.acked for o in agent.out.values()))

@@ -33,8 +33,9 @@ import termios
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -43,6 +44,7 @@ from ..sync import worst_error
 from ..wire import compress as zc
 from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
 from ..wire.events import (
+    FILES_FEATURE,
     NOTES_FEATURE,
     Ack,
     Auth,
@@ -53,6 +55,7 @@ from ..wire.events import (
     ErrorCode,
     Event,
     Exit,
+    FileAck,
     Hello,
     Ping,
     Pong,
@@ -67,6 +70,9 @@ from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
 from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
 from .timeline import Journal, compression_why, note_frames
+
+if TYPE_CHECKING:
+    from .filesender import FileSender
 
 log = logging.getLogger("gcwrap")
 
@@ -135,9 +141,10 @@ class Session:
     def __init__(
         self, outbox: Outbox, source: ByteSource, hello: Hello, config: SessionConfig, where: str, *,
         on_welcome: Callable[[], None] = lambda: None, exit_frame: Callable[[], Exit] | None = None,
-        wire: zc.WireStats | None = None, journal: Journal | None = None,
+        wire: zc.WireStats | None = None, journal: Journal | None = None, files: FileSender | None = None,
     ) -> None:
         self.outbox = outbox
+        self.files = files  # the job's files (--file), where there are
         self.source = source
         self.hello = hello
         self.config = config
@@ -280,6 +287,11 @@ class Session:
         moved = sum(out.acked for out in outbox.streams.values()) > acked
         self.journal.link.welcomed(trio.current_time(), moved, outbox.pending)
         self.notes = NOTES_FEATURE in welcome.features
+        if self.files is not None:
+            if FILES_FEATURE not in welcome.features:
+                raise ShadowRefused(ErrorCode.UNEXPECTED, "the shadow does not take the job's files (--file): "
+                                    "it is older than this gcwrap", permanent=True)
+            self.files.welcomed(welcome.files)
         self.sent = {sid: out.acked for sid, out in outbox.streams.items()}
         self.handed = dict(self.sent)
         if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
@@ -384,6 +396,10 @@ class Session:
                         self.progressed = True
                         self.liveness.answered(("data", ev.stream))
                         self.journal.acked(trio.current_time(), outbox.pending, self.where)
+                elif isinstance(ev, FileAck) and self.files is not None:
+                    if self.files.ack(ev):
+                        self.progressed = True
+                        self.liveness.answered("files")
                 elif isinstance(ev, StdinData):
                     if outbox.stdin_data(ev):
                         self.progressed = self.progressed or bool(ev.payload)
@@ -509,9 +525,11 @@ class Session:
                 feeder.in_flight = True
                 await self._send(stream, StdinRead(feeder.stream, feeder.fetched, STDIN_REQUEST))
                 progressed = True
+            if self.files is not None and await self.files.send_some(partial(self._send, stream)):
+                progressed = True
             if progressed:
                 continue
-            if outbox.all_delivered and not self.exit_sent:
+            if outbox.all_delivered and (self.files is None or self.files.done) and not self.exit_sent:
                 self.exit_sent = True
                 await self._send(stream, self.exit_frame())
                 continue

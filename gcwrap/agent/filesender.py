@@ -1,0 +1,386 @@
+"""The job's files (--file) on their way home: versions, frames, commits.
+
+The watcher (gcwrap.agent.filewatch) says when a file changed; this module
+decides what home must get. A file that grows on the same inode gets
+FILE_DATA of its new bytes on the version in progress. Anything else (a
+rename over it, a truncation, a rewrite in place) starts a new version whose
+base is the last version a FILE_COMMIT was sent for (home takes frames in
+order, so it holds that one committed when it reads the FILE_OPEN), built
+by the block plan of gcwrap.agent.filedelta: FILE_COPY for the blocks home
+holds, FILE_DATA for the rest.
+
+A version's bytes are read from a descriptor kept open on its inode, never
+copied: the descriptor keeps a deleted or renamed-over file's bytes alive.
+stat cannot see every rewrite, so a commit first scans the version's
+content and compares its block digests with those of what was sent
+(`SentBlocks`): a difference is a rewrite, and a new version. Commits come
+when a file has been quiet a moment, at least every COMMIT_EVERY seconds
+while it changes, and always at the job's end after a last stat pass; the
+EXIT goes (with each file's final version) only once every file's final
+content is committed at home.
+
+A session (gcwrap.agent.sender) calls `welcomed` with home's WELCOME.files,
+`send_some` to send the next frames, and `ack` with home's FILE_ACKs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from ..sync import Signal
+from ..wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
+from ..wire.protocol import MAX_PAYLOAD
+from . import filedelta
+from .filedelta import BLOCK_SIZE, Copy, Digests, Literal, Op, block_digest
+from .filespecs import FileSpec
+from .filewatch import Change, FileEvent, FileWatcher
+
+log = logging.getLogger("gcwrap")
+
+QUIET = 1.0  # seconds without a change before a file's version is committed
+COMMIT_EVERY = 5.0  # seconds: a file that keeps changing is committed at least this often
+TICK = 0.5  # seconds between looks at commits due while nothing else happens
+FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams get their turn between)
+
+Send = Callable[[Event], Awaitable[None]]
+
+
+class SentBlocks:
+    """The block digests of what was sent of a version, in order: literal
+    bytes as they are read, copied blocks by the base's digests."""
+
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+        self.tail = b""  # the bytes of the last block while it is short
+
+    @property
+    def size(self) -> int:
+        return len(self.blocks) * BLOCK_SIZE + len(self.tail)
+
+    def feed(self, data: bytes) -> None:
+        tail = self.tail + data
+        whole = len(tail) - len(tail) % BLOCK_SIZE
+        self.blocks.extend(block_digest(tail[i : i + BLOCK_SIZE]) for i in range(0, whole, BLOCK_SIZE))
+        self.tail = tail[whole:]
+
+    def copied(self, digests: Sequence[bytes]) -> None:
+        assert not self.tail, "copies are of whole blocks"
+        self.blocks.extend(digests)
+
+    def truncate(self, size: int) -> bool:
+        """Forget what was sent from `size` on; False where that reaches into
+        a whole block (its bytes are not kept: the version cannot go on)."""
+        whole = len(self.blocks) * BLOCK_SIZE
+        if size < whole:
+            return False
+        self.tail = self.tail[: size - whole]
+        return True
+
+    def digests(self) -> tuple[bytes, ...]:
+        return (*self.blocks, block_digest(self.tail)) if self.tail else tuple(self.blocks)
+
+
+@dataclass
+class Version:
+    """One version of a file: its content is `ops` over [0, planned), read
+    from `fd` (literals) or copied from its base at home."""
+
+    number: int
+    base: int | None
+    fd: int
+    ops: list[Op]
+    planned: int
+    sent: int = 0
+    acked: int = 0
+    opened: bool = False  # its FILE_OPEN went on this connection
+    sent_blocks: SentBlocks = field(default_factory=SentBlocks)
+    commit_sent: int = -1  # the size its last FILE_COMMIT said
+    committed: int = -1  # the size home acknowledged a commit at
+
+
+@dataclass
+class TrackedFile:
+    handle: int
+    path: str
+    name: str
+    current: Version | None = None
+    commits: dict[int, Digests] = field(default_factory=dict)  # version -> digests its last FILE_COMMIT said
+    changed_at: float = 0.0  # when the watcher last reported a change
+    committed_at: float = 0.0  # when its last FILE_COMMIT went
+    base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
+
+
+class FileSender:
+    """The job's files: watched, versioned, sent, committed."""
+
+    def __init__(self, workdir: Path, specs: tuple[FileSpec, ...], changed: Signal) -> None:
+        self.workdir = workdir
+        self.watcher = FileWatcher(workdir, specs)
+        self.changed = changed
+        self.files: dict[str, TrackedFile] = {}  # by path
+        self.by_handle: dict[int, TrackedFile] = {}
+        self.ending = False  # the job ended and the last stat pass was made
+        self.restart: list[TrackedFile] = []  # files whose version a reconnection cannot continue
+        self.lock = trio.Lock()  # (the watcher's changes and a session's sends take turns)
+        self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
+        self.scope = trio.CancelScope()
+
+    # -- what the watcher says -------------------------------------------------
+
+    async def run(self) -> None:
+        """Watch the files until cancelled; wake the sender when something
+        changed or a commit comes due."""
+        send, self.events = trio.open_memory_channel[FileEvent](4096)
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.watcher.run, send)
+                while True:
+                    event: FileEvent | None = None
+                    with trio.move_on_after(TICK):
+                        event = await self.events.receive()
+                    if event is not None:
+                        await self.take(event)
+                    self.changed.fire()
+
+    async def job_ended(self) -> None:
+        """The job ended: what the watcher saw, a last stat pass, and from
+        now on every file's content is final (its commit lets the EXIT go)."""
+        self.scope.cancel()
+        pending = []
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            while self.events is not None:
+                pending.append(self.events.receive_nowait())
+        for event in [*pending, *self.watcher.check()]:
+            await self.take(event)
+        self.ending = True
+        self.changed.fire()
+
+    async def take(self, event: FileEvent) -> None:
+        async with self.lock:
+            await self._take(event)
+
+    async def _take(self, event: FileEvent) -> None:
+        tracked = self.files.get(event.path)
+        now = trio.current_time()
+        if tracked is None:
+            if event.stat is None:
+                return
+            handle = len(self.files) + 1
+            name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
+            tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
+        tracked.changed_at = now
+        current = tracked.current
+        if event.change is Change.DELETED:
+            return  # (the descriptor keeps its last content: that is what home gets)
+        if event.change is Change.GREW and current is not None and _same_inode(current.fd, event.stat):
+            assert event.stat is not None
+            _extend(current, event.stat.size)
+            return
+        await self.new_version(tracked)
+
+    # -- versions --------------------------------------------------------------
+
+    async def new_version(self, tracked: TrackedFile, base: int | bool | None = True, fd: int | None = None) -> None:
+        """Start the next version of the file from its content now (at its
+        path, or on `fd`). `base`: True for the last version a commit was
+        sent for, else the version given (or None)."""
+        if fd is None:
+            try:
+                fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                log.warning("cannot read the job's file %s (%s): home keeps what it has", tracked.path, e.strerror)
+                return
+        if base is True:
+            base = max(tracked.commits) if tracked.commits else None
+        assert base is not True
+        digests = tracked.commits.get(base) if base is not None else None
+        if digests is None:
+            size = os.fstat(fd).st_size
+            ops: list[Op] = [Literal(0, size)] if size else []
+            base = None
+        else:
+            scan = await trio.to_thread.run_sync(filedelta.scan, fd, os.fstat(fd).st_size)
+            size = scan.digests.size
+            ops = _whole_copies(filedelta.plan(digests, scan.digests))
+        old = tracked.current
+        number = old.number + 1 if old is not None else 1
+        if old is not None:
+            os.close(old.fd)
+        tracked.current = Version(number, base, fd, ops, size)
+        tracked.base_digests = digests
+        log.debug("file %s: version %d of %d bytes (base %s)", tracked.path, number, size, base)
+
+    # -- a connection ------------------------------------------------------------
+
+    def welcomed(self, held: Sequence[FileHeld]) -> None:
+        """Home's WELCOME: continue each version where home holds it, or
+        start a new one from the version home holds committed."""
+        by_file = {h.file: h for h in held}
+        for tracked in self.files.values():
+            v = tracked.current
+            if v is None:
+                continue
+            v.opened = False
+            h = by_file.get(tracked.handle)
+            for number in [n for n in tracked.commits if not _home_committed(n, h)]:
+                del tracked.commits[number]  # (that FILE_COMMIT never reached home)
+            same = h.version == v.number if h is not None else v.base is None
+            durable = h.durable if h is not None else 0
+            if same and v.acked <= durable <= v.sent and v.sent_blocks.truncate(durable):
+                v.sent = v.acked = durable
+                v.committed = h.committed if h is not None else -1
+                v.commit_sent = min(v.commit_sent, v.committed)
+                continue
+            v.number = max(v.number, h.version if h is not None else 0)
+            self.restart.append(tracked)
+        self.changed.fire()
+
+    @property
+    def done(self) -> bool:
+        """Every file's final content is committed at home (after the job's end)."""
+        return self.ending and not self.restart and all(
+            (v := t.current) is None or (v.committed == v.planned and v.sent == v.planned)
+            for t in self.files.values())
+
+    def exit_files(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple((t.handle, v.number, v.committed) for t in self.by_handle.values()
+                     if (v := t.current) is not None)
+
+    def ack(self, ev: FileAck) -> bool:
+        """Home's FILE_ACK: True if it moved something forward."""
+        tracked = self.by_handle.get(ev.file)
+        v = tracked.current if tracked is not None else None
+        if v is None or ev.version != v.number:
+            return False  # (of a version since abandoned)
+        moved = ev.offset > v.acked
+        v.acked = max(v.acked, min(ev.offset, v.sent))
+        if ev.committed and ev.offset > v.committed:
+            v.committed = ev.offset
+            moved = True
+        if moved:
+            self.changed.fire()
+        return moved
+
+    async def send_some(self, send: Send) -> bool:
+        """Send the next frames of the files; False when none is due."""
+        async with self.lock:
+            while self.restart:
+                tracked = self.restart.pop()
+                v, commits = tracked.current, tracked.commits
+                assert v is not None
+                # (the same inode's content now: the path may name another, which the watcher reports)
+                await self.new_version(tracked, max(commits) if commits else None, os.dup(v.fd))
+            sent = 0
+            for tracked in list(self.files.values()):
+                while sent < FRAMES_PER_TURN and await self._send_next(tracked, send):
+                    sent += 1
+            return sent > 0
+
+    async def _send_next(self, tracked: TrackedFile, send: Send) -> bool:
+        v = tracked.current
+        if v is None:
+            return False
+        if not v.opened:
+            await send(FileOpen(tracked.handle, tracked.name, v.number, v.base))
+            v.opened = True
+            return True
+        if v.sent < v.planned:
+            return await self._send_bytes(tracked, v, send)
+        now = trio.current_time()
+        due = self.ending or now - tracked.changed_at >= QUIET or now - tracked.committed_at >= COMMIT_EVERY
+        if v.commit_sent == v.planned or not due:
+            return False
+        return await self._commit(tracked, v, send)
+
+    async def _send_bytes(self, tracked: TrackedFile, v: Version, send: Send) -> bool:
+        op = next(op for op in v.ops if op.offset <= v.sent < op.offset + op.length)
+        end = op.offset + op.length
+        if isinstance(op, Copy):
+            length = end - v.sent
+            assert tracked.base_digests is not None and v.sent % BLOCK_SIZE == 0
+            first = v.sent // BLOCK_SIZE
+            if v.sent >= v.sent_blocks.size:
+                v.sent_blocks.copied(tracked.base_digests.blocks[first : first + -(-length // BLOCK_SIZE)])
+            offset, v.sent = v.sent, end  # (first: the ACK may come before the send returns)
+            await send(FileCopy(tracked.handle, v.number, offset, op.source + offset - op.offset, length))
+            return True
+        want = min(end - v.sent, MAX_PAYLOAD)
+        data = os.pread(v.fd, want, v.sent)
+        if len(data) < want:  # truncated since it was planned: what was planned is no longer there
+            await self.new_version(tracked)
+            return True
+        if v.sent >= v.sent_blocks.size:
+            v.sent_blocks.feed(data)
+        offset = v.sent
+        v.sent += len(data)
+        await send(FileData(tracked.handle, v.number, offset, data))
+        return True
+
+    async def _commit(self, tracked: TrackedFile, v: Version, send: Send) -> bool:
+        """Scan the version's content: what was sent, unchanged, is committed;
+        a change under it (or more bytes) makes a new version or an append."""
+        size = os.fstat(v.fd).st_size
+        if size > v.planned:
+            _extend(v, size)
+            return True
+        scan = await trio.to_thread.run_sync(filedelta.scan, v.fd, v.planned)
+        if tracked.current is not v:
+            return True
+        if scan.digests.size != v.planned or scan.digests.blocks != v.sent_blocks.digests():
+            log.debug("file %s: version %d changed under its sending: a new version", tracked.path, v.number)
+            await self.new_version(tracked)
+            return True
+        await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
+        v.commit_sent = v.planned
+        tracked.commits = {v.number: scan.digests}
+        tracked.committed_at = trio.current_time()
+        return True
+
+    def close(self) -> None:
+        for tracked in self.files.values():
+            if tracked.current is not None:
+                with contextlib.suppress(OSError):
+                    os.close(tracked.current.fd)
+
+
+def _same_inode(fd: int, stat: object) -> bool:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (getattr(stat, "dev", None), getattr(stat, "ino", None))
+
+
+def _extend(v: Version, size: int) -> None:
+    """More bytes appended to the version's content: a literal to `size`."""
+    if size <= v.planned:
+        return
+    last = v.ops[-1] if v.ops else None
+    if isinstance(last, Literal):
+        v.ops[-1] = Literal(last.offset, size - last.offset)
+    else:
+        v.ops.append(Literal(v.planned, size - v.planned))
+    v.planned = size
+
+
+def _whole_copies(ops: list[Op]) -> list[Op]:
+    """The plan with a copy of a short last block sent as a literal instead
+    (what was sent is digested by whole blocks: appends may follow it)."""
+    if ops and isinstance(last := ops[-1], Copy) and (end := last.offset + last.length) % BLOCK_SIZE:
+        cut = end - end % BLOCK_SIZE
+        head = [Copy(last.offset, last.source, cut - last.offset)] if cut > last.offset else []
+        return [*ops[:-1], *head, Literal(cut, end - cut)]
+    return ops
+
+
+def _home_committed(number: int, held: FileHeld | None) -> bool:
+    """Whether home holds version `number` committed, by its WELCOME row:
+    the row's version committed, or a later version opened (its FILE_OPEN
+    came after that version's FILE_COMMIT)."""
+    if held is None:
+        return False
+    return held.version > number or (held.version == number and held.committed >= 0)

@@ -1,0 +1,164 @@
+"""End to end: the files a job writes (--file) come home, live and exact.
+
+The installed gcwrap and gcshadow, real processes, loopback TCP; every test
+compares the SHA-256 of each file the job left with home's copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import ShadowProc, Wrapper, sha256_bytes, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
+    d = tmp_path / "work"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+def _job(code: str) -> list[str]:
+    prelude = "import os, sys, time, json, random\n"
+    prelude += ("def gate(path):\n"
+                "    end = time.monotonic() + 60\n"
+                "    while not os.path.exists(path) and time.monotonic() < end:\n"
+                "        time.sleep(0.02)\n")
+    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
+
+
+def _run(shadow: ShadowProc, spool_dir: Path, job_id: str, files: list[str], code: str) -> Wrapper:
+    args = ["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", job_id, "--retry-timeout", "1",
+            "--stdout", f"{job_id}.out"]
+    for f in files:
+        args += ["--file", f]
+    return Wrapper([*args, "--", *_job(code)])
+
+
+def _same(home: Path, work: Path, *paths: str) -> None:
+    for path in paths:
+        assert (home / path).exists(), f"{path} is not at home"
+        assert sha256_bytes((home / path).read_bytes()) == sha256_bytes((work / path).read_bytes()), path
+
+
+def test_an_appended_log_is_at_home_while_the_job_runs(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                       work: Path) -> None:
+    w = _run(shadow, spool_dir, "applog", ["train.log"], """
+        with open("train.log", "a") as f:
+            for i in range(2000):
+                f.write(f"step {i} loss {1 / (i + 1):.6f}\\n")
+            f.flush()
+            gate("go")
+            for i in range(2000, 5000):
+                f.write(f"step {i} loss {1 / (i + 1):.6f}\\n")
+    """)
+    first = b"".join(f"step {i} loss {1 / (i + 1):.6f}\n".encode() for i in range(2000))
+    log = home / "train.log"
+    wait_until(lambda: log.exists() and log.read_bytes().startswith(first), 30, "the log's first lines at home")
+    (work / "go").touch()
+    assert w.wait(60) == 0, w.err.decode()
+    _same(home, work, "train.log")
+    assert (work / "train.log").stat().st_size > len(first)
+
+
+def test_a_json_rewritten_by_rename_every_step_lands_as_its_last_version(
+        shadow: ShadowProc, home: Path, spool_dir: Path, work: Path) -> None:
+    w = _run(shadow, spool_dir, "renames", ["status.json=state/status.json"], """
+        for step in range(40):
+            with open(".status.json.tmp", "w") as f:
+                json.dump({"step": step, "values": [step * k for k in range(20000)]}, f)
+            os.replace(".status.json.tmp", "status.json")
+            time.sleep(0.05)
+    """)
+    assert w.wait(60) == 0, w.err.decode()
+    assert sha256_bytes((home / "state/status.json").read_bytes()) == sha256_bytes(
+        (work / "status.json").read_bytes())
+    assert '"step": 39' in (home / "state/status.json").read_text()
+
+
+def test_a_binary_written_at_random_offsets_then_extended(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                          work: Path) -> None:
+    w = _run(shadow, spool_dir, "pwrites", ["data.bin"], """
+        rng = random.Random(5)
+        fd = os.open("data.bin", os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(fd, rng.randbytes(3 << 20))
+        gate("go")
+        for _ in range(30):
+            os.pwrite(fd, rng.randbytes(rng.randrange(1, 5000)), rng.randrange(0, 3 << 20))
+        time.sleep(1.5)
+        for _ in range(30):
+            os.pwrite(fd, rng.randbytes(100), rng.randrange(0, 3 << 20))
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, rng.randbytes(1 << 20))
+        os.close(fd)
+    """)
+    wait_until(lambda: (home / "data.bin").exists() and (home / "data.bin").stat().st_size == 3 << 20, 30,
+               "the first content at home")
+    (work / "go").touch()
+    assert w.wait(60) == 0, w.err.decode()
+    _same(home, work, "data.bin")
+    assert (home / "data.bin").stat().st_size == 4 << 20
+
+
+def test_files_created_late_that_match_a_glob_come_home(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                        work: Path) -> None:
+    w = _run(shadow, spool_dir, "globbed", ["out/*.csv", "never.txt"], """
+        time.sleep(1.2)
+        os.makedirs("out/sub", exist_ok=True)
+        for name in ("a", "b"):
+            with open(f"out/{name}.csv", "w") as f:
+                f.writelines(f"{name},{i},{i * i}\\n" for i in range(10000))
+        with open("out/sub/c.csv", "w") as f:
+            f.write("not matched\\n")
+        with open("out/.draft.csv", "w") as f:
+            f.write("a dot-draft\\n")
+    """)
+    assert w.wait(60) == 0, w.err.decode()
+    _same(home, work, "out/a.csv", "out/b.csv")
+    assert not (home / "out/sub").exists() and not (home / "out/.draft.csv").exists()
+    assert not (home / "never.txt").exists()
+
+
+def test_a_deleted_file_keeps_its_last_content_at_home(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                       work: Path) -> None:
+    w = _run(shadow, spool_dir, "deleted", ["scratch.txt"], """
+        with open("scratch.txt", "w") as f:
+            f.write("kept\\n" * 1000)
+        time.sleep(1.5)
+        os.unlink("scratch.txt")
+    """)
+    assert w.wait(60) == 0, w.err.decode()
+    assert (home / "scratch.txt").read_bytes() == b"kept\n" * 1000
+
+
+def test_the_shadow_killed_mid_run_and_restarted(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                 work: Path) -> None:
+    w = _run(shadow, spool_dir, "killed", ["log.txt", "state.json"], """
+        rng = random.Random(9)
+        with open("log.txt", "a") as log:
+            for step in range(60):
+                log.write(f"step {step} " + "x" * rng.randrange(100, 5000) + "\\n")
+                log.flush()
+                with open(".state.tmp", "w") as f:
+                    json.dump({"step": step, "blob": "y" * 100000}, f)
+                os.replace(".state.tmp", "state.json")
+                if step == 20:
+                    gate("go")
+                time.sleep(0.05)
+    """)
+    log = home / "log.txt"
+    wait_until(lambda: log.exists() and b"step 20 " in log.read_bytes(), 30, "the log's first steps at home")
+    shadow.kill9()
+    (work / "go").touch()
+    wait_until(lambda: w.proc.poll() is not None or b"step 40 " in (work / "log.txt").read_bytes(), 30,
+               "the job to go on")
+    shadow.start()
+    assert w.wait(90) == 0, w.err.decode()
+    _same(home, work, "log.txt", "state.json")
