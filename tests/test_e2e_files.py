@@ -6,12 +6,14 @@ compares the SHA-256 of each file the job left with home's copy.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ShadowProc, Wrapper, sha256_bytes, wait_until
+from helpers import ShadowProc, Wrapper, sha256_bytes, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,6 +42,14 @@ def _run(shadow: ShadowProc, spool_dir: Path, job_id: str, files: list[str], cod
     for f in files:
         args += ["--file", f]
     return Wrapper([*args, "--", *_job(code)])
+
+
+def _summary(home: Path, job_id: str) -> dict[str, str]:
+    """The I/O summary home recorded for the job (its EXIT's)."""
+    jobs = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True, check=True,
+                          timeout=60)
+    (rec,) = [r for r in json.loads(jobs.stdout) if r["job_id"] == job_id]
+    return dict(rec["summary"])
 
 
 def _same(home: Path, work: Path, *paths: str) -> None:
@@ -105,6 +115,12 @@ def test_a_binary_written_at_random_offsets_then_extended(shadow: ShadowProc, ho
     assert w.wait(60) == 0, w.err.decode()
     _same(home, work, "data.bin")
     assert (home / "data.bin").stat().st_size == 4 << 20
+    # The writes in place cost the blocks they touched (60 writes: at most 60 blocks of 64 KiB), not the
+    # whole file again at every version: the 3 MiB written first, the 1 MiB appended, and those blocks.
+    figures = _summary(home, "pwrites")
+    sent, copied = int(figures["files_sent"]), int(figures["files_copied"])
+    assert (4 << 20) <= sent < (4 << 20) + 60 * (64 << 10), figures
+    assert copied > 0, figures
 
 
 def test_files_created_late_that_match_a_glob_come_home(shadow: ShadowProc, home: Path, spool_dir: Path,
@@ -115,13 +131,14 @@ def test_files_created_late_that_match_a_glob_come_home(shadow: ShadowProc, home
         for name in ("a", "b"):
             with open(f"out/{name}.csv", "w") as f:
                 f.writelines(f"{name},{i},{i * i}\\n" for i in range(10000))
+        open("out/empty.csv", "w").close()
         with open("out/sub/c.csv", "w") as f:
             f.write("not matched\\n")
         with open("out/.draft.csv", "w") as f:
             f.write("a dot-draft\\n")
     """)
     assert w.wait(60) == 0, w.err.decode()
-    _same(home, work, "out/a.csv", "out/b.csv")
+    _same(home, work, "out/a.csv", "out/b.csv", "out/empty.csv")
     assert not (home / "out/sub").exists() and not (home / "out/.draft.csv").exists()
     assert not (home / "never.txt").exists()
 

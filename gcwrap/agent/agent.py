@@ -150,8 +150,7 @@ class Agent:
     def note_live(self, **fields: Any) -> None:  # (fields the spool's job record has no place for)
         self.live_fields.update(fields)
 
-    def note(self, **fields: Any) -> None:
-        """Record job fields in the spool with the next commit (and the live view)."""
+    def note(self, **fields: Any) -> None:  # (fields for the spool's job record at the next commit; the live view)
         self.job_updates.update(fields)
         self.live_fields.update(fields)
         self.changed.fire()
@@ -642,6 +641,7 @@ class Agent:
         if len(self.shadows.order) > 1:  # (of several: which one took the output last)
             in_use = self.shadows.in_use
             out.update(shadow=show(in_use) if in_use else "", failovers=self.shadows.failovers)
+        out.update(self.files.figures() if self.files is not None else {})
         if self.lost:
             out["lost"] = sum(end - start for start, end in self.lost.values())
         if ended := self.live_fields.get("ended") or self.job.ended:

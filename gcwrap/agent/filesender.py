@@ -101,6 +101,7 @@ class Version:
     acked: int = 0
     opened: bool = False  # its FILE_OPEN went on this connection
     sent_blocks: SentBlocks = field(default_factory=SentBlocks)
+    scanned: filedelta.Scan | None = None  # its content as scanned for its plan (None: not scanned, or grown since)
     commit_sent: int = -1  # the size its last FILE_COMMIT said
     committed: int = -1  # the size home acknowledged a commit at
 
@@ -112,6 +113,10 @@ class TrackedFile:
     name: str
     current: Version | None = None
     commits: dict[int, Digests] = field(default_factory=dict)  # version -> digests its last FILE_COMMIT said
+    # The version home holds committed when it reads our next FILE_OPEN: the last a FILE_COMMIT went for
+    # (home takes frames in order), or after a reconnection the one its WELCOME says (`_home_base`).
+    base: int | None = None
+    bases: dict[int, int | None] = field(default_factory=dict)  # version -> the base its FILE_OPEN said
     changed_at: float = 0.0  # when the watcher last reported a change
     committed_at: float = 0.0  # when its last FILE_COMMIT went
     base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
@@ -130,29 +135,37 @@ class FileSender:
         self.restart: list[TrackedFile] = []  # files whose version a reconnection cannot continue
         self.lock = trio.Lock()  # (the watcher's changes and a session's sends take turns)
         self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
-        self.scope = trio.CancelScope()
+        self.literal = 0  # bytes of the files sent on the wire (FILE_DATA), resends included
+        self.copied = 0  # bytes home copied from a version it held (FILE_COPY)
 
     # -- what the watcher says -------------------------------------------------
 
-    async def run(self) -> None:
-        """Watch the files until cancelled; wake the sender when something
-        changed or a commit comes due."""
+    async def run(self, ended: Callable[[], bool]) -> None:
+        """Watch the files until the job has ended (`ended()`, asked when
+        `changed` fires), waking the sender when something changed or a
+        commit comes due; then `job_ended`."""
         send, self.events = trio.open_memory_channel[FileEvent](4096)
-        with self.scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.watcher.run, send)
-                while True:
-                    event: FileEvent | None = None
-                    with trio.move_on_after(TICK):
-                        event = await self.events.receive()
-                    if event is not None:
-                        await self.take(event)
-                    self.changed.fire()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watcher.run, send)
+            nursery.start_soon(self._take_events, self.events)
+            while not ended():
+                await self.changed.wait()
+            nursery.cancel_scope.cancel()
+        await self.job_ended()
+
+    async def _take_events(self, events: trio.MemoryReceiveChannel[FileEvent]) -> None:
+        while True:
+            event: FileEvent | None = None
+            with trio.move_on_after(TICK):
+                event = await events.receive()
+            if event is not None:
+                with trio.CancelScope(shield=True):  # (an event received is not lost to the job's end)
+                    await self.take(event)
+            self.changed.fire()
 
     async def job_ended(self) -> None:
         """The job ended: what the watcher saw, a last stat pass, and from
         now on every file's content is final (its commit lets the EXIT go)."""
-        self.scope.cancel()
         pending = []
         with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while self.events is not None:
@@ -187,33 +200,28 @@ class FileSender:
 
     # -- versions --------------------------------------------------------------
 
-    async def new_version(self, tracked: TrackedFile, base: int | bool | None = True, fd: int | None = None) -> None:
+    async def new_version(self, tracked: TrackedFile, fd: int | None = None) -> None:
         """Start the next version of the file from its content now (at its
-        path, or on `fd`). `base`: True for the last version a commit was
-        sent for, else the version given (or None)."""
+        path, or on `fd`), built from `tracked.base` (all of it literal
+        where its digests are not known)."""
         if fd is None:
             try:
                 fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
                 log.warning("cannot read the job's file %s (%s): home keeps what it has", tracked.path, e.strerror)
                 return
-        if base is True:
-            base = max(tracked.commits) if tracked.commits else None
-        assert base is not True
+        base = tracked.base
         digests = tracked.commits.get(base) if base is not None else None
-        if digests is None:
-            size = os.fstat(fd).st_size
-            ops: list[Op] = [Literal(0, size)] if size else []
-            base = None
-        else:
-            scan = await trio.to_thread.run_sync(filedelta.scan, fd, os.fstat(fd).st_size)
-            size = scan.digests.size
-            ops = _whole_copies(filedelta.plan(digests, scan.digests))
+        # Scanned whole: the plan needs its digests, and a version sent as scanned commits at once.
+        scanned = await trio.to_thread.run_sync(filedelta.scan, fd, os.fstat(fd).st_size)
+        size = scanned.digests.size
+        ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         old = tracked.current
         number = old.number + 1 if old is not None else 1
         if old is not None:
             os.close(old.fd)
-        tracked.current = Version(number, base, fd, ops, size)
+        tracked.current = Version(number, base, fd, ops, size, scanned=scanned)
+        tracked.bases[number] = base
         tracked.base_digests = digests
         log.debug("file %s: version %d of %d bytes (base %s)", tracked.path, number, size, base)
 
@@ -229,8 +237,9 @@ class FileSender:
                 continue
             v.opened = False
             h = by_file.get(tracked.handle)
-            for number in [n for n in tracked.commits if not _home_committed(n, h)]:
-                del tracked.commits[number]  # (that FILE_COMMIT never reached home)
+            tracked.base = _home_base(tracked, h)
+            for number in [n for n in tracked.commits if n != tracked.base]:
+                del tracked.commits[number]  # (never committed at home, or no longer its committed one)
             same = h.version == v.number if h is not None else v.base is None
             durable = h.durable if h is not None else 0
             if same and v.acked <= durable <= v.sent and v.sent_blocks.truncate(durable):
@@ -248,6 +257,13 @@ class FileSender:
         return self.ending and not self.restart and all(
             (v := t.current) is None or (v.committed == v.planned and v.sent == v.planned)
             for t in self.files.values())
+
+    def figures(self) -> dict[str, int]:
+        """For the I/O summary: the files' final sizes, and their bytes on
+        the wire against those home copied."""
+        return {"files": len(self.files), "files_size": sum(v.planned for t in self.files.values()
+                                                             if (v := t.current) is not None),
+                "files_sent": self.literal, "files_copied": self.copied}
 
     def exit_files(self) -> tuple[tuple[int, int, int], ...]:
         return tuple((t.handle, v.number, v.committed) for t in self.by_handle.values()
@@ -273,10 +289,10 @@ class FileSender:
         async with self.lock:
             while self.restart:
                 tracked = self.restart.pop()
-                v, commits = tracked.current, tracked.commits
+                v = tracked.current
                 assert v is not None
                 # (the same inode's content now: the path may name another, which the watcher reports)
-                await self.new_version(tracked, max(commits) if commits else None, os.dup(v.fd))
+                await self.new_version(tracked, os.dup(v.fd))
             sent = 0
             for tracked in list(self.files.values()):
                 while sent < FRAMES_PER_TURN and await self._send_next(tracked, send):
@@ -293,6 +309,11 @@ class FileSender:
             return True
         if v.sent < v.planned:
             return await self._send_bytes(tracked, v, send)
+        if v.commit_sent < v.planned and (scan := v.scanned) is not None \
+                and scan.digests.blocks == v.sent_blocks.digests():
+            # What was sent is what was scanned for the plan: committed at once, with no scan again
+            # (so that the next rewrite is built from it, not from an older version).
+            return await self._send_commit(tracked, v, scan, send)
         now = trio.current_time()
         due = self.ending or now - tracked.changed_at >= QUIET or now - tracked.committed_at >= COMMIT_EVERY
         if v.commit_sent == v.planned or not due:
@@ -309,6 +330,7 @@ class FileSender:
             if v.sent >= v.sent_blocks.size:
                 v.sent_blocks.copied(tracked.base_digests.blocks[first : first + -(-length // BLOCK_SIZE)])
             offset, v.sent = v.sent, end  # (first: the ACK may come before the send returns)
+            self.copied += length
             await send(FileCopy(tracked.handle, v.number, offset, op.source + offset - op.offset, length))
             return True
         want = min(end - v.sent, MAX_PAYLOAD)
@@ -320,6 +342,7 @@ class FileSender:
             v.sent_blocks.feed(data)
         offset = v.sent
         v.sent += len(data)
+        self.literal += len(data)
         await send(FileData(tracked.handle, v.number, offset, data))
         return True
 
@@ -337,9 +360,14 @@ class FileSender:
             log.debug("file %s: version %d changed under its sending: a new version", tracked.path, v.number)
             await self.new_version(tracked)
             return True
+        return await self._send_commit(tracked, v, scan, send)
+
+    async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
         v.commit_sent = v.planned
-        tracked.commits = {v.number: scan.digests}
+        tracked.commits = {n: d for n, d in tracked.commits.items() if n == tracked.base}  # (the older ones: useless)
+        tracked.commits[v.number] = scan.digests
+        tracked.base = v.number
         tracked.committed_at = trio.current_time()
         return True
 
@@ -365,6 +393,7 @@ def _extend(v: Version, size: int) -> None:
     else:
         v.ops.append(Literal(v.planned, size - v.planned))
     v.planned = size
+    v.scanned = None
 
 
 def _whole_copies(ops: list[Op]) -> list[Op]:
@@ -377,10 +406,12 @@ def _whole_copies(ops: list[Op]) -> list[Op]:
     return ops
 
 
-def _home_committed(number: int, held: FileHeld | None) -> bool:
-    """Whether home holds version `number` committed, by its WELCOME row:
-    the row's version committed, or a later version opened (its FILE_OPEN
-    came after that version's FILE_COMMIT)."""
+def _home_base(tracked: TrackedFile, held: FileHeld | None) -> int | None:
+    """The version home holds committed, by its WELCOME row: none without
+    a row; the row's version where it is committed; else the base that
+    version was opened with (home commits nothing but the version open)."""
     if held is None:
-        return False
-    return held.version > number or (held.version == number and held.committed >= 0)
+        return None
+    if held.committed >= 0:
+        return held.version
+    return tracked.bases.get(held.version)

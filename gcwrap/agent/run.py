@@ -273,18 +273,13 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
                 with trio.CancelScope(shield=True):
                     await _end_job(proc, KILL_GRACE)
 
-    async def end_when_asked() -> None:
-        await agent.must_end.wait()
-        with trio.CancelScope(shield=True):
-            await _end_job(proc, KILL_GRACE)
-
     async with trio.open_nursery() as nursery:
         if agent.specs:  # with no stream named there is nothing to spool
             nursery.start_soon(agent.commit_loop)
             nursery.start_soon(agent.live_loop)
-        nursery.start_soon(end_when_asked)
-        if agent.files is not None:
-            nursery.start_soon(agent.files.run)
+        nursery.start_soon(_end_when_asked, agent, proc)
+        if agent.files is not None:  # (watched until the job ends: then each file's content is final)
+            nursery.start_soon(agent.files.run, lambda: agent.child_exited)
         if proc.stdin is not None:
             nursery.start_soon(_write_stdin, agent, proc.stdin)
         nursery.start_soon(deliver)
@@ -309,8 +304,6 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
                 readers.cancel_scope.deadline = trio.current_time() + DRAIN_GRACE
         returncode = proc.returncode
         assert returncode is not None
-        if agent.files is not None:
-            await agent.files.job_ended()
         log.info("the job ended with %s after %.1f s; %d bytes not yet home",
                  f"signal {-returncode}" if returncode < 0 else f"status {returncode}",
                  time.monotonic() - agent.started, sum(o.read_end - o.acked for o in agent.out.values()))
@@ -335,6 +328,12 @@ async def _supervise(agent: Agent, running: JobProcess) -> int:
                 await agent.changed.wait()
         nursery.cancel_scope.cancel()
     return exit_status(returncode)
+
+
+async def _end_when_asked(agent: Agent, proc: Job) -> None:
+    await agent.must_end.wait()
+    with trio.CancelScope(shield=True):
+        await _end_job(proc, KILL_GRACE)
 
 
 async def _report_progress(agent: Agent, progress: Callable[[int, int], None], start: dict[int, int]) -> None:
