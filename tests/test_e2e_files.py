@@ -116,11 +116,13 @@ def test_a_binary_written_at_random_offsets_then_extended(shadow: ShadowProc, ho
     _same(home, work, "data.bin")
     assert (home / "data.bin").stat().st_size == 4 << 20
     # The writes in place cost the blocks they touched (60 writes: at most 60 blocks of 64 KiB), not the
-    # whole file again at every version: the 3 MiB written first, the 1 MiB appended, and those blocks.
+    # whole file again at every version (3 + 3 + 4 MiB at least): the 3 MiB written first, the 1 MiB
+    # appended (twice where a stat pass saw it grow before the digests found the writes below it), and
+    # those blocks; the rest home copied from the version it held.
     figures = _summary(home, "pwrites")
     sent, copied = int(figures["files_sent"]), int(figures["files_copied"])
-    assert (4 << 20) <= sent < (4 << 20) + 60 * (64 << 10), figures
-    assert copied > 0, figures
+    assert (4 << 20) <= sent <= (5 << 20) + 60 * (64 << 10) < 10 << 20, figures
+    assert copied >= 1 << 20, figures
 
 
 def test_files_created_late_that_match_a_glob_come_home(shadow: ShadowProc, home: Path, spool_dir: Path,
