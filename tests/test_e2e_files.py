@@ -181,3 +181,27 @@ def test_the_shadow_killed_mid_run_and_restarted(shadow: ShadowProc, home: Path,
     shadow.start()
     assert w.wait(90) == 0, w.err.decode()
     _same(home, work, "log.txt", "state.json")
+
+
+def test_the_spool_records_the_files_while_home_is_out_of_reach(tmp_path: Path, spool_dir: Path, work: Path) -> None:
+    import socket
+    import sqlite3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed: nothing listens there)
+    w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "away", "--retry-timeout",
+                 "0.2", "--retry-limit", "3", "--stdout", "away.out", "--file", "result.txt=r/result.txt", "--",
+                 *_job('open("result.txt", "w").write("done\\n")')])
+    assert w.wait(60) == 122, w.err.decode()
+    (spool,) = spool_dir.glob("*.spool")
+    with sqlite3.connect(spool) as db:
+        assert db.execute("SELECT handle, path, name FROM files").fetchall() == [(1, "result.txt", "r/result.txt")]
+        assert db.execute("SELECT file, version, base FROM file_versions").fetchall() == [(1, 1, None)]
+
+
+def test_a_file_written_by_a_job_that_ends_at_once(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                   work: Path) -> None:
+    w = _run(shadow, spool_dir, "quick", ["quick.txt"], 'open("quick.txt", "w").write("at once\\n")')
+    assert w.wait(60) == 0, w.err.decode()
+    assert (home / "quick.txt").read_bytes() == b"at once\n"

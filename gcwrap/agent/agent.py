@@ -143,7 +143,7 @@ class Agent:
         self.delivering = False  # the deliver loop runs
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
-        self.files = FileSender(Path.cwd(), opts.files, self.changed) if opts.files else None  # --file
+        self.files = FileSender(Path.cwd(), opts.files, self.changed, spooler.record_files) if opts.files else None
 
     # -- shared state helpers ---------------------------------------------
 

@@ -31,6 +31,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,6 +42,10 @@ from . import filedelta
 from .filedelta import BLOCK_SIZE, Copy, Digests, Literal, Op, block_digest
 from .filespecs import FileSpec
 from .filewatch import Change, FileEvent, FileWatcher
+from .spoolfiles import FileRecord
+
+if TYPE_CHECKING:
+    from .spoolfiles import SpoolFiles
 
 log = logging.getLogger("gcwrap")
 
@@ -50,6 +55,15 @@ TICK = 0.5  # seconds between looks at commits due while nothing else happens
 FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams get their turn between)
 
 Send = Callable[[Event], Awaitable[None]]
+Record = Callable[[Callable[["SpoolFiles"], object]], Awaitable[None]]
+
+
+async def _no_record(fn: Callable[[SpoolFiles], object]) -> None:
+    pass
+
+
+def _commit_acked(file: int, version: int, size: int) -> Callable[[SpoolFiles], object]:
+    return lambda t: t.commit_acked(file, version, size)
 
 
 class SentBlocks:
@@ -125,8 +139,11 @@ class TrackedFile:
 class FileSender:
     """The job's files: watched, versioned, sent, committed."""
 
-    def __init__(self, workdir: Path, specs: tuple[FileSpec, ...], changed: Signal) -> None:
+    def __init__(self, workdir: Path, specs: tuple[FileSpec, ...], changed: Signal,
+                 record: Record = _no_record) -> None:
         self.workdir = workdir
+        self.record = record  # into the spool: its files, versions, scans and commits (gcwrap.agent.spoolfiles)
+        self.acks: list[tuple[int, int, int]] = []  # (file, version, size) commits acknowledged, to record
         self.watcher = FileWatcher(workdir, specs)
         self.changed = changed
         self.files: dict[str, TrackedFile] = {}  # by path
@@ -170,6 +187,9 @@ class FileSender:
         with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while self.events is not None:
                 pending.append(self.events.receive_nowait())
+        # Every file as the last pass finds it, as if new: an event the watcher made as it was
+        # cancelled is lost, and one for a file as it was is an append, at most (`_take`).
+        self.watcher.files.clear()
         for event in [*pending, *self.watcher.check()]:
             await self.take(event)
         self.ending = True
@@ -188,13 +208,15 @@ class FileSender:
             handle = len(self.files) + 1
             name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
             tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
+            record = FileRecord(handle, event.path, name, event.spec.pattern, event.stat.dev, event.stat.ino)
+            await self.record(lambda t: t.add_file(record))
         tracked.changed_at = now
         current = tracked.current
         if event.change is Change.DELETED:
             return  # (the descriptor keeps its last content: that is what home gets)
-        if event.change is Change.GREW and current is not None and _same_inode(current.fd, event.stat):
-            assert event.stat is not None
-            _extend(current, event.stat.size)
+        if event.change in (Change.GREW, Change.APPEARED) and current is not None and event.stat is not None \
+                and _same_inode(current.fd, event.stat) and event.stat.size >= current.planned:
+            _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
             return
         await self.new_version(tracked)
 
@@ -222,6 +244,8 @@ class FileSender:
             os.close(old.fd)
         tracked.current = Version(number, base, fd, ops, size, scanned=scanned)
         tracked.bases[number] = base
+        st = os.fstat(fd)
+        await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
         tracked.base_digests = digests
         log.debug("file %s: version %d of %d bytes (base %s)", tracked.path, number, size, base)
 
@@ -279,6 +303,7 @@ class FileSender:
         v.acked = max(v.acked, min(ev.offset, v.sent))
         if ev.committed and ev.offset > v.committed:
             v.committed = ev.offset
+            self.acks.append((ev.file, ev.version, ev.offset))
             moved = True
         if moved:
             self.changed.fire()
@@ -287,6 +312,9 @@ class FileSender:
     async def send_some(self, send: Send) -> bool:
         """Send the next frames of the files; False when none is due."""
         async with self.lock:
+            acks, self.acks = self.acks, []
+            for file, version, size in acks:
+                await self.record(_commit_acked(file, version, size))
             while self.restart:
                 tracked = self.restart.pop()
                 v = tracked.current
@@ -363,6 +391,8 @@ class FileSender:
         return await self._send_commit(tracked, v, scan, send)
 
     async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
+        if v.committed < 0:  # (the spool keeps a version's first scan: appends after its commit are not)
+            await self.record(lambda t: t.scanned(tracked.handle, v.number, scan))
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
         v.commit_sent = v.planned
         tracked.commits = {n: d for n, d in tracked.commits.items() if n == tracked.base}  # (the older ones: useless)

@@ -30,6 +30,7 @@ from .launch import LIVE_SIZE, SpoolFiles, create_spool, make_live
 from .launch import lock_spool as lock_spool  # (re-exported: where it was)
 from .records import Chunk, Extent, JobRecord
 from .spool import Spool, SpoolError
+from .spoolfiles import SpoolFiles as FileTables
 
 log = logging.getLogger("gcwrap")
 T = TypeVar("T")
@@ -101,6 +102,7 @@ class Spooler:
         self.no_splice = False  # splice into the segments is not supported here
         self.no_sendfile = False  # sendfile from them is not: pread and send instead
         self._statvfs: tuple[float, os.statvfs_result] | None = None  # (when, what): see ROOM_TTL
+        self.file_tables: FileTables | None = None  # (the job's files' record, made at the first)
 
     # -- creating --------------------------------------------------------
 
@@ -118,6 +120,20 @@ class Spooler:
             await trio.to_thread.run_sync(self._create, limiter=self.write_limiter)
             assert self.spool is not None
         return self.spool
+
+    async def record_files(self, fn: Callable[[FileTables], object]) -> None:
+        """Record in the spool what became of the job's files (gcwrap.agent.spoolfiles),
+        in turn with the commits. A spool that fails to: logged, and delivery goes on
+        (the record is for `gcwrap resume`)."""
+        if self.spool is None:
+            return
+        if self.file_tables is None:
+            self.file_tables = FileTables(self.spool)
+        tables = self.file_tables
+        try:
+            await trio.to_thread.run_sync(fn, tables, limiter=self.write_limiter)
+        except (SpoolError, ValueError) as e:
+            log.warning("the spool cannot record the job's files: %s", e)
 
     # -- carrier sense ---------------------------------------------------
 
