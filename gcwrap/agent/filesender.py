@@ -285,6 +285,12 @@ class FileSender:
             (v := t.current) is None or (v.committed == v.planned and v.sent == v.planned)
             for t in self.files.values())
 
+    @property
+    def waiting(self) -> bool:
+        """Bytes or a commit sent that home has not acknowledged (the session's watchdog asks)."""
+        return any((v := t.current) is not None and v.opened and (v.sent > v.acked or v.commit_sent > v.committed)
+                   for t in self.files.values())
+
     def figures(self) -> dict[str, int]:
         """For the I/O summary: the files' final sizes, and their bytes on
         the wire against those home copied."""

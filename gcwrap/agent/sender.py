@@ -547,6 +547,8 @@ class Session:
         waiting: list[object] = [("data", sid) for sid, out in outbox.streams.items() if self.handed[sid] > out.acked]
         if outbox.stdin is not None and outbox.stdin.in_flight:
             waiting.append("stdin")
+        if self.files is not None and self.files.waiting:
+            waiting.append("files")
         if self.exit_sent:
             waiting.append("exit")
         return waiting
@@ -570,6 +572,8 @@ class Session:
             what = "the request for stdin was never answered"
         elif request == "exit":
             what = "the job's end (EXIT) was never answered"
+        elif request == "files":
+            what = "bytes or commits of the job's files were never acknowledged"
         else:
             out = self.outbox.streams[request[1]]  # type: ignore[index]
             what = f"{self.handed[out.id] - out.acked:,} bytes of {out.kind} were never acknowledged"
