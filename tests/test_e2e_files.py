@@ -181,6 +181,7 @@ def test_the_shadow_killed_mid_run_and_restarted(shadow: ShadowProc, home: Path,
     shadow.start()
     assert w.wait(90) == 0, w.err.decode()
     _same(home, work, "log.txt", "state.json")
+    assert b"the spool cannot record" not in w.err  # (a log committed, appended to, committed again)
 
 
 def test_the_spool_records_the_files_while_home_is_out_of_reach(tmp_path: Path, spool_dir: Path, work: Path) -> None:

@@ -121,6 +121,7 @@ class Version:
     scanned: filedelta.Scan | None = None  # its content as scanned for its plan (None: not scanned, or grown since)
     commit_sent: int = -1  # the size its last FILE_COMMIT said
     committed: int = -1  # the size home acknowledged a commit at
+    recorded: int = -1  # the size of the scan the spool keeps (its first commit's: see `_send_commit`)
 
 
 @dataclass
@@ -312,7 +313,8 @@ class FileSender:
         v.acked = max(v.acked, min(ev.offset, v.sent))
         if ev.committed and ev.offset > v.committed:
             v.committed = ev.offset
-            self.acks.append((ev.file, ev.version, ev.offset))
+            if ev.offset == v.recorded:
+                self.acks.append((ev.file, ev.version, ev.offset))
             moved = True
         if moved:
             self.changed.fire()
@@ -401,8 +403,9 @@ class FileSender:
         return await self._send_commit(tracked, v, scan, send)
 
     async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
-        if v.committed < 0:  # (the spool keeps a version's first scan: appends after its commit are not)
+        if v.committed < 0:  # (the spool keeps a version's first commit: its appends after it are not recorded)
             await self.record(lambda t: t.scanned(tracked.handle, v.number, scan))
+            v.recorded = v.planned
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
         v.commit_sent = v.planned
         tracked.commits = {n: d for n, d in tracked.commits.items() if n == tracked.base}  # (the older ones: useless)
