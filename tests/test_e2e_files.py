@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,36 @@ def test_a_file_written_by_a_job_that_ends_at_once(shadow: ShadowProc, home: Pat
     w = _run(shadow, spool_dir, "quick", ["quick.txt"], 'open("quick.txt", "w").write("at once\\n")')
     assert w.wait(60) == 0, w.err.decode()
     assert (home / "quick.txt").read_bytes() == b"at once\n"
+
+
+@pytest.mark.timeout(180)
+def test_a_network_cut_for_ten_seconds(shadow: ShadowProc, home: Path, spool_dir: Path, work: Path) -> None:
+    """A relay black-holes every byte for 10 s (the heartbeat is 2 s: the connection is declared dead and
+    attempted again meanwhile), then delivers what it held, stale attempts' bytes too."""
+    from faults import Relay
+
+    with Relay(("127.0.0.1", shadow.port)) as relay:
+        w = Wrapper(["--shadow", f"127.0.0.1:{relay.port}", "--spool", str(spool_dir), "--job-id", "cut",
+                     "--heartbeat", "2", "--retry-timeout", "1", "--stdout", "cut.out", "--file", "log.txt",
+                     "--file", "state.json", "--", *_job("""
+            rng = random.Random(3)
+            step = 0
+            with open("log.txt", "a") as log:
+                while not os.path.exists("stop") or step < 5:
+                    log.write(f"step {step} " + "x" * rng.randrange(100, 3000) + "\\n")
+                    log.flush()
+                    with open(".state.tmp", "w") as f:
+                        json.dump({"step": step, "blob": "y" * 200000}, f)
+                    os.replace(".state.tmp", "state.json")
+                    step += 1
+                    time.sleep(0.05)
+        """)])
+        log = home / "log.txt"
+        wait_until(lambda: log.exists() and b"step 3 " in log.read_bytes(), 30, "the log's first steps at home")
+        relay.hole()
+        time.sleep(10)
+        relay.heal()
+        (work / "stop").touch()
+        assert w.wait(90) == 0, w.err.decode()
+    _same(home, work, "log.txt", "state.json")
+    assert int(_summary(home, "cut")["reconnects"]) >= 1  # (the cut was one)
