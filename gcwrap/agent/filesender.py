@@ -138,6 +138,7 @@ class TrackedFile:
     changed_at: float = 0.0  # when the watcher last reported a change
     committed_at: float = 0.0  # when its last FILE_COMMIT went
     base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
+    numbered: int = 0  # the newest version number given (versions only grow)
 
 
 class FileSender:
@@ -230,27 +231,32 @@ class FileSender:
         """Start the next version of the file from its content now (at its
         path, or on `fd`), built from `tracked.base` (all of it literal
         where its digests are not known)."""
-        if fd is None:
-            try:
-                fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                log.warning("cannot read the job's file %s (%s): home keeps what it has", tracked.path, e.strerror)
-                return
+        old = tracked.current
+        if old is not None:
+            tracked.current = None
+            os.close(old.fd)
         base = tracked.base
         digests = tracked.commits.get(base) if base is not None else None
-        # Scanned whole: the plan needs its digests, and a version sent as scanned commits at once.
-        scanned = await trio.to_thread.run_sync(filedelta.scan, fd, os.fstat(fd).st_size)
+        try:
+            if fd is None:
+                fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            # Scanned whole: the plan needs its digests, and a version sent as scanned commits at once.
+            scanned = await trio.to_thread.run_sync(filedelta.scan, fd, st.st_size)
+        except OSError as e:
+            # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
+            log.warning("cannot read the job's file %s (%s): home keeps what it has of it", tracked.path,
+                        e.strerror)
+            if fd is not None:
+                os.close(fd)
+            return
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
-        old = tracked.current
-        number = old.number + 1 if old is not None else 1
-        if old is not None:
-            os.close(old.fd)
+        number = tracked.numbered = tracked.numbered + 1
         tracked.current = Version(number, base, fd, ops, size, scanned=scanned)
         tracked.bases[number] = base
-        st = os.fstat(fd)
-        await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
         tracked.base_digests = digests
+        await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
         log.debug("file %s: version %d of %d bytes (base %s)", tracked.path, number, size, base)
 
     # -- a connection ------------------------------------------------------------
@@ -275,7 +281,7 @@ class FileSender:
                 v.committed = h.committed if h is not None else -1
                 v.commit_sent = min(v.commit_sent, v.committed)
                 continue
-            v.number = max(v.number, h.version if h is not None else 0)
+            tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
             self.restart.append(tracked)
         self.changed.fire()
 
@@ -329,9 +335,8 @@ class FileSender:
             while self.restart:
                 tracked = self.restart.pop()
                 v = tracked.current
-                assert v is not None
-                # (the same inode's content now: the path may name another, which the watcher reports)
-                await self.new_version(tracked, os.dup(v.fd))
+                if v is not None:  # (the same inode's content now: the path may name another, the watcher says)
+                    await self.new_version(tracked, os.dup(v.fd))
             sent = 0
             for tracked in list(self.files.values()):
                 while sent < FRAMES_PER_TURN and await self._send_next(tracked, send):
@@ -374,8 +379,12 @@ class FileSender:
             await send(FileCopy(tracked.handle, v.number, offset, op.source + offset - op.offset, length))
             return True
         want = min(end - v.sent, MAX_PAYLOAD)
-        data = os.pread(v.fd, want, v.sent)
-        if len(data) < want:  # truncated since it was planned: what was planned is no longer there
+        try:
+            data = os.pread(v.fd, want, v.sent)
+        except OSError as e:
+            log.warning("cannot read the job's file %s (%s): reading it again", tracked.path, e.strerror)
+            data = b""
+        if len(data) < want:  # truncated since it was planned (or unreadable): a version of what is there now
             await self.new_version(tracked)
             return True
         if v.sent >= v.sent_blocks.size:
