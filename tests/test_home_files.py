@@ -420,3 +420,22 @@ def test_a_staged_version_never_committed_goes_when_the_job_ends(shadow: ShadowP
     assert _staging(home) == []
     assert (home / "s.txt").read_bytes() == b"kept"
     assert (home / "t.txt").read_bytes() == b"t"
+
+
+@pytest.mark.timeout(60)
+def test_a_name_another_active_job_writes_is_refused_both_ways(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow, "ja")
+    a.send(FileOpen(1, "shared.txt", 1))
+    a.send(FileData(1, 1, 0, b"a's"))
+    _file_ack(a, 1, 1, 3)
+    b, _ = _agent(shadow, "jb")
+    b.send(FileOpen(1, "shared.txt", 1))  # a file of another job
+    assert _error(b) is ErrorCode.PATH_OWNED
+    c, _ = _agent(shadow, "jc")
+    c.send(FileOpen(1, "ja.out", 1))  # another job's stream
+    assert _error(c) is ErrorCode.PATH_OWNED
+    d = RawAgent(shadow.port)
+    _SOCKETS.append(d.sock)
+    d.send(Hello(job_id="jd", instance="i1", streams=(StreamSpec(1, "stdout", "shared.txt"),), host="test"))
+    assert _error(d) is ErrorCode.PATH_OWNED  # a stream named as another job's file
+    assert (home / "shared.txt").read_bytes() == b"a's"

@@ -188,7 +188,7 @@ class SessionFiles:
 
     def opened(self, ev: FileOpen) -> None:
         """FILE_OPEN: a new version (or the one in progress, again after a reconnection)."""
-        norm = self._name(ev)
+        norm = self.name_of(ev)
         cur = self.current.get(ev.file)
         if cur is not None and cur.version == ev.version:
             if cur.base != ev.base:
@@ -216,7 +216,8 @@ class SessionFiles:
         self.current[ev.file] = v
         self.dirty.add(v)
 
-    def _name(self, ev: FileOpen) -> str:
+    def name_of(self, ev: FileOpen) -> str:
+        """The NAME under the root FILE_OPEN gives its handle, checked (StoreError, ProtocolError)."""
         try:
             norm = "/".join(split_name(ev.name))
         except NameError_ as e:
@@ -465,6 +466,11 @@ def _copy(src: int, dst: int, at: int, to: int, length: int) -> None:
 async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
     """One of FILE_OPEN, FILE_DATA, FILE_COPY, FILE_COMMIT."""
     if isinstance(ev, FileOpen):
+        name = files.name_of(ev)
+        if ev.file not in files.names:  # (a NAME is one job's at a time, as a stream's is)
+            holder = await trio.to_thread.run_sync(files.store.name_holder, name, files.job_id)
+            if holder:
+                raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
         files.opened(ev)
     elif isinstance(ev, FileData):
         files.data(ev)
