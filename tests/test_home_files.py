@@ -8,11 +8,14 @@ from __future__ import annotations
 import hashlib
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import ShadowProc
+from pgserver import PgServer
+from statefaults import PgRelay
 from test_shadow_protocol import RawAgent
 
 from gcwrap.shadow.fileversions import VersionRecord, held
@@ -439,3 +442,40 @@ def test_a_name_another_active_job_writes_is_refused_both_ways(shadow: ShadowPro
     d.send(Hello(job_id="jd", instance="i1", streams=(StreamSpec(1, "stdout", "shared.txt"),), host="test"))
     assert _error(d) is ErrorCode.PATH_OWNED  # a stream named as another job's file
     assert (home / "shared.txt").read_bytes() == b"a's"
+
+
+@pytest.mark.timeout(90)
+def test_a_state_lost_acknowledges_nothing_and_the_next_session_resumes(home: Path, tmp_path: Path,
+                                                                         postgres: PgServer, pg_url: str) -> None:
+    with PgRelay(("127.0.0.1", postgres.port)) as relay:
+        sh = ShadowProc(home, tmp_path, extra=["--state", relay.url(pg_url)])
+        sh.start()
+        try:
+            a, _ = _agent(sh)
+            a.send(FileOpen(1, "lost.txt", 1))
+            a.send(FileData(1, 1, 0, b"kept"))
+            _file_ack(a, 1, 1, 4)
+            relay.down()
+            a.send(FileData(1, 1, 4, b", lost"))
+            ev = a.until(FileAck)
+            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev  # (never a FILE_ACK for them)
+            relay.up()
+            for _ in range(100):  # (told BUSY while the state comes back)
+                b = RawAgent(sh.port)
+                _SOCKETS.append(b.sock)
+                b.send(Hello(job_id="fj", instance="i1", streams=(StreamSpec(1, "stdout", "fj.out"),), host="test",
+                             features=(FILES_FEATURE,)))
+                w = b.next()
+                if isinstance(w, Welcome):
+                    break
+                assert isinstance(w, Error) and w.code is ErrorCode.BUSY, w
+                time.sleep(0.2)
+            assert isinstance(w, Welcome), w
+            assert w.files == (FileHeld(1, 1, 4, -1),)
+            assert (home / "lost.txt").read_bytes() == b"kept"
+            b.send(FileData(1, 1, 4, b", again"))
+            b.send(FileCommit(1, 1, 11, _sha(b"kept, again")))
+            _file_ack(b, 1, 1, 11, committed=True)
+            assert (home / "lost.txt").read_bytes() == b"kept, again"
+        finally:
+            sh.stop()
