@@ -479,3 +479,19 @@ def test_a_state_lost_acknowledges_nothing_and_the_next_session_resumes(home: Pa
             assert (home / "lost.txt").read_bytes() == b"kept, again"
         finally:
             sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_file_replaced_at_home_while_in_use_is_refused(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "rep.txt", 1))
+    a.send(FileData(1, 1, 0, b"home's"))
+    _file_ack(a, 1, 1, 6)
+    a.close()
+    b, w = _agent(shadow)
+    assert w.files == (FileHeld(1, 1, 6, -1),)
+    (home / "other.txt").write_bytes(b"home's")
+    (home / "other.txt").replace(home / "rep.txt")  # another file, the same bytes
+    b.send(FileData(1, 1, 6, b" more"))
+    assert _error(b) is ErrorCode.LENGTH_MISMATCH
+    assert (home / "rep.txt").read_bytes() == b"home's"

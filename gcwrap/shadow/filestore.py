@@ -70,6 +70,8 @@ class Version:
     committed: int = -1
     sha256: str | None = None
     fd: int = -1
+    dev: int = 0  # the file's identity, once opened: opened again, it must be the same file
+    ino: int = 0
     entry_synced: bool = True  # False: its file's directory entry was made and is not yet durable
 
     @property
@@ -137,6 +139,8 @@ class SessionFiles:
                                                           "acknowledged: it was truncated or replaced at home")
             if size > v.durable:
                 os.ftruncate(v.fd, v.durable)  # a torn or unacknowledged tail: it will be resent
+            os.close(v.fd)  # (opened again when the agent writes to it: a descriptor per file written, not held)
+            v.fd = -1
         return fileversions.held(rows)
 
     def _dir(self, name: str) -> tuple[int, str]:
@@ -183,6 +187,23 @@ class SessionFiles:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         if made:
             v.entry_synced = False
+        st = os.fstat(v.fd)
+        if v.ino and (st.st_dev, st.st_ino) != (v.dev, v.ino):
+            os.close(v.fd)
+            v.fd = -1
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
+        v.dev, v.ino = st.st_dev, st.st_ino
+
+    def _reopen(self, v: Version) -> None:
+        """The version's file, opened again (never made): the same file, as long as what was written."""
+        try:
+            self._open(v, create=False)
+        except FileNotFoundError:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was removed at home") from None
+        except OSError as e:
+            raise StoreError(Problem.IO, f"cannot open {v.path!r}: {e.strerror}") from None
+        if os.fstat(v.fd).st_size < v.written:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was truncated at home while in use")
 
     # -- frames ------------------------------------------------------------------------
 
@@ -254,7 +275,7 @@ class SessionFiles:
             raise ProtocolError(f"{what} for version {version} of file {file}, which is not the one open",
                                 ErrorCode.UNEXPECTED)
         if v.fd < 0:
-            raise ProtocolError(f"{what} for file {file}, which this connection has not opened", ErrorCode.UNEXPECTED)
+            self._reopen(v)
         return v
 
     def _check_offset(self, v: Version, offset: int, what: str) -> None:
