@@ -73,6 +73,11 @@ class Version:
     dev: int = 0  # the file's identity, once opened: opened again, it must be the same file
     ino: int = 0
     entry_synced: bool = True  # False: its file's directory entry was made and is not yet durable
+    # The SHA-256 of its first `hashed` bytes, kept up as FILE_DATA appends
+    # (None: not known, read back at the commit): a commit reads back only
+    # what was not hashed as it came (FILE_COPY's bytes, a resumed version's).
+    hasher: Any = None
+    hashed: int = 0
 
     @property
     def path(self) -> str:
@@ -224,7 +229,7 @@ class SessionFiles:
             holds = f"version {committed[0]}" if committed else "no version"
             raise ProtocolError(f"file {ev.file}: base {ev.base}, but home holds {holds} of it committed",
                                 ErrorCode.UNEXPECTED)
-        v = Version(ev.file, norm, ev.version, ev.base, staged=committed is not None)
+        v = Version(ev.file, norm, ev.version, ev.base, staged=committed is not None, hasher=hashlib.sha256())
         try:
             if cur is not None:
                 self._abandon(cur)
@@ -300,7 +305,7 @@ class SessionFiles:
         skip = v.written - ev.offset
         if skip >= len(ev.payload):
             return
-        view = memoryview(ev.payload)[max(skip, 0):]
+        view = new = memoryview(ev.payload)[max(skip, 0):]
         at = v.written
         try:
             while view:
@@ -309,6 +314,9 @@ class SessionFiles:
                 view = view[n:]
         except OSError as e:
             raise StoreError(Problem.IO, f"cannot write {v.path!r}: {e.strerror}") from None
+        if v.hasher is not None and v.hashed == v.written:
+            v.hasher.update(new)
+            v.hashed = at
         v.written = at
         self.dirty.add(v)
 
@@ -400,7 +408,8 @@ class SessionFiles:
         return v
 
     def digest(self, v: Version, size: int) -> str:
-        """The SHA-256 of the version's first `size` bytes, read back (blocking)."""
+        """The SHA-256 of the version's first `size` bytes: what was hashed as
+        it came, and the rest read back (blocking)."""
         try:
             fd = open_confined(self.root_fd, v.path, write=False)
         except (NameError_, OSError) as e:
@@ -408,8 +417,9 @@ class SessionFiles:
         try:
             if os.fstat(fd)[1:3] != os.fstat(v.fd)[1:3]:
                 raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
-            h = hashlib.sha256()
-            at = 0
+            known = v.hasher is not None and v.hashed <= size
+            h = v.hasher.copy() if known else hashlib.sha256()
+            at = v.hashed if known else 0
             while at < size:
                 chunk = os.pread(fd, min(_CHUNK, size - at), at)
                 if not chunk:
@@ -418,7 +428,9 @@ class SessionFiles:
                 at += len(chunk)
         finally:
             os.close(fd)
-        return h.hexdigest()
+        if at == size and at <= v.written:  # (kept: the next commit of an appended version reads on from here)
+            v.hasher, v.hashed = h.copy(), at
+        return str(h.hexdigest())
 
     def commit_file(self, v: Version, size: int, sha: str) -> None:
         """Record the commit, then make NAME the version (blocking)."""
