@@ -201,7 +201,10 @@ def test_a_file_appended_in_place_lands_in_name_and_is_acknowledged(shadow: Shad
     a.send(FileCommit(1, 1, 10, _sha(b"first line")))
     assert _file_ack(a, 1, 1, 10, committed=True) == FileAck(1, 1, 10, True)
     assert (home / "res/log.txt").read_bytes() == b"first line"
-    a.send(FileData(1, 1, 12, b"gap"))
+    a.send(FileData(1, 1, 10, b", second"))  # appended after a commit: committed again at a checkpoint
+    a.send(FileCommit(1, 1, 18, _sha(b"first line, second")))
+    assert _file_ack(a, 1, 1, 18, committed=True) == FileAck(1, 1, 18, True)
+    a.send(FileData(1, 1, 20, b"gap"))
     assert _error(a) is ErrorCode.OFFSET_GAP
 
 
