@@ -6,6 +6,8 @@ session as the streams' durable lengths are.
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import socket
 import sqlite3
 import time
@@ -155,11 +157,12 @@ def either(request: pytest.FixtureRequest, home: Path, tmp_path: Path) -> Iterat
         sh.stop()
 
 
-def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1") -> tuple[RawAgent, Welcome]:
+def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1",
+           streams: tuple[StreamSpec, ...] | None = None) -> tuple[RawAgent, Welcome]:
     a = RawAgent(shadow.port)
     _SOCKETS.append(a.sock)
-    a.send(Hello(job_id=job, instance=instance, streams=(StreamSpec(1, "stdout", f"{job}.out"),), host="test",
-                 features=(FILES_FEATURE,)))
+    streams = (StreamSpec(1, "stdout", f"{job}.out"),) if streams is None else streams
+    a.send(Hello(job_id=job, instance=instance, streams=streams, host="test", features=(FILES_FEATURE,)))
     w = a.next()
     assert isinstance(w, Welcome), w
     assert FILES_FEATURE in w.features
@@ -498,3 +501,48 @@ def test_a_file_replaced_at_home_while_in_use_is_refused(shadow: ShadowProc, hom
     b.send(FileData(1, 1, 6, b" more"))
     assert _error(b) is ErrorCode.LENGTH_MISMATCH
     assert (home / "rep.txt").read_bytes() == b"home's"
+
+
+@pytest.mark.timeout(90)
+def test_a_file_another_shadows_session_has_open_is_not_touched(home: Path, tmp_path: Path, pg_url: str) -> None:
+    (tmp_path / "l1").mkdir()
+    (tmp_path / "l2").mkdir()
+    first = ShadowProc(home, tmp_path / "l1", extra=["--state", pg_url])
+    second = ShadowProc(home, tmp_path / "l2", extra=["--state", pg_url])
+    first.start()
+    second.start()
+    try:
+        a, _ = _agent(first, streams=())
+        a.send(FileOpen(1, "shared.bin", 1))
+        a.send(FileData(1, 1, 0, b"acknowledged"))
+        _file_ack(a, 1, 1, 12)
+        with open(home / "shared.bin", "ab") as f:
+            f.write(b" and more")  # (as if written, not yet acknowledged)
+        assert first.proc is not None
+        os.kill(first.proc.pid, signal.SIGSTOP)  # frozen with the file open
+        try:
+            b = RawAgent(second.port)
+            _SOCKETS.append(b.sock)
+            b.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
+                         features=(FILES_FEATURE,)))
+            ev = b.next()
+            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
+            assert (home / "shared.bin").read_bytes() == b"acknowledged and more"  # not cut back under it
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+        for _ in range(100):  # the frozen one learns it was taken over, and lets go
+            c = RawAgent(second.port)
+            _SOCKETS.append(c.sock)
+            c.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
+                         features=(FILES_FEATURE,)))
+            w = c.next()
+            if isinstance(w, Welcome):
+                break
+            assert isinstance(w, Error) and w.code is ErrorCode.BUSY, w
+            time.sleep(0.2)
+        assert isinstance(w, Welcome), w
+        assert w.files == (FileHeld(1, 1, 12, -1),)
+        assert (home / "shared.bin").read_bytes() == b"acknowledged"
+    finally:
+        first.stop()
+        second.stop()

@@ -44,7 +44,7 @@ from .acks import Sender
 from .admission import Refused
 from .backends import StateBackend
 from .durability import Fenced, Trouble
-from .files import Problem, StateUnavailable, StoreError, open_confined, open_dir
+from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
@@ -192,6 +192,11 @@ class SessionFiles:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         if made:
             v.entry_synced = False
+        if self.store.shared and not lock_file(v.fd):  # (as a stream's file is: `pgstate`)
+            os.close(v.fd)
+            v.fd = -1
+            raise StoreError(Problem.HELD, f"job {self.job_id}: another shadow's session still has {v.path!r} open; "
+                                           "it was told to let go of it: come back shortly")
         st = os.fstat(v.fd)
         if v.ino and (st.st_dev, st.st_ino) != (v.dev, v.ino):
             os.close(v.fd)
