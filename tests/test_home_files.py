@@ -20,6 +20,7 @@ from pgserver import PgServer
 from statefaults import PgRelay
 from test_shadow_protocol import RawAgent
 
+from gcwrap.shadow.filestore import OPEN_PER_SESSION
 from gcwrap.shadow.fileversions import VersionRecord, held
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import (
@@ -546,3 +547,21 @@ def test_a_file_another_shadows_session_has_open_is_not_touched(home: Path, tmp_
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_writing_many_files_holds_few_descriptors(shadow: ShadowProc, home: Path) -> None:
+    assert shadow.proc is not None
+    a, _ = _agent(shadow)
+    before = len(os.listdir(f"/proc/{shadow.proc.pid}/fd"))
+    for f in range(1, 41):
+        a.send(FileOpen(f, f"many/{f}.txt", 1))
+        a.send(FileData(f, 1, 0, b"x" * f))
+        _file_ack(a, f, 1, f)
+    held_open = len(os.listdir(f"/proc/{shadow.proc.pid}/fd")) - before
+    assert held_open <= OPEN_PER_SESSION + 1, held_open
+    for f in range(1, 41):  # (each opened again to be written to)
+        a.send(FileData(f, 1, f, b"y"))
+        a.send(FileCommit(f, 1, f + 1, _sha(b"x" * f + b"y")))
+        _file_ack(a, f, 1, f + 1, committed=True)
+    assert (home / "many/40.txt").read_bytes() == b"x" * 40 + b"y"

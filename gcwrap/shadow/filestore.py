@@ -49,6 +49,7 @@ from .files import Problem, StateUnavailable, StoreError, lock_file, open_confin
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
+OPEN_PER_SESSION = 8  # a session's files kept open (a job may write thousands): `SessionFiles.trim`
 
 
 class Fencing(Exception):
@@ -78,6 +79,7 @@ class Version:
     # what was not hashed as it came (FILE_COPY's bytes, a resumed version's).
     hasher: Any = None
     hashed: int = 0
+    used: int = 0  # when last written to (`SessionFiles.trim`)
 
     @property
     def path(self) -> str:
@@ -111,6 +113,7 @@ class SessionFiles:
         self.current: dict[int, Version] = {}  # handle -> its newest version
         self.bases: dict[int, tuple[int, int]] = {}  # handle -> (version, bytes NAME holds of it) committed
         self.dirty: set[Version] = set()  # written to (or new) since the last record
+        self.clock = 0  # counts uses of the versions (`Version.used`: `trim`)
 
     # -- a session's start ---------------------------------------------------------
 
@@ -286,6 +289,8 @@ class SessionFiles:
                                 ErrorCode.UNEXPECTED)
         if v.fd < 0:
             self._reopen(v)
+        self.clock += 1
+        v.used = self.clock
         return v
 
     def _check_offset(self, v: Version, offset: int, what: str) -> None:
@@ -354,6 +359,18 @@ class SessionFiles:
         self.dirty.add(v)
 
     # -- durability ----------------------------------------------------------------------
+
+    def trim(self) -> None:
+        """Keep at most OPEN_PER_SESSION of the versions' files open: the
+        least recently used of those all durable are closed (opened again
+        when written to; a dirty one stays open until its sync)."""
+        opened = [v for v in self.current.values() if v.fd >= 0]
+        if len(opened) <= OPEN_PER_SESSION:
+            return
+        clean = sorted((v for v in opened if v not in self.dirty and v.durable == v.written), key=lambda v: v.used)
+        for v in clean[: len(opened) - OPEN_PER_SESSION]:
+            os.close(v.fd)
+            v.fd = -1
 
     def take_dirty(self) -> list[tuple[Version, int]]:
         """The versions to make durable, each with its length now (in the event loop)."""
@@ -531,7 +548,9 @@ async def flush(files: SessionFiles, sender: Sender) -> None:
     if not taken:
         return
     await _guarded(files.sync_and_record, taken)
-    for ack in files.made_durable(taken):
+    acks = files.made_durable(taken)
+    files.trim()
+    for ack in acks:
         await sender.send(lambda ack=ack: sender.conn.send(ack), check=True)  # type: ignore[misc]
 
 
