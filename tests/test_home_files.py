@@ -23,8 +23,11 @@ from test_shadow_protocol import RawAgent
 from gcwrap.shadow.filestore import OPEN_PER_SESSION
 from gcwrap.shadow.fileversions import VersionRecord, held
 from gcwrap.shadow.state import Store
+from gcwrap.wire.auth import agent_mac, new_nonce
 from gcwrap.wire.events import (
     FILES_FEATURE,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -565,3 +568,32 @@ def test_a_job_writing_many_files_holds_few_descriptors(shadow: ShadowProc, home
         a.send(FileCommit(f, 1, f + 1, _sha(b"x" * f + b"y")))
         _file_ack(a, f, 1, f + 1, committed=True)
     assert (home / "many/40.txt").read_bytes() == b"x" * 40 + b"y"
+
+
+@pytest.mark.timeout(60)
+def test_an_identitys_files_land_in_its_part_of_the_root(home: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.mkdir(mode=0o700)
+    (tokens / "alice").write_text(os.urandom(32).hex() + "\n")
+    (tokens / "alice").chmod(0o600)
+    token = (tokens / "alice").read_text().strip().encode()
+    sh = ShadowProc(home, tmp_path, extra=["--token-dir", str(tokens)])
+    sh.start()
+    try:
+        a = RawAgent(sh.port)
+        _SOCKETS.append(a.sock)
+        nonce = new_nonce()
+        a.send(Hello(job_id="tj", instance="i1", streams=(StreamSpec(1, "stdout", "tj.out"),), host="test",
+                     features=(FILES_FEATURE,), nonce=nonce))
+        challenge = a.next()
+        assert isinstance(challenge, Challenge), challenge
+        a.send(Auth(agent_mac(token, nonce, challenge.nonce, "tj", "i1")))
+        assert isinstance(a.next(), Welcome)
+        a.send(FileOpen(1, "res/r.txt", 1))
+        a.send(FileData(1, 1, 0, b"alice's"))
+        a.send(FileCommit(1, 1, 7, _sha(b"alice's")))
+        _file_ack(a, 1, 1, 7, committed=True)
+        assert (home / "alice" / "res" / "r.txt").read_bytes() == b"alice's"
+        assert not (home / "res").exists()
+    finally:
+        sh.stop()
