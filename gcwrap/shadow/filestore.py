@@ -564,6 +564,3 @@ async def _guarded(fn: Callable[..., None], *args: Any) -> None:
     except StateUnavailable as e:
         raise Fenced(f"the state database failed while recording this job's files ({e}): nothing more is "
                      "acknowledged until it answers; come back shortly", Trouble.STATE) from None
-
-
-__all__ = ["FILE_EVENTS", "SessionFiles", "Version", "flush", "on_event", "staging_name"]
