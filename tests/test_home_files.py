@@ -6,19 +6,28 @@ session as the streams' durable lengths are.
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import ShadowProc
+from pgserver import PgServer
+from statefaults import PgRelay
 from test_shadow_protocol import RawAgent
 
+from gcwrap.shadow.filestore import OPEN_PER_SESSION
 from gcwrap.shadow.fileversions import VersionRecord, held
 from gcwrap.shadow.state import Store
+from gcwrap.wire.auth import agent_mac, new_nonce
 from gcwrap.wire.events import (
     FILES_FEATURE,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Data,
     Done,
@@ -152,11 +161,12 @@ def either(request: pytest.FixtureRequest, home: Path, tmp_path: Path) -> Iterat
         sh.stop()
 
 
-def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1") -> tuple[RawAgent, Welcome]:
+def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1",
+           streams: tuple[StreamSpec, ...] | None = None) -> tuple[RawAgent, Welcome]:
     a = RawAgent(shadow.port)
     _SOCKETS.append(a.sock)
-    a.send(Hello(job_id=job, instance=instance, streams=(StreamSpec(1, "stdout", f"{job}.out"),), host="test",
-                 features=(FILES_FEATURE,)))
+    streams = (StreamSpec(1, "stdout", f"{job}.out"),) if streams is None else streams
+    a.send(Hello(job_id=job, instance=instance, streams=streams, host="test", features=(FILES_FEATURE,)))
     w = a.next()
     assert isinstance(w, Welcome), w
     assert FILES_FEATURE in w.features
@@ -198,7 +208,10 @@ def test_a_file_appended_in_place_lands_in_name_and_is_acknowledged(shadow: Shad
     a.send(FileCommit(1, 1, 10, _sha(b"first line")))
     assert _file_ack(a, 1, 1, 10, committed=True) == FileAck(1, 1, 10, True)
     assert (home / "res/log.txt").read_bytes() == b"first line"
-    a.send(FileData(1, 1, 12, b"gap"))
+    a.send(FileData(1, 1, 10, b", second"))  # appended after a commit: committed again at a checkpoint
+    a.send(FileCommit(1, 1, 18, _sha(b"first line, second")))
+    assert _file_ack(a, 1, 1, 18, committed=True) == FileAck(1, 1, 18, True)
+    a.send(FileData(1, 1, 20, b"gap"))
     assert _error(a) is ErrorCode.OFFSET_GAP
 
 
@@ -420,3 +433,167 @@ def test_a_staged_version_never_committed_goes_when_the_job_ends(shadow: ShadowP
     assert _staging(home) == []
     assert (home / "s.txt").read_bytes() == b"kept"
     assert (home / "t.txt").read_bytes() == b"t"
+
+
+@pytest.mark.timeout(60)
+def test_a_name_another_active_job_writes_is_refused_both_ways(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow, "ja")
+    a.send(FileOpen(1, "shared.txt", 1))
+    a.send(FileData(1, 1, 0, b"a's"))
+    _file_ack(a, 1, 1, 3)
+    b, _ = _agent(shadow, "jb")
+    b.send(FileOpen(1, "shared.txt", 1))  # a file of another job
+    assert _error(b) is ErrorCode.PATH_OWNED
+    c, _ = _agent(shadow, "jc")
+    c.send(FileOpen(1, "ja.out", 1))  # another job's stream
+    assert _error(c) is ErrorCode.PATH_OWNED
+    d = RawAgent(shadow.port)
+    _SOCKETS.append(d.sock)
+    d.send(Hello(job_id="jd", instance="i1", streams=(StreamSpec(1, "stdout", "shared.txt"),), host="test"))
+    assert _error(d) is ErrorCode.PATH_OWNED  # a stream named as another job's file
+    assert (home / "shared.txt").read_bytes() == b"a's"
+
+
+@pytest.mark.timeout(90)
+def test_a_state_lost_acknowledges_nothing_and_the_next_session_resumes(home: Path, tmp_path: Path,
+                                                                         postgres: PgServer, pg_url: str) -> None:
+    with PgRelay(("127.0.0.1", postgres.port)) as relay:
+        sh = ShadowProc(home, tmp_path, extra=["--state", relay.url(pg_url)])
+        sh.start()
+        try:
+            a, _ = _agent(sh)
+            a.send(FileOpen(1, "lost.txt", 1))
+            a.send(FileData(1, 1, 0, b"kept"))
+            _file_ack(a, 1, 1, 4)
+            relay.down()
+            a.send(FileData(1, 1, 4, b", lost"))
+            ev = a.until(FileAck)
+            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev  # (never a FILE_ACK for them)
+            relay.up()
+            for _ in range(100):  # (told BUSY while the state comes back)
+                b = RawAgent(sh.port)
+                _SOCKETS.append(b.sock)
+                b.send(Hello(job_id="fj", instance="i1", streams=(StreamSpec(1, "stdout", "fj.out"),), host="test",
+                             features=(FILES_FEATURE,)))
+                w = b.next()
+                if isinstance(w, Welcome):
+                    break
+                assert isinstance(w, Error) and w.code is ErrorCode.BUSY, w
+                time.sleep(0.2)
+            assert isinstance(w, Welcome), w
+            assert w.files == (FileHeld(1, 1, 4, -1),)
+            assert (home / "lost.txt").read_bytes() == b"kept"
+            b.send(FileData(1, 1, 4, b", again"))
+            b.send(FileCommit(1, 1, 11, _sha(b"kept, again")))
+            _file_ack(b, 1, 1, 11, committed=True)
+            assert (home / "lost.txt").read_bytes() == b"kept, again"
+        finally:
+            sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_file_replaced_at_home_while_in_use_is_refused(shadow: ShadowProc, home: Path) -> None:
+    a, _ = _agent(shadow)
+    a.send(FileOpen(1, "rep.txt", 1))
+    a.send(FileData(1, 1, 0, b"home's"))
+    _file_ack(a, 1, 1, 6)
+    a.close()
+    b, w = _agent(shadow)
+    assert w.files == (FileHeld(1, 1, 6, -1),)
+    (home / "other.txt").write_bytes(b"home's")
+    (home / "other.txt").replace(home / "rep.txt")  # another file, the same bytes
+    b.send(FileData(1, 1, 6, b" more"))
+    assert _error(b) is ErrorCode.LENGTH_MISMATCH
+    assert (home / "rep.txt").read_bytes() == b"home's"
+
+
+@pytest.mark.timeout(90)
+def test_a_file_another_shadows_session_has_open_is_not_touched(home: Path, tmp_path: Path, pg_url: str) -> None:
+    (tmp_path / "l1").mkdir()
+    (tmp_path / "l2").mkdir()
+    first = ShadowProc(home, tmp_path / "l1", extra=["--state", pg_url])
+    second = ShadowProc(home, tmp_path / "l2", extra=["--state", pg_url])
+    first.start()
+    second.start()
+    try:
+        a, _ = _agent(first, streams=())
+        a.send(FileOpen(1, "shared.bin", 1))
+        a.send(FileData(1, 1, 0, b"acknowledged"))
+        _file_ack(a, 1, 1, 12)
+        with open(home / "shared.bin", "ab") as f:
+            f.write(b" and more")  # (as if written, not yet acknowledged)
+        assert first.proc is not None
+        os.kill(first.proc.pid, signal.SIGSTOP)  # frozen with the file open
+        try:
+            b = RawAgent(second.port)
+            _SOCKETS.append(b.sock)
+            b.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
+                         features=(FILES_FEATURE,)))
+            ev = b.next()
+            assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
+            assert (home / "shared.bin").read_bytes() == b"acknowledged and more"  # not cut back under it
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+        for _ in range(100):  # the frozen one learns it was taken over, and lets go
+            c = RawAgent(second.port)
+            _SOCKETS.append(c.sock)
+            c.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
+                         features=(FILES_FEATURE,)))
+            w = c.next()
+            if isinstance(w, Welcome):
+                break
+            assert isinstance(w, Error) and w.code is ErrorCode.BUSY, w
+            time.sleep(0.2)
+        assert isinstance(w, Welcome), w
+        assert w.files == (FileHeld(1, 1, 12, -1),)
+        assert (home / "shared.bin").read_bytes() == b"acknowledged"
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_writing_many_files_holds_few_descriptors(shadow: ShadowProc, home: Path) -> None:
+    assert shadow.proc is not None
+    a, _ = _agent(shadow)
+    before = len(os.listdir(f"/proc/{shadow.proc.pid}/fd"))
+    for f in range(1, 41):
+        a.send(FileOpen(f, f"many/{f}.txt", 1))
+        a.send(FileData(f, 1, 0, b"x" * f))
+        _file_ack(a, f, 1, f)
+    held_open = len(os.listdir(f"/proc/{shadow.proc.pid}/fd")) - before
+    assert held_open <= OPEN_PER_SESSION + 1, held_open
+    for f in range(1, 41):  # (each opened again to be written to)
+        a.send(FileData(f, 1, f, b"y"))
+        a.send(FileCommit(f, 1, f + 1, _sha(b"x" * f + b"y")))
+        _file_ack(a, f, 1, f + 1, committed=True)
+    assert (home / "many/40.txt").read_bytes() == b"x" * 40 + b"y"
+
+
+@pytest.mark.timeout(60)
+def test_an_identitys_files_land_in_its_part_of_the_root(home: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.mkdir(mode=0o700)
+    (tokens / "alice").write_text(os.urandom(32).hex() + "\n")
+    (tokens / "alice").chmod(0o600)
+    token = (tokens / "alice").read_text().strip().encode()
+    sh = ShadowProc(home, tmp_path, extra=["--token-dir", str(tokens)])
+    sh.start()
+    try:
+        a = RawAgent(sh.port)
+        _SOCKETS.append(a.sock)
+        nonce = new_nonce()
+        a.send(Hello(job_id="tj", instance="i1", streams=(StreamSpec(1, "stdout", "tj.out"),), host="test",
+                     features=(FILES_FEATURE,), nonce=nonce))
+        challenge = a.next()
+        assert isinstance(challenge, Challenge), challenge
+        a.send(Auth(agent_mac(token, nonce, challenge.nonce, "tj", "i1")))
+        assert isinstance(a.next(), Welcome)
+        a.send(FileOpen(1, "res/r.txt", 1))
+        a.send(FileData(1, 1, 0, b"alice's"))
+        a.send(FileCommit(1, 1, 7, _sha(b"alice's")))
+        _file_ack(a, 1, 1, 7, committed=True)
+        assert (home / "alice" / "res" / "r.txt").read_bytes() == b"alice's"
+        assert not (home / "res").exists()
+    finally:
+        sh.stop()

@@ -59,6 +59,10 @@ class StateBackend(Protocol):
 
     def read_files(self, job_id: str, instance: str) -> list[VersionRow]: ...
 
+    def name_holder(self, name: str, job_id: str) -> str | None:
+        """The other job still active that writes `name` (a stream, or a file), if any."""
+        ...
+
     def record_disconnected(self, job_id: str, session: int) -> bool: ...
 
     def record_finished(self, job_id: str, session: int, *, code: int | None, signal: int | None, reason: str,

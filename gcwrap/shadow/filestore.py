@@ -44,11 +44,12 @@ from .acks import Sender
 from .admission import Refused
 from .backends import StateBackend
 from .durability import Fenced, Trouble
-from .files import Problem, StateUnavailable, StoreError, open_confined, open_dir
+from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
+OPEN_PER_SESSION = 8  # a session's files kept open (a job may write thousands): `SessionFiles.trim`
 
 
 class Fencing(Exception):
@@ -70,7 +71,15 @@ class Version:
     committed: int = -1
     sha256: str | None = None
     fd: int = -1
+    dev: int = 0  # the file's identity, once opened: opened again, it must be the same file
+    ino: int = 0
     entry_synced: bool = True  # False: its file's directory entry was made and is not yet durable
+    # The SHA-256 of its first `hashed` bytes, kept up as FILE_DATA appends
+    # (None: not known, read back at the commit): a commit reads back only
+    # what was not hashed as it came (FILE_COPY's bytes, a resumed version's).
+    hasher: Any = None
+    hashed: int = 0
+    used: int = 0  # when last written to (`SessionFiles.trim`)
 
     @property
     def path(self) -> str:
@@ -104,6 +113,7 @@ class SessionFiles:
         self.current: dict[int, Version] = {}  # handle -> its newest version
         self.bases: dict[int, tuple[int, int]] = {}  # handle -> (version, bytes NAME holds of it) committed
         self.dirty: set[Version] = set()  # written to (or new) since the last record
+        self.clock = 0  # counts uses of the versions (`Version.used`: `trim`)
 
     # -- a session's start ---------------------------------------------------------
 
@@ -137,6 +147,8 @@ class SessionFiles:
                                                           "acknowledged: it was truncated or replaced at home")
             if size > v.durable:
                 os.ftruncate(v.fd, v.durable)  # a torn or unacknowledged tail: it will be resent
+            os.close(v.fd)  # (opened again when the agent writes to it: a descriptor per file written, not held)
+            v.fd = -1
         return fileversions.held(rows)
 
     def _dir(self, name: str) -> tuple[int, str]:
@@ -183,12 +195,34 @@ class SessionFiles:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
         if made:
             v.entry_synced = False
+        if self.store.shared and not lock_file(v.fd):  # (as a stream's file is: `pgstate`)
+            os.close(v.fd)
+            v.fd = -1
+            raise StoreError(Problem.HELD, f"job {self.job_id}: another shadow's session still has {v.path!r} open; "
+                                           "it was told to let go of it: come back shortly")
+        st = os.fstat(v.fd)
+        if v.ino and (st.st_dev, st.st_ino) != (v.dev, v.ino):
+            os.close(v.fd)
+            v.fd = -1
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
+        v.dev, v.ino = st.st_dev, st.st_ino
+
+    def _reopen(self, v: Version) -> None:
+        """The version's file, opened again (never made): the same file, as long as what was written."""
+        try:
+            self._open(v, create=False)
+        except FileNotFoundError:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was removed at home") from None
+        except OSError as e:
+            raise StoreError(Problem.IO, f"cannot open {v.path!r}: {e.strerror}") from None
+        if os.fstat(v.fd).st_size < v.written:
+            raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was truncated at home while in use")
 
     # -- frames ------------------------------------------------------------------------
 
     def opened(self, ev: FileOpen) -> None:
         """FILE_OPEN: a new version (or the one in progress, again after a reconnection)."""
-        norm = self._name(ev)
+        norm = self.name_of(ev)
         cur = self.current.get(ev.file)
         if cur is not None and cur.version == ev.version:
             if cur.base != ev.base:
@@ -203,7 +237,7 @@ class SessionFiles:
             holds = f"version {committed[0]}" if committed else "no version"
             raise ProtocolError(f"file {ev.file}: base {ev.base}, but home holds {holds} of it committed",
                                 ErrorCode.UNEXPECTED)
-        v = Version(ev.file, norm, ev.version, ev.base, staged=committed is not None)
+        v = Version(ev.file, norm, ev.version, ev.base, staged=committed is not None, hasher=hashlib.sha256())
         try:
             if cur is not None:
                 self._abandon(cur)
@@ -216,7 +250,8 @@ class SessionFiles:
         self.current[ev.file] = v
         self.dirty.add(v)
 
-    def _name(self, ev: FileOpen) -> str:
+    def name_of(self, ev: FileOpen) -> str:
+        """The NAME under the root FILE_OPEN gives its handle, checked (StoreError, ProtocolError)."""
         try:
             norm = "/".join(split_name(ev.name))
         except NameError_ as e:
@@ -253,7 +288,9 @@ class SessionFiles:
             raise ProtocolError(f"{what} for version {version} of file {file}, which is not the one open",
                                 ErrorCode.UNEXPECTED)
         if v.fd < 0:
-            raise ProtocolError(f"{what} for file {file}, which this connection has not opened", ErrorCode.UNEXPECTED)
+            self._reopen(v)
+        self.clock += 1
+        v.used = self.clock
         return v
 
     def _check_offset(self, v: Version, offset: int, what: str) -> None:
@@ -278,7 +315,7 @@ class SessionFiles:
         skip = v.written - ev.offset
         if skip >= len(ev.payload):
             return
-        view = memoryview(ev.payload)[max(skip, 0):]
+        view = new = memoryview(ev.payload)[max(skip, 0):]
         at = v.written
         try:
             while view:
@@ -287,6 +324,9 @@ class SessionFiles:
                 view = view[n:]
         except OSError as e:
             raise StoreError(Problem.IO, f"cannot write {v.path!r}: {e.strerror}") from None
+        if v.hasher is not None and v.hashed == v.written:
+            v.hasher.update(new)
+            v.hashed = at
         v.written = at
         self.dirty.add(v)
 
@@ -319,6 +359,18 @@ class SessionFiles:
         self.dirty.add(v)
 
     # -- durability ----------------------------------------------------------------------
+
+    def trim(self) -> None:
+        """Keep at most OPEN_PER_SESSION of the versions' files open: the
+        least recently used of those all durable are closed (opened again
+        when written to; a dirty one stays open until its sync)."""
+        opened = [v for v in self.current.values() if v.fd >= 0]
+        if len(opened) <= OPEN_PER_SESSION:
+            return
+        clean = sorted((v for v in opened if v not in self.dirty and v.durable == v.written), key=lambda v: v.used)
+        for v in clean[: len(opened) - OPEN_PER_SESSION]:
+            os.close(v.fd)
+            v.fd = -1
 
     def take_dirty(self) -> list[tuple[Version, int]]:
         """The versions to make durable, each with its length now (in the event loop)."""
@@ -378,7 +430,8 @@ class SessionFiles:
         return v
 
     def digest(self, v: Version, size: int) -> str:
-        """The SHA-256 of the version's first `size` bytes, read back (blocking)."""
+        """The SHA-256 of the version's first `size` bytes: what was hashed as
+        it came, and the rest read back (blocking)."""
         try:
             fd = open_confined(self.root_fd, v.path, write=False)
         except (NameError_, OSError) as e:
@@ -386,8 +439,9 @@ class SessionFiles:
         try:
             if os.fstat(fd)[1:3] != os.fstat(v.fd)[1:3]:
                 raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
-            h = hashlib.sha256()
-            at = 0
+            known = v.hasher is not None and v.hashed <= size
+            h = v.hasher.copy() if known else hashlib.sha256()
+            at = v.hashed if known else 0
             while at < size:
                 chunk = os.pread(fd, min(_CHUNK, size - at), at)
                 if not chunk:
@@ -396,7 +450,9 @@ class SessionFiles:
                 at += len(chunk)
         finally:
             os.close(fd)
-        return h.hexdigest()
+        if at == size and at <= v.written:  # (kept: the next commit of an appended version reads on from here)
+            v.hasher, v.hashed = h.copy(), at
+        return str(h.hexdigest())
 
     def commit_file(self, v: Version, size: int, sha: str) -> None:
         """Record the commit, then make NAME the version (blocking)."""
@@ -465,6 +521,11 @@ def _copy(src: int, dst: int, at: int, to: int, length: int) -> None:
 async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
     """One of FILE_OPEN, FILE_DATA, FILE_COPY, FILE_COMMIT."""
     if isinstance(ev, FileOpen):
+        name = files.name_of(ev)
+        if ev.file not in files.names:  # (a NAME is one job's at a time, as a stream's is)
+            holder = await trio.to_thread.run_sync(files.store.name_holder, name, files.job_id)
+            if holder:
+                raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
         files.opened(ev)
     elif isinstance(ev, FileData):
         files.data(ev)
@@ -487,7 +548,9 @@ async def flush(files: SessionFiles, sender: Sender) -> None:
     if not taken:
         return
     await _guarded(files.sync_and_record, taken)
-    for ack in files.made_durable(taken):
+    acks = files.made_durable(taken)
+    files.trim()
+    for ack in acks:
         await sender.send(lambda ack=ack: sender.conn.send(ack), check=True)  # type: ignore[misc]
 
 
@@ -501,6 +564,3 @@ async def _guarded(fn: Callable[..., None], *args: Any) -> None:
     except StateUnavailable as e:
         raise Fenced(f"the state database failed while recording this job's files ({e}): nothing more is "
                      "acknowledged until it answers; come back shortly", Trouble.STATE) from None
-
-
-__all__ = ["FILE_EVENTS", "SessionFiles", "Version", "flush", "on_event", "staging_name"]

@@ -30,8 +30,8 @@ from typing import Any
 from ..wire.events import FileHeld
 from .timeline import POSTGRES, SQLITE, Dialect
 
-__all__ = ["POSTGRES", "SQLITE", "VersionRecord", "VersionRow", "held", "migrate_postgres", "migrate_sqlite",
-           "read", "record"]
+__all__ = ["POSTGRES", "SQLITE", "VersionRecord", "VersionRow", "held", "holder", "migrate_postgres",
+           "migrate_sqlite", "read", "record"]
 
 _COLUMNS = """job_id TEXT NOT NULL, instance TEXT NOT NULL, file INTEGER NOT NULL, name TEXT NOT NULL,
     version INTEGER NOT NULL, base INTEGER, durable BIGINT NOT NULL DEFAULT 0,
@@ -42,11 +42,26 @@ _COLUMNS = """job_id TEXT NOT NULL, instance TEXT NOT NULL, file INTEGER NOT NUL
 def migrate_sqlite(db: Any) -> None:
     """The SQLite state's migration (`state.MIGRATIONS`)."""
     db.execute(f"CREATE TABLE file_versions ({_COLUMNS})")
+    db.execute("CREATE INDEX file_versions_name ON file_versions (name)")
 
 
 def migrate_postgres(conn: Any) -> None:
     """The PostgreSQL state's migration (`pgstate.MIGRATIONS`)."""
     conn.execute(f"CREATE TABLE gcshadow.file_versions ({_COLUMNS})")
+    conn.execute("CREATE INDEX file_versions_name ON gcshadow.file_versions (name)")
+
+
+def holder(conn: Any, d: Dialect, name: str, job_id: str) -> str | None:
+    """The other job still active that writes `name` (an output stream, or a
+    file of its current attempt), if any: a NAME is one job's at a time."""
+    row = conn.execute(d.sql(
+        "SELECT s.job_id FROM {s}streams s JOIN {s}jobs j ON j.job_id = s.job_id "
+        "WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished' "
+        "UNION ALL SELECT f.job_id FROM {s}file_versions f JOIN {s}jobs j "
+        "ON j.job_id = f.job_id AND j.instance = f.instance "
+        "WHERE f.name = ? AND f.job_id != ? AND j.state != 'finished' LIMIT 1"),
+        [name, job_id, name, job_id]).fetchone()
+    return None if row is None else str(row[0])
 
 
 @dataclass(frozen=True)

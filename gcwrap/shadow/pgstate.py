@@ -273,12 +273,11 @@ class PgStore(Store):
 
     def _name_holder(self, name: str, job_id: str) -> str | None:
         assert self._conn is not None
-        row = self._conn.execute(
-            """SELECT s.job_id FROM gcshadow.streams s JOIN gcshadow.jobs j USING (job_id)
-               WHERE s.name = %s AND s.kind != 'stdin' AND s.job_id != %s AND j.state != 'finished' LIMIT 1""",
-            [name, job_id],
-        ).fetchone()
-        return None if row is None else str(row[0])
+        return fileversions.holder(self._conn, fileversions.POSTGRES, name, job_id)
+
+    def name_holder(self, name: str, job_id: str) -> str | None:
+        with self.pg.transaction() as conn:
+            return fileversions.holder(conn, fileversions.POSTGRES, name, job_id)
 
     def _open_job(
         self, job_id: str, instance: str, streams: list[StreamSpec], host: str, user: str, command: list[str],

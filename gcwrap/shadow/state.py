@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..db import migrate as db_migrate
 from ..db import transaction, uri
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 log = logging.getLogger("gcshadow")
+T = TypeVar("T")
 
 LAST_SEEN_EVERY = 1.0  # seconds: how stale a streaming job's last_seen may get (it is shown in whole seconds)
 LAST_SEEN_JOBS = 4096  # jobs whose stamp times are kept before the quiet ones are forgotten
@@ -470,13 +471,8 @@ class Store:
         return named
 
     def _name_holder(self, name: str, job_id: str) -> str | None:
-        """The other job still active that writes `name`, if any."""
-        row = self.db.conn.execute(
-            """SELECT s.job_id FROM streams s JOIN jobs j USING (job_id)
-               WHERE s.name = ? AND s.kind != 'stdin' AND s.job_id != ? AND j.state != 'finished'""",
-            (name, job_id),
-        ).fetchone()
-        return None if row is None else str(row[0])
+        """The other job still active that writes `name` (a stream, or a file), if any."""
+        return fileversions.holder(self.db.conn, fileversions.SQLITE, name, job_id)
 
     def _open_fd(self, spec: StreamSpec, norm: str, made: list[str], stats: list[os.stat_result] | None = None) -> int:
         try:
@@ -611,10 +607,17 @@ class Store:
 
     def read_files(self, job_id: str, instance: str) -> list[fileversions.VersionRow]:
         """The versions home holds of the files of a run of a job."""
+        return self._read(lambda: fileversions.read(self.db.conn, fileversions.SQLITE, job_id, instance))
+
+    def name_holder(self, name: str, job_id: str) -> str | None:
+        """The other job still active that writes `name`, if any (a file's NAME, before it is recorded)."""
+        return self._read(lambda: self._name_holder(name, job_id))
+
+    def _read(self, fn: Callable[[], T]) -> T:
         with self.db_lock:
             self._settle()
             try:
-                return fileversions.read(self.db.conn, fileversions.SQLITE, job_id, instance)
+                return fn()
             except sqlite3.Error as e:
                 raise self._failed(e) from None
 
