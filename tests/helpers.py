@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).parent
 GENJOB = [sys.executable, str(HERE / "jobs" / "genjob.py")]
@@ -52,6 +52,18 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 class ShadowProc:
@@ -99,14 +111,8 @@ class ShadowProc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def log(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.logdir.glob("shadow-*.log")))
@@ -200,6 +206,18 @@ def spool_status(spool_dir: Path) -> list[dict[str, object]]:
     data = json.loads(res.stdout)
     assert isinstance(data, list)
     return data
+
+
+def spool_status_both(spool_dir: Path) -> tuple[dict[str, Any], str]:
+    """The one job of `gcwrap status --json` and its text table (columns wide
+    enough for every cell), a moment apart."""
+    js = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spool_dir)], capture_output=True,
+                        text=True, timeout=60, check=True).stdout
+    text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool_dir)], capture_output=True, text=True,
+                          timeout=60, check=True, env={"PATH": "/usr/bin:/bin", "COLUMNS": "250"}).stdout
+    (one,) = json.loads(js)
+    assert isinstance(one, dict)
+    return one, text
 
 
 def file_size(path: Path) -> int:

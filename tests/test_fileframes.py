@@ -105,23 +105,6 @@ def test_a_handshake_without_files_is_what_older_peers_sent() -> None:
     assert decode(old[4], old[5:]) == replace(EXIT, files=())
 
 
-@pytest.mark.parametrize("event", [
-    FileOpen(1, "a.json", 1), FileData(1, 1, 0, b"x"), FileCopy(1, 2, 0, 0, 10), FileCommit(1, 1, 1, "0" * 64),
-])
-@pytest.mark.parametrize("features", [(), ("zstd", "notes")])
-def test_file_frames_without_the_feature_are_refused_by_both_ends(event: Event, features: tuple[str, ...]) -> None:
-    pair = Pair()
-    pair.run([(A, replace(HELLO, features=("files", "zstd", "notes"))),
-              (S, replace(WELCOME, features=features, files=()))])
-    with pytest.raises(LocalProtocolError) as sent:
-        pair.agent.send(event)
-    assert sent.value.code is ErrorCode.UNEXPECTED
-    pair.shadow.receive_data(encode(event))
-    with pytest.raises(RemoteProtocolError) as received:
-        pair.shadow.next_event()
-    assert received.value.code is ErrorCode.UNEXPECTED
-
-
 def test_an_exit_listing_files_and_a_file_ack_need_the_feature_too() -> None:
     pair = Pair()
     pair.run([(A, replace(HELLO, features=())), (S, replace(WELCOME, features=(), files=()))])

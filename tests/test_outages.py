@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from faults import NS_IP, NetNS, Relay, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
-from helpers import ShadowProc, Wrapper, file_size, tool, wait_until
+from helpers import ShadowProc, Wrapper, file_size, spool_status_both, tool, wait_until
 
 from gcwrap.wire.events import PROTOCOL_VERSION, Ack, Data, Done, Event, Exit, Hello, Notes, Ping, Pong, Welcome
 from gcwrap.wire.protocol import NEED_DATA, Connection, Role
@@ -55,14 +55,6 @@ def summary(err: bytes) -> dict[str, Any]:
     raise AssertionError(f"no I/O summary in: {err.decode()}")
 
 
-def status(spool: Path) -> tuple[dict[str, Any], str]:
-    js = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spool)], capture_output=True,
-                        text=True, timeout=60, check=True).stdout
-    text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool)], capture_output=True, text=True,
-                          timeout=60, check=True, env={"PATH": "/usr/bin:/bin", "COLUMNS": "250"}).stdout
-    (one,) = json.loads(js)
-    return one, text
-
 
 def numbers_only(figures: dict[str, Any]) -> None:
     """The summary's figures are JSON numbers (the shadow in use, of several, is a name)."""
@@ -86,13 +78,13 @@ def test_a_stall_is_counted_whole_and_shown_while_it_lasts(shadow: ShadowProc, h
                      "--heartbeat", "2", "--log-format", "json", "--stdout", "s.out", "--", *lines_job(gate)])
         wait_until(lambda: file_size(home / "s.out") > 0, 30, "the first line at home")
         time.sleep(1.0)  # (streaming for a second: every line acknowledged within milliseconds)
-        first, _ = status(spool_dir)
+        first, _ = spool_status_both(spool_dir)
         relay.hole()
         held = time.monotonic()
         time.sleep(1.5)
-        early, _ = status(spool_dir)
+        early, _ = spool_status_both(spool_dir)
         time.sleep(max(0.0, held + hold - 0.8 - time.monotonic()))
-        late, text = status(spool_dir)
+        late, text = spool_status_both(spool_dir)
         time.sleep(max(0.0, held + hold - time.monotonic()))
         relay.heal()
         healed = time.monotonic()

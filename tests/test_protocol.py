@@ -1737,15 +1737,31 @@ def test_a_handshake_without_features_is_what_older_peers_sent() -> None:
     assert decode(older_hello[4], older_hello[5:]) == replace(HELLO, features=())
 
 
-@pytest.mark.parametrize("features", [(), ("later-1",)])
-def test_zdata_without_the_feature_is_refused_by_both_ends(features: tuple[str, ...]) -> None:
+FEATURE_FRAMES = [
+    ("zstd", ZData(1, 100, 10, b"zstd frame")),
+    ("notes", Notes((Note(1.5e9, "stalled", (("seconds", 12.5),)),))),
+    ("files", FileOpen(1, "a.json", 1)),
+    ("files", FileData(1, 1, 0, b"x")),
+    ("files", FileCopy(1, 2, 0, 0, 10)),
+    ("files", FileCommit(1, 1, 1, "0" * 64)),
+]
+
+
+@pytest.mark.parametrize("feature, event", FEATURE_FRAMES,
+                         ids=lambda v: type(v).__name__ if isinstance(v, Event) else v)
+@pytest.mark.parametrize("welcomed", [(), ("later-1",), ("zstd", "notes", "files")])
+def test_a_feature_s_frames_without_the_feature_are_refused_by_both_ends(feature: str, event: Event,
+                                                                         welcomed: tuple[str, ...]) -> None:
+    """ZDATA, NOTES and the file frames only where the WELCOME accepted
+    their feature (offered by the agent, so only the WELCOME decides)."""
+    welcomed = tuple(f for f in welcomed if f != feature)
     pair = Pair()
-    pair.run([(A, HELLO), (S, replace(WELCOME, features=features, files=()))])
-    zdata = ZData(1, 100, 10, b"zstd frame")
+    pair.run([(A, replace(HELLO, features=("zstd", "notes", "files"))),
+              (S, replace(WELCOME, features=welcomed, files=()))])
     with pytest.raises(LocalProtocolError) as sent:
-        pair.agent.send(zdata)
+        pair.agent.send(event)
     assert sent.value.code is ErrorCode.UNEXPECTED
-    pair.shadow.receive_data(encode(zdata))
+    pair.shadow.receive_data(encode(event))
     with pytest.raises(RemoteProtocolError) as received:
         pair.shadow.next_event()
     assert received.value.code is ErrorCode.UNEXPECTED
@@ -1777,20 +1793,6 @@ def test_malformed_features_are_a_bad_frame(features: Any) -> None:
 
 
 # -- the "notes" feature: NOTES for the job's timeline, only where agreed ------
-
-
-@pytest.mark.parametrize("features", [(), ("zstd",)])
-def test_notes_without_the_feature_are_refused_by_both_ends(features: tuple[str, ...]) -> None:
-    pair = Pair()
-    pair.run([(A, replace(HELLO, features=("notes",))), (S, replace(WELCOME, features=features, files=()))])
-    sent_notes = Notes((Note(1.5e9, "stalled", (("seconds", 12.5),)),))
-    with pytest.raises(LocalProtocolError) as sent:
-        pair.agent.send(sent_notes)
-    assert sent.value.code is ErrorCode.UNEXPECTED
-    pair.shadow.receive_data(encode(sent_notes))
-    with pytest.raises(RemoteProtocolError) as received:
-        pair.shadow.next_event()
-    assert received.value.code is ErrorCode.UNEXPECTED
 
 
 def test_notes_with_the_feature_cross_byte_by_byte_and_keep_their_types() -> None:

@@ -309,6 +309,21 @@ def _running(marker: str) -> list[int]:
     return pids
 
 
+def _reap(p: subprocess.Popen[bytes], marker: str) -> tuple[str, list[int]]:
+    """gcwrap's stderr once it exited (killed after 30 s), and the jobs
+    still running with `marker` in their command line (killed too)."""
+    try:
+        _, raw = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        left = _running(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    return raw.decode(errors="replace"), left
+
+
 def _before_gcwrap_ran(rc: int, err: str) -> bool:
     """Whether the outcome is Python's own, for a signal that came before
     any of gcwrap's code beyond its first instant ran: killed by SIGINT
@@ -344,16 +359,7 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
         if delay:
             time.sleep(delay)  # (the moment is what is tested: nothing to wait for)
         p.send_signal(signal.SIGINT)
-        try:
-            _, raw = p.communicate(timeout=30)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            left = _running(marker)
-            for pid in left:
-                os.kill(pid, signal.SIGKILL)
-        err = raw.decode(errors="replace")
+        err, left = _reap(p, marker)
         assert not left, f"at {delay * 1000:.0f} ms: the job was left running; gcwrap said: {err}"
         if _before_gcwrap_ran(p.returncode, err):
             continue
@@ -383,16 +389,7 @@ def test_a_ctrl_c_python_reported_before_gcwrap_ran_still_stops_the_job(shadow: 
              "gcwrap()\n")
     p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
-    try:
-        _, raw = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        left = _running(marker)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-    err = raw.decode(errors="replace")
+    err, left = _reap(p, marker)
     assert not left, f"the job was left running: {err}"
     assert p.returncode == 128 + signal.SIGINT, f"exit {p.returncode}: {err}"
     assert "Traceback" not in err, err

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 from faults import NS_IP, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
-from helpers import Wrapper, file_size, tool, wait_until
+from helpers import Wrapper, file_size, spool_status_both, tool, wait_until
 
 from gcwrap.render import human_bytes
 
@@ -150,15 +150,6 @@ def row(text: str, key: str) -> list[str]:
     raise AssertionError(f"no row {key!r} in:\n{text}")
 
 
-def status(spool: Path) -> tuple[dict[str, Any], str]:
-    """`gcwrap status --json` and the text table, a moment apart."""
-    js = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spool)], capture_output=True,
-                        text=True, timeout=60, check=True).stdout
-    text = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool)], capture_output=True, text=True,
-                          timeout=60, check=True, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"}).stdout
-    (one,) = json.loads(js)
-    return one, text
-
 
 def jobs(root: Path, job: str) -> tuple[dict[str, Any], str, tuple[float, float], tuple[float, float]]:
     """`gcshadow jobs --json`'s record of `job`, the text table, and the
@@ -230,7 +221,7 @@ def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
         # While it is paused: gcwrap status, text and JSON.
         time.sleep(1.0)
         before, syns = progress(prog), syn.count()
-        st, text = status(fs.path)
+        st, text = spool_status_both(fs.path)
         after, now, syns_after = progress(prog), time.time(), syn.count()
         free = fs.free()
         size = spool_size(fs.path)
@@ -354,7 +345,7 @@ def test_every_figure_of_a_job_through_an_outage(tmp_path: Path) -> None:
         acked_at_stop = file_size(home / "o.out")
         time.sleep(1.5)
         before, syns = progress(prog), syn.count()
-        st, stext = status(spool)
+        st, stext = spool_status_both(spool)
         after, now, syns_after = progress(prog), time.time(), syn.count()
         assert st["state"] == "running" and st["active"] and not st["connected"], st
         # Every attempt since the job started has failed (the first session ended in failure too).

@@ -9,7 +9,6 @@ import hashlib
 import http.client
 import json
 import os
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from helpers import ShadowProc, Wrapper, genjob, sha256_file, tool, wait_until
+from helpers import ShadowProc, Wrapper, genjob, sha256_file, stop_process, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,13 +134,7 @@ class WebProc(WebClient):
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 class InProcessWeb(WebClient):

@@ -44,9 +44,11 @@ FRAMES = frozenset({FrameType.FILE_OPEN, FrameType.FILE_DATA, FrameType.FILE_COP
                     FrameType.FILE_ACK})
 
 
-def _handle(value: int, what: str) -> None:
-    if not 1 <= value <= MAX_HANDLE:
-        raise LocalProtocolError(f"{what} {value} out of range (1..{MAX_HANDLE})")
+def _handles(file: int, version: int) -> None:
+    """Refuse to send a file or version handle the peer would refuse."""
+    for what, value in (("file", file), ("version", version)):
+        if not 1 <= value <= MAX_HANDLE:
+            raise LocalProtocolError(f"{what} {value} out of range (1..{MAX_HANDLE})")
 
 
 def _range(offset: int, length: int) -> None:
@@ -58,8 +60,7 @@ def _range(offset: int, length: int) -> None:
 
 
 def _encode_open(e: FileOpen) -> bytes:
-    _handle(e.file, "file")
-    _handle(e.version, "version")
+    _handles(e.file, e.version)
     if e.base is not None and not 1 <= e.base < e.version:
         raise LocalProtocolError(f"FILE_OPEN: base {e.base} must be an earlier version than {e.version}")
     if not e.name or len(e.name) > MAX_NAME or "\x00" in e.name:
@@ -69,8 +70,7 @@ def _encode_open(e: FileOpen) -> bytes:
 
 
 def _encode_data(e: FileData) -> bytes:
-    _handle(e.file, "file")
-    _handle(e.version, "version")
+    _handles(e.file, e.version)
     _range(e.offset, len(e.payload))
     if len(e.payload) > MAX_PAYLOAD:
         raise LocalProtocolError("FILE_DATA payload too large")
@@ -78,8 +78,7 @@ def _encode_data(e: FileData) -> bytes:
 
 
 def _encode_copy(e: FileCopy) -> bytes:
-    _handle(e.file, "file")
-    _handle(e.version, "version")
+    _handles(e.file, e.version)
     if e.length <= 0:
         raise LocalProtocolError("FILE_COPY copies at least a byte")
     _range(e.offset, e.length)
@@ -88,8 +87,7 @@ def _encode_copy(e: FileCopy) -> bytes:
 
 
 def _encode_commit(e: FileCommit) -> bytes:
-    _handle(e.file, "file")
-    _handle(e.version, "version")
+    _handles(e.file, e.version)
     check_offset(e.size, "size")
     if not isinstance(e.sha256, str) or not _SHA256_RE.match(e.sha256):
         raise LocalProtocolError("FILE_COMMIT: sha256 must be 64 lowercase hex digits")
@@ -98,8 +96,7 @@ def _encode_commit(e: FileCommit) -> bytes:
 
 
 def _encode_ack(e: FileAck) -> bytes:
-    _handle(e.file, "file")
-    _handle(e.version, "version")
+    _handles(e.file, e.version)
     check_offset(e.offset, "offset")
     return frame(FrameType.FILE_ACK, _FILE_ACK.pack(e.file, e.version, e.offset, int(e.committed)))
 
@@ -119,8 +116,7 @@ def held_member(files: tuple[FileHeld, ...]) -> dict[str, Any]:
     if len(files) > MAX_FILES:
         raise LocalProtocolError(f"WELCOME: at most {MAX_FILES} files")
     for f in files:
-        _handle(f.file, "file")
-        _handle(f.version, "version")
+        _handles(f.file, f.version)
         check_offset(f.durable, "durable")
         if not -1 <= f.committed <= f.durable:
             raise LocalProtocolError(f"WELCOME: file {f.file} committed at {f.committed}, past its durable bytes")
@@ -132,8 +128,7 @@ def final_member(files: tuple[tuple[int, int, int], ...]) -> dict[str, Any]:
     if len(files) > MAX_FILES:
         raise LocalProtocolError(f"EXIT: at most {MAX_FILES} files")
     for file, version, size in files:
-        _handle(file, "file")
-        _handle(version, "version")
+        _handles(file, version)
         check_offset(size, "size")
     if len({f for f, _, _ in files}) != len(files):
         raise LocalProtocolError("EXIT: a file is listed twice")
