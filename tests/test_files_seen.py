@@ -1,0 +1,202 @@
+"""The files a job writes (--file), seen everywhere stdout and stderr are:
+`gcwrap status`, the I/O summary, `gcshadow jobs` (its table, JSON and a
+job's timeline), `gcshadow tail JOB NAME`; and the notes of a file the job
+deleted, or gcwrap cannot read.
+
+The installed gcwrap and gcshadow, real processes, loopback TCP, except
+where a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import ShadowProc, Wrapper, tool, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
+    d = tmp_path / "work"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+def _job(code: str) -> list[str]:
+    prelude = ("import os, sys, time, json\n"
+               "def gate(path):\n"
+               "    end = time.monotonic() + 60\n"
+               "    while not os.path.exists(path) and time.monotonic() < end:\n"
+               "        time.sleep(0.02)\n")
+    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
+
+
+def _run(address: str, spool_dir: Path, job_id: str, files: list[str], code: str, *extra: str) -> Wrapper:
+    args = ["--shadow", address, "--spool", str(spool_dir), "--job-id", job_id, "--retry-timeout", "1",
+            "--stdout", f"{job_id}.out", *extra]
+    for f in files:
+        args += ["--file", f]
+    return Wrapper([*args, "--", *_job(code)])
+
+
+def _gcshadow(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*tool("gcshadow"), *args], capture_output=True, timeout=60, check=check)
+
+
+def _job_json(home: Path, job_id: str) -> dict[str, Any]:
+    return dict(json.loads(_gcshadow("jobs", "--json", "--root", str(home), job_id).stdout))
+
+
+def _status(spool_dir: Path) -> list[dict[str, Any]]:
+    out = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool_dir), "--json"], capture_output=True,
+                         check=True, timeout=60)
+    return list(json.loads(out.stdout))
+
+
+# -- gcwrap status ------------------------------------------------------------------------------
+
+
+def test_status_lists_each_file_with_its_version_figures_and_state(shadow: ShadowProc, spool_dir: Path,
+                                                                   work: Path) -> None:
+    w = _run(shadow.address, spool_dir, "st-files", ["log.txt", "scratch.txt=kept/scratch.txt"], """
+        with open("scratch.txt", "w") as f:
+            f.write("scratch\\n" * 500)
+        with open("log.txt", "a") as log:
+            log.write("line\\n" * 1000)
+            log.flush()
+            gate("go")
+            os.unlink("scratch.txt")
+            gate("end")
+    """)
+
+    def files() -> dict[str, dict[str, Any]]:
+        (sp,) = _status(spool_dir)
+        return {f["name"]: f for f in sp.get("files", [])}
+
+    wait_until(lambda: files().get("log.txt", {}).get("state") == "committed"
+               and files().get("kept/scratch.txt", {}).get("state") == "committed", 30, "both files committed")
+    log = files()["log.txt"]
+    assert log["path"] == "log.txt" and log["version"] == 1
+    assert log["size"] == log["sent"] == log["acked"] == log["committed"] == 5000
+    (work / "go").touch()
+    wait_until(lambda: files()["kept/scratch.txt"]["state"] == "gone", 30, "the deleted file said gone")
+    assert files()["kept/scratch.txt"]["committed"] == 4000  # (home keeps what it had)
+    human = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool_dir)], capture_output=True, text=True,
+                           check=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "kept/scratch.txt" in human and "gone" in human and "log.txt" in human, human
+    narrow = subprocess.run([*tool("gcwrap"), "status", "--spool", str(spool_dir)], capture_output=True, text=True,
+                            check=True, timeout=60, env={**os.environ, "COLUMNS": "50"}).stdout
+    assert "file kept/scratch.txt" in narrow and "gone" in narrow, narrow
+    (work / "end").touch()
+    assert w.wait(60) == 0, w.err.decode()
+
+
+def test_status_of_a_spool_left_behind_tells_its_files_from_the_spool(tmp_path: Path, spool_dir: Path,
+                                                                      work: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed: nothing listens there)
+    w = _run(f"127.0.0.1:{port}", spool_dir, "st-away", ["result.txt=r/result.txt"],
+             'open("result.txt", "w").write("done\\n")', "--retry-limit", "2", "--retry-timeout", "0.2")
+    assert w.wait(60) == 122, w.err.decode()
+    (sp,) = _status(spool_dir)
+    (f,) = sp["files"]
+    assert (f["path"], f["name"], f["version"], f["acked"], f["committed"], f["state"]) == (
+        "result.txt", "r/result.txt", 1, 0, -1, "live")
+
+
+# -- the I/O summary ------------------------------------------------------------------------------
+
+
+def test_the_io_summary_lists_the_files_beside_the_streams(shadow: ShadowProc, spool_dir: Path, work: Path) -> None:
+    w = _run(shadow.address, spool_dir, "sum-files", ["a.txt", "b.json=state/b.json", "gone.txt"], """
+        open("a.txt", "w").write("a" * 3000)
+        for step in range(3):
+            with open(".b.tmp", "w") as f:
+                json.dump({"step": step}, f)
+            os.replace(".b.tmp", "b.json")
+            time.sleep(1.3)
+        open("gone.txt", "w").write("x" * 100)
+        time.sleep(1.5)
+        os.unlink("gone.txt")
+        time.sleep(1.5)
+    """)
+    assert w.wait(60) == 0, w.err.decode()
+    err = w.err.decode()
+    (line,) = [x for x in err.splitlines() if x.startswith("gcwrap:   files: ")]
+    assert "a.txt 2.9 KiB" in line, line
+    assert "b.json as state/b.json" in line and "(version " in line, line
+    assert "gone.txt 100 B (deleted by the job: home keeps what it had)" in line, line
+
+    j = _run(shadow.address, spool_dir, "sum-json", ["a.txt"], 'open("a.txt", "w").write("b" * 10)',
+             "--log-format", "json")
+    assert j.wait(60) == 0, j.err.decode()
+    (record,) = [r for r in map(json.loads, j.err.decode().splitlines()) if r["message"] == "I/O summary"]
+    assert [(f["path"], f["size"], f["state"]) for f in record["files"]] == [("a.txt", 10, "committed")]
+
+
+# -- gcshadow jobs, its JSON and a job's timeline ----------------------------------------------------
+
+
+def test_jobs_lists_the_files_and_the_timeline_says_what_became_of_them(shadow: ShadowProc, home: Path,
+                                                                         spool_dir: Path, work: Path) -> None:
+    w = _run(shadow.address, spool_dir, "jobs-files", ["log.txt", "status.json=s/status.json", "tmp.txt"], """
+        open("tmp.txt", "w").write("temporary\\n")
+        with open("log.txt", "a") as log:
+            for step in range(3):
+                log.write(f"step {step}\\n")
+                log.flush()
+                with open(".st.tmp", "w") as f:
+                    json.dump({"step": step}, f)
+                os.replace(".st.tmp", "status.json")
+                time.sleep(1.3)
+        os.unlink("tmp.txt")
+        time.sleep(1.5)
+    """)
+    assert w.wait(60) == 0, w.err.decode()
+    job = _job_json(home, "jobs-files")
+    files = {f["name"]: f for f in job["files"]}
+    assert set(files) == {"log.txt", "s/status.json", "tmp.txt"}
+    st = files["s/status.json"]
+    assert st["state"] == "committed" and st["version"] >= 2 and st["bytes"] == st["committed"] == (
+        work / "status.json").stat().st_size
+    assert files["log.txt"]["bytes"] == (work / "log.txt").stat().st_size
+    assert files["tmp.txt"]["bytes"] == len("temporary\n")
+    kinds = [(e["source"], e["kind"], e["details"].get("name")) for e in job["events"]]
+    assert ("agent", "file_gone", "tmp.txt") in kinds, kinds
+    committed = [e["details"] for e in job["events"] if e["kind"] == "file_committed"]
+    assert {d["name"] for d in committed} == set(files), committed
+    # The final version of each file is in the timeline, whatever commits were left out between.
+    assert max(d["version"] for d in committed if d["name"] == "s/status.json") == st["version"]
+
+    listing = subprocess.run([*tool("gcshadow"), "jobs", "--root", str(home)], capture_output=True, text=True,
+                             timeout=60, check=True, env={**os.environ, "COLUMNS": "250"}).stdout
+    assert "file s/status.json" in listing and "file tmp.txt" in listing, listing
+    detail = subprocess.run([*tool("gcshadow"), "jobs", "--root", str(home), "jobs-files"], capture_output=True,
+                            text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "s/status.json" in detail and f"version {st['version']}" in detail, detail
+    assert "file_gone" in detail and "home keeps what it had" in detail, detail
+    tsv = _gcshadow("jobs", "--root", str(home), "-o", "job,streams", "--no-header").stdout.decode()
+    assert f"file s/status.json {st['bytes']} v{st['version']}" in tsv, tsv
+
+
+def test_a_refused_file_name_is_in_the_jobs_timeline(shadow: ShadowProc, home: Path, spool_dir: Path,
+                                                     work: Path) -> None:
+    w = _run(shadow.address, spool_dir, "bad-name", ["x.txt=.x.txt.gcwrap-1-1"], 'open("x.txt", "w").write("x")')
+    assert w.wait(60) != 0
+    job = _job_json(home, "bad-name")
+    refused = [e for e in job["events"] if e["kind"] == "file_refused"]
+    assert refused and refused[0]["source"] == "shadow", job["events"]
+    assert refused[0]["details"]["name"] == ".x.txt.gcwrap-1-1" and refused[0]["details"]["code"] == "PATH_FORBIDDEN"
