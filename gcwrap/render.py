@@ -31,6 +31,12 @@ def stderr_console() -> Console:
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
+def say_on_stderr(text: str, program: str = "gcshadow") -> None:
+    """One line on stderr, beside what a command prints on stdout (`gcshadow tail`'s notices)."""
+    sys.stderr.write(f"{program}: {text}\n")
+    sys.stderr.flush()
+
+
 def ago(t: float | None, now: float | None = None) -> str:
     if not t:
         return "-"

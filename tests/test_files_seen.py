@@ -200,3 +200,46 @@ def test_a_refused_file_name_is_in_the_jobs_timeline(shadow: ShadowProc, home: P
     refused = [e for e in job["events"] if e["kind"] == "file_refused"]
     assert refused and refused[0]["source"] == "shadow", job["events"]
     assert refused[0]["details"]["name"] == ".x.txt.gcwrap-1-1" and refused[0]["details"]["code"] == "PATH_FORBIDDEN"
+
+
+# -- gcshadow tail JOB NAME -------------------------------------------------------------------------
+
+
+def test_tail_prints_a_file_by_its_name_and_follows_new_versions_as_tail_F(shadow: ShadowProc, home: Path,
+                                                                          spool_dir: Path, work: Path,
+                                                                          tmp_path: Path) -> None:
+    w = _run(shadow.address, spool_dir, "tail-files", ["status.txt=s/status.txt", "log.txt"], """
+        with open("log.txt", "w") as log:
+            log.write("first line\\n")
+        for step in (1, 2, 3):
+            with open(".st.tmp", "w") as f:
+                f.write(f"version {step}\\n" * step)
+            os.replace(".st.tmp", "status.txt")
+            if step < 3:
+                gate(f"go{step}")
+    """)
+    status = home / "s/status.txt"
+    wait_until(lambda: status.exists() and status.read_bytes() == b"version 1\n", 30, "the first version at home")
+    assert _gcshadow("tail", "--root", str(home), "tail-files", "log.txt").stdout == b"first line\n"
+    out, err = tmp_path / "tail.out", tmp_path / "tail.err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        tail = subprocess.Popen([*tool("gcshadow"), "tail", "-f", "--root", str(home), "tail-files", "s/status.txt"],
+                                stdout=o, stderr=e)
+    try:
+        for step in (1, 2):
+            expected = b"".join(f"version {n}\n".encode() * n for n in range(1, step + 1))
+            wait_until(lambda expected=expected: out.read_bytes() == expected, 30, f"version {step} followed")
+            (work / f"go{step}").touch()
+        assert tail.wait(60) == 0, err.read_text()
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+            tail.wait()
+    assert w.wait(60) == 0, w.err.decode()
+    assert out.read_bytes() == b"version 1\n" + b"version 2\n" * 2 + b"version 3\n" * 3
+    notices = err.read_text().splitlines()
+    assert notices == ["gcshadow: s/status.txt of job tail-files was replaced by a new version: following it from "
+                       "its start"] * 2, notices
+    missing = _gcshadow("tail", "--root", str(home), "tail-files", "nothing.txt", check=False)
+    assert missing.returncode == 1 and b"no job 'tail-files' with a stream or file named 'nothing.txt'" in \
+        missing.stderr, missing.stderr
