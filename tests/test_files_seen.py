@@ -238,8 +238,8 @@ def test_tail_prints_a_file_by_its_name_and_follows_new_versions_as_tail_F(shado
     assert w.wait(60) == 0, w.err.decode()
     assert out.read_bytes() == b"version 1\n" + b"version 2\n" * 2 + b"version 3\n" * 3
     notices = err.read_text().splitlines()
-    assert notices == ["gcshadow: s/status.txt of job tail-files was replaced by a new version: following it from "
-                       "its start"] * 2, notices
+    said = "gcshadow: s/status.txt of job tail-files was replaced by a new version: following it from its start"
+    assert notices == [said] * 2, notices
     missing = _gcshadow("tail", "--root", str(home), "tail-files", "nothing.txt", check=False)
     assert missing.returncode == 1 and b"no job 'tail-files' with a stream or file named 'nothing.txt'" in \
         missing.stderr, missing.stderr
