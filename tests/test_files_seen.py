@@ -80,8 +80,8 @@ def test_status_lists_each_file_with_its_version_figures_and_state(shadow: Shado
     """)
 
     def files() -> dict[str, dict[str, Any]]:
-        (sp,) = _status(spool_dir)
-        return {f["name"]: f for f in sp.get("files", [])}
+        spools = _status(spool_dir)  # (none until gcwrap made it)
+        return {f["name"]: f for sp in spools for f in sp.get("files", [])}
 
     wait_until(lambda: files().get("log.txt", {}).get("state") == "committed"
                and files().get("kept/scratch.txt", {}).get("state") == "committed", 30, "both files committed")
@@ -243,3 +243,92 @@ def test_tail_prints_a_file_by_its_name_and_follows_new_versions_as_tail_F(shado
     missing = _gcshadow("tail", "--root", str(home), "tail-files", "nothing.txt", check=False)
     assert missing.returncode == 1 and b"no job 'tail-files' with a stream or file named 'nothing.txt'" in \
         missing.stderr, missing.stderr
+
+
+# -- either state -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state(request: pytest.FixtureRequest) -> list[str]:
+    """The --state a shadow and its readers use: the root's own, or a PostgreSQL database."""
+    return ["--state", request.getfixturevalue("pg_url")] if request.param == "postgresql" else []
+
+
+def test_jobs_and_tail_list_the_files_from_either_state(state: list[str], home: Path, tmp_path: Path,
+                                                        spool_dir: Path, work: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=state)
+    sh.start()
+    try:
+        w = _run(sh.address, spool_dir, "either-files", ["a.txt=out/a.txt"], """
+            for step in range(2):
+                open(".a.tmp", "w").write(f"step {step}\\n")
+                os.replace(".a.tmp", "a.txt")
+                time.sleep(1.3)
+        """)
+        assert w.wait(60) == 0, w.err.decode()
+    finally:
+        sh.stop()
+    job = json.loads(_gcshadow("jobs", "--json", "--root", str(home), *state, "either-files").stdout)
+    (f,) = job["files"]
+    assert (f["name"], f["bytes"], f["committed"], f["state"]) == ("out/a.txt", 7, 7, "committed")
+    assert f["version"] >= 2 and f["sha256"] == __import__("hashlib").sha256(b"step 1\n").hexdigest()
+    tail = _gcshadow("tail", "--root", str(home), *state, "either-files", "out/a.txt")
+    assert tail.stdout == b"step 1\n"
+
+
+# -- without a process: what the listings derive, what the sender notes ---------------------------
+
+
+def test_a_files_view_from_the_versions_home_holds() -> None:
+    from gcwrap.shadow.fileversions import VersionRow, file_view
+
+    appended = VersionRow(1, "log", 1, None, 120, 100, "aa")  # committed at 100, 20 bytes appended since
+    assert file_view([appended], finished=False) | {"sha256": None} == {
+        "file": 1, "name": "log", "version": 1, "bytes": 120, "committed": 100, "sha256": None, "next": None,
+        "state": "live"}
+    assert file_view([appended], finished=True)["state"] == "partial"
+    whole = VersionRow(2, "s.json", 3, 2, 50, 50, "bb")
+    staged = VersionRow(2, "s.json", 4, 3, 10, -1, None)
+    view = file_view([whole, staged], finished=False)
+    assert (view["version"], view["bytes"], view["committed"], view["next"], view["state"]) == (
+        3, 50, 50, {"version": 4, "bytes": 10}, "live")  # (NAME is version 3 until version 4's commit)
+    view = file_view([whole, staged], finished=True)  # (the staged one was abandoned at the job's end)
+    assert (view["version"], view["next"], view["state"]) == (3, None, "committed")
+    first = VersionRow(3, "new", 1, None, 10, -1, None)
+    assert file_view([first], finished=False)["state"] == "live"
+    assert file_view([first], finished=True)["state"] == "partial"
+
+
+async def test_the_sender_notes_a_file_gone_or_unreadable_once_until_it_is_back(tmp_path: Path) -> None:
+    from gcwrap.agent.filesender import FileSender
+    from gcwrap.agent.filespecs import FileSpec, stat_file
+    from gcwrap.agent.filewatch import Change, FileEvent
+    from gcwrap.sync import Signal
+
+    notes: list[tuple[str, dict[str, object]]] = []
+    sender = FileSender(tmp_path, (FileSpec("a.txt", None), FileSpec("d", None)), Signal(),
+                        note=lambda at, kind, **details: notes.append((kind, details)))
+    (tmp_path / "a.txt").write_bytes(b"x" * 10)
+    spec_a, spec_d = sender.watcher.specs
+    seen = stat_file(tmp_path / "a.txt")
+    await sender.take(FileEvent("a.txt", spec_a, Change.APPEARED, seen))
+    (tmp_path / "a.txt").unlink()
+    await sender.take(FileEvent("a.txt", spec_a, Change.DELETED, None))
+    await sender.take(FileEvent("a.txt", spec_a, Change.DELETED, None))
+    assert notes == [("file_gone", {"name": "a.txt", "path": "a.txt", "version": 1, "size": 10})]
+    assert [(f["path"], f["state"]) for f in sender.listing()] == [("a.txt", "gone")]
+    # A path the kernel will not read as a file (a directory: EISDIR at the first read), said once.
+    (tmp_path / "d").mkdir()
+    st = os.stat(tmp_path / "d")
+    from gcwrap.agent.filespecs import FileStat
+
+    for _ in range(2):
+        await sender.take(FileEvent("d", spec_d, Change.APPEARED, FileStat.of(st)))
+    assert notes[1:] == [("file_unreadable", {"name": "d", "path": "d", "error": "Is a directory"})]
+    assert sender.listing()[1]["state"] == "unreadable" and [r[6] for r in sender.live()] == ["gone", "unreadable"]
+    (tmp_path / "a.txt").write_bytes(b"back")
+    await sender.take(FileEvent("a.txt", spec_a, Change.APPEARED, stat_file(tmp_path / "a.txt")))
+    assert sender.listing()[0]["state"] == "live" and len(notes) == 2
+    sender.close()
