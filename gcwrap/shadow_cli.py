@@ -40,6 +40,18 @@ class Port(click.IntRange):
         self.fail(f"{value!r} is not a port number: give 0-65535 (0: any free port)", param, ctx)
 
 
+class StreamOrName(click.Choice):  # type: ignore[type-arg]
+    """stdout, stderr or all (completed as choices); any other word is a file's NAME (`gcshadow tail`)."""
+
+    name = "stream"
+
+    def __init__(self) -> None:
+        super().__init__(["stdout", "stderr", "all"])
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        return str(value)
+
+
 root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
@@ -492,7 +504,7 @@ def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -
 @click.option("-c", "--bytes", "nbytes", type=Size(), metavar="N",
               help="Start at the last N bytes of each stream (4096, 64KiB...).")
 @click.argument("job", required=False)
-@click.argument("stream", required=False, metavar="[STREAM|NAME]")
+@click.argument("stream", required=False, metavar="[STREAM|NAME]", type=StreamOrName())
 def tail(root: Path, state: str, follow: bool, all_jobs: bool, lines: int | None, nbytes: int | None,
          job: str | None, stream: str | None) -> None:
     """Print the output a job has delivered so far; with -f, follow it live.
