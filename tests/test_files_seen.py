@@ -332,3 +332,36 @@ async def test_the_sender_notes_a_file_gone_or_unreadable_once_until_it_is_back(
     await sender.take(FileEvent("a.txt", spec_a, Change.APPEARED, stat_file(tmp_path / "a.txt")))
     assert sender.listing()[0]["state"] == "live" and len(notes) == 2
     sender.close()
+
+
+def test_the_listings_show_files_whole_at_any_width() -> None:
+    import io
+
+    from rich.console import Console
+
+    from gcwrap.render import job_detail, jobs_view, status_view
+
+    def shown(view: Any, width: int) -> str:
+        out = io.StringIO()
+        Console(file=out, width=width, force_terminal=False).print(view, crop=False)
+        return out.getvalue()
+
+    f = {"file": 1, "name": "results/a-long-directory/table.csv", "bytes": 5000, "version": 3, "committed": 4000,
+         "sha256": "ab" * 32, "next": {"version": 4, "bytes": 10}, "state": "live"}
+    job = {"job_id": "j1", "host": "h", "state": "streaming", "last_seen": None, "first_seen": None, "streams": [],
+           "files": [f], "command": [], "summary": {}, "user": "", "peer": "", "instance": "i", "exit_code": None,
+           "exit_signal": None}
+    for width in (200, 60, 30):
+        text = shown(jobs_view([job], width=width), width)
+        assert "results/a-long-directory/table.csv" in text, text
+    detail = shown(job_detail(job, width=200), 200)
+    said = ("in results/a-long-directory/table.csv, version 3, committed at 4,000 bytes (SHA-256 abababababab...); "
+            "version 4 arriving: 10 B; live")
+    assert said in detail, detail
+    assert "results/a-long-directory/table.csv," in shown(job_detail(job, width=60), 60)  # (whole, on a line)
+    spool = {"job_id": "j1", "state": "running", "spool": "/s", "streams": [], "files": [
+        {"file": 1, "path": "t.csv", "name": "results/a-long-directory/table.csv", "version": 2, "size": 5000,
+         "sent": 5000, "acked": 4000, "committed": -1, "state": "unreadable"}]}
+    for width in (200, 40):
+        text = shown(status_view([spool], width), width)
+        assert "results/a-long-directory/table.csv" in text and "unreadable" in text, text
