@@ -365,3 +365,29 @@ def test_the_listings_show_files_whole_at_any_width() -> None:
     for width in (200, 40):
         text = shown(status_view([spool], width), width)
         assert "results/a-long-directory/table.csv" in text and "unreadable" in text, text
+
+
+def test_a_file_gcwrap_cannot_read_is_noted_home_and_in_the_summary(shadow: ShadowProc, home: Path,
+                                                                    spool_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's working directory on a file system whose reads fail (FUSE, answering EIO): gcwrap
+    cannot read the job's file, says so home once, and the job ends as it would have."""
+    import fusefs
+
+    if why := fusefs.available():
+        pytest.skip(why)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    with fusefs.SlowFS(mount, {"data.bin": b"x" * 5000}, fail_reads=True):
+        monkeypatch.chdir(mount)
+        w = _run(shadow.address, spool_dir, "eio-file", ["data.bin"], "time.sleep(2)")
+        assert w.wait(60) == 0, w.err.decode()
+        monkeypatch.chdir(tmp_path)
+    err = w.err.decode()
+    assert "cannot read the job's file data.bin (Input/output error)" in err, err
+    assert "files: data.bin 0 B (gcwrap cannot read it: home keeps what it had)" in err, err
+    job = _job_json(home, "eio-file")
+    noted = [e for e in job["events"] if e["kind"] == "file_unreadable"]
+    assert len(noted) == 1 and noted[0]["source"] == "agent", job["events"]
+    assert noted[0]["details"] == {"name": "data.bin", "path": "data.bin", "error": "Input/output error"}
+    assert job["files"] == [] and not (home / "data.bin").exists()  # (home never had any of it)
