@@ -61,7 +61,7 @@ FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams ge
 Send = Callable[[Event], Awaitable[None]]
 Record = Callable[[Callable[["SpoolFiles"], object]], Awaitable[None]]
 Note = Callable[..., None]  # (now, kind, **details): a note for the job's timeline at home (`Journal.note`)
-LIVE_FILES = 24  # files the live status file tells of at most (it has 4 KiB): those not committed first
+LIVE_FILES = 16  # files the live status file tells of at most (4 KiB in all, ~75 bytes each): not committed first
 
 
 def _no_note(at: float, kind: str, **details: object) -> None:
