@@ -170,10 +170,13 @@ const KINDS = {
   session_opened: "connected", session_ended: "session ended", connection_lost: "connection lost",
   stalled: "stalled", reconnected: "reconnected", paused: "job paused", resumed: "job resumed",
   refused: "refused", compression: "compression", disk: "disk", exit: "exit",
+  file_committed: "file committed", file_refused: "file refused",
+  file_gone: "file deleted by the job: home keeps what it had",
+  file_unreadable: "file gcwrap cannot read: home keeps what it had",
 };
 const TONE = {
   session_opened: "good", reconnected: "good", resumed: "good", session_ended: "warn", connection_lost: "bad",
-  stalled: "warn", paused: "bad", refused: "bad",
+  stalled: "warn", paused: "bad", refused: "bad", file_refused: "bad", file_gone: "warn", file_unreadable: "bad",
 };
 
 function detailText(key, value) {
