@@ -404,7 +404,7 @@ def _run_caught(
     say = Reporter(fmt=log_format)
     delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:
-        say.summary(job_id, outcome.job_status, outcome.stats)
+        say.summary(job_id, outcome.job_status, outcome.stats, outcome.files)
     if outcome.message:
         say.say(outcome.message)
     if outcome.lost:

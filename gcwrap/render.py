@@ -31,6 +31,12 @@ def stderr_console() -> Console:
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
+def say_on_stderr(text: str, program: str = "gcshadow") -> None:
+    """One line on stderr, beside what a command prints on stdout (`gcshadow tail`'s notices)."""
+    sys.stderr.write(f"{program}: {text}\n")
+    sys.stderr.flush()
+
+
 def ago(t: float | None, now: float | None = None) -> str:
     if not t:
         return "-"
@@ -198,6 +204,45 @@ def status_compact(spools: list[dict[str, Any]], width: int | None) -> list[str]
     return lines or ["no spools"]
 
 
+def _committed(f: dict[str, Any]) -> str:
+    return human_bytes(f["committed"]) if f["committed"] >= 0 else "-"
+
+
+def status_files_table(spools: list[dict[str, Any]], width: int | None = None) -> Table | None:
+    """`gcwrap status`: a row per file (--file) of every spool, None when
+    there is none or no layout fits `width` (then `status_files_compact`)."""
+    rows = [(sp, i, f) for sp in spools for i, f in enumerate(sp.get("files") or ())]
+    if not rows:
+        return None
+    job = Column("job", [sp["job_id"] if i == 0 else "" for sp, i, _ in rows])
+    name = Column("file", [f["name"] for _, _, f in rows])
+    version = Column("version", [str(f["version"]) for _, _, f in rows], justify="right")
+    state = Column("state", [f["state"] for _, _, f in rows])
+
+    def figure(header: str, key: str) -> Column:
+        return Column(header, [human_bytes(f[key]) for _, _, f in rows], justify="right")
+
+    committed = Column("committed", [_committed(f) for _, _, f in rows], justify="right")
+    for columns in ([job, name, version, figure("size", "size"), figure("sent", "sent"), figure("acked", "acked"),
+                     committed, state], [job, name, version, figure("acked", "acked"), state]):
+        table = fit_table("files", columns, width)
+        if table is not None:
+            return table
+    return None
+
+
+def status_files_compact(spools: list[dict[str, Any]], width: int | None) -> list[str]:
+    """`gcwrap status`'s files on a narrow screen: a line per file."""
+    lines: list[str] = []
+    for sp in spools:
+        for f in sp.get("files") or ():
+            lines += wrap_fields([f"  {sp['job_id']}", f"file {f['name']}", f"version {f['version']}:",
+                                  f"{human_bytes(f['size'])},", f"{human_bytes(f['sent'])} sent,",
+                                  f"{human_bytes(f['acked'])} acked,", f"{_committed(f)} committed,", f["state"]],
+                                 width, indent="      ")
+    return lines
+
+
 # `gcwrap status` says how long output has waited with nothing acknowledged
 # once it is this long (seconds): less is a round trip, or the live view's age.
 ACK_AGE_SHOWN = 1.0
@@ -248,6 +293,8 @@ def status_view(spools: list[dict[str, Any]], width: int | None, directory: Path
         return Group(*_lines([f"no spools in {directory}"]))
     table = status_table(spools, width)
     head = [table] if table is not None else _lines(status_compact(spools, width))
+    files = status_files_table(spools, width)
+    head += [files] if files is not None else _lines(status_files_compact(spools, width))
     return Group(*head, *_lines(status_details(spools, width)))
 
 
@@ -310,7 +357,17 @@ def job_figures(job: dict[str, Any], now: float | None = None) -> dict[str, Any]
 
 
 def _streams(job: dict[str, Any]) -> list[str]:
-    return [f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"]
+    return [f"{s['kind']} {s['name']} {human_bytes(s['durable'])}" for s in job["streams"] if s["kind"] != "stdin"] + [
+        file_text(f, human_bytes) for f in job.get("files") or ()]
+
+
+def file_text(f: dict[str, Any], size: Callable[[int], str]) -> str:
+    """A file the job writes, as the listings show it beside the streams:
+    `file NAME SIZE vVERSION`, and its state unless it is committed."""
+    text = f"file {f['name']} {size(f['bytes'])} v{f['version']}"
+    if f.get("next"):
+        text += f" (v{f['next']['version']} arriving: {size(f['next']['bytes'])})"
+    return text if f["state"] == "committed" else f"{text} {f['state']}"
 
 
 def jobs_table(
@@ -352,6 +409,8 @@ def jobs_compact(
         for st in j["streams"]:
             if st["kind"] != "stdin":
                 lines += wrap_fields([f"  {st['kind']}", st["name"], human_bytes(st["durable"])], width)
+        for f in j.get("files") or ():
+            lines += wrap_fields(["  " + file_text(f, human_bytes)], width)
     return lines or ["no jobs"]
 
 
@@ -440,6 +499,8 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
         if wire and st["kind"] != "stdin" and wire < st["durable"]:  # some of it came compressed
             held[-1:] = [f"({human_bytes(wire)} on the wire, {ratio_text(st['durable'], wire)})", "in"]
         rows.append((st["kind"], [*held, st["name"]]))
+    for f in job.get("files") or ():
+        rows.append(("file", file_detail(f)))
     rows += [("I/O summary" if i == 0 else "", [f"{label}:", value])
              for i, (label, value) in enumerate(summary_rows(job.get("summary") or {}))]
     keys = max(cell_len(k) for k, _ in rows)
@@ -457,6 +518,21 @@ def job_detail(job: dict[str, Any], rate: float | None = None, now: float | None
     return table
 
 
+def file_detail(f: dict[str, Any]) -> list[str]:
+    """A file the job writes, in words, for `gcshadow jobs JOB` (fields wrapped whole)."""
+    fields = [human_bytes(f["bytes"]), f"({f['bytes']:,} bytes)", "in", f["name"] + ",", f"version {f['version']}"]
+    if f["committed"] >= 0:
+        fields[-1] += ","
+        fields += ["committed", "at", f"{f['committed']:,}", "bytes", f"(SHA-256 {str(f['sha256'])[:12]}...)"]
+    if f.get("next"):
+        fields[-1] += ";"
+        fields += [f"version {f['next']['version']}", "arriving:", human_bytes(f["next"]["bytes"])]
+    if f["state"] != "committed":
+        fields[-1] += ";"
+        fields += [f["state"]]
+    return fields
+
+
 def ratio_text(job: float, wire: float) -> str:
     """How much smaller the wire's bytes are than the job's: "4.2x smaller"."""
     return f"{job / wire:.1f}x smaller" if wire else "-"
@@ -470,8 +546,34 @@ def _on_the_wire(summary: dict[str, Any]) -> list[str]:
     return [f"  on the wire {human_bytes(wire)} ({wire:,.0f} bytes); {pct:g}% of the output sent compressed"]
 
 
-def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) -> list[str]:
-    """The I/O summary gcwrap prints on its own stderr when it exits."""
+SUMMARY_FILES = 20  # files the I/O summary names at most (the rest are counted)
+
+# What the I/O summary and `gcwrap status` add to a file's figures, by its state.
+FILE_STATES = {"live": "not all home", "committed": "", "gone": "deleted by the job: home keeps what it had",
+               "unreadable": "gcwrap cannot read it: home keeps what it had"}
+
+
+def file_words(f: dict[str, Any]) -> str:
+    """A file the job wrote (--file), for the I/O summary: its PATH (and the
+    NAME it lands at, where another), size, version and what became of it."""
+    where = f["path"] if f["name"] == f["path"] else f"{f['path']} as {f['name']}"
+    said = [f"version {f['version']}"] if f["version"] > 1 else []
+    if FILE_STATES.get(f["state"]):
+        said.append(FILE_STATES[f["state"]])
+    return f"{where} {human_bytes(f['size'])}" + (f" ({'; '.join(said)})" if said else "")
+
+
+def _files_line(files: list[dict[str, Any]]) -> list[str]:
+    if not files:
+        return []
+    more = f", and {len(files) - SUMMARY_FILES} more" if len(files) > SUMMARY_FILES else ""
+    return ["  files: " + ", ".join(file_words(f) for f in files[:SUMMARY_FILES]) + more]
+
+
+def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any],
+                  files: list[dict[str, Any]] | None = None) -> list[str]:
+    """The I/O summary gcwrap prints on its own stderr when it exits (`files`:
+    the job's files, --file, as `FileSender.listing` gives them)."""
     status = "unknown status" if job_status is None else f"status {job_status}"
     streams = [
         f"{key[:-6]} {human_bytes(value)}" for key, value in summary.items()
@@ -485,7 +587,7 @@ def summary_lines(job_id: str, job_status: int | None, summary: dict[str, Any]) 
          f"disconnected {summary.get('disconnected_s', 0):.1f} s, job paused {summary.get('paused_s', 0):.1f} s"),
         (f"  {summary.get('connections', 0)} connection(s), {summary.get('reconnects', 0)} reconnect(s), "
          f"{summary.get('failed_attempts', 0)} failed connection attempt(s) in all"),
-    ] + _shadow_in_use(summary) + _on_the_wire(summary) + (
+    ] + _files_line(files or []) + _shadow_in_use(summary) + _on_the_wire(summary) + (
         [f"  LOST: {human_bytes(lost)} ({lost:,} bytes) of output reached neither the spool nor home"] if lost else [])
 
 
@@ -519,9 +621,11 @@ class Reporter:
         self.out.write(line + "\n")
         self.out.flush()
 
-    def summary(self, job_id: str, job_status: int | None, summary: dict[str, Any]) -> None:
+    def summary(self, job_id: str, job_status: int | None, summary: dict[str, Any],
+                files: list[dict[str, Any]] | None = None) -> None:
         if self.fmt == "json":
-            self.say("I/O summary", "info", job_id=job_id, job_status=job_status, summary=summary)
+            extra = {"files": files} if files else {}
+            self.say("I/O summary", "info", job_id=job_id, job_status=job_status, summary=summary, **extra)
         else:
-            for line in summary_lines(job_id, job_status, summary):
+            for line in summary_lines(job_id, job_status, summary, files):
                 self.say(line)

@@ -21,6 +21,7 @@ from .render import (
     _group,
     _lines,
     ago,
+    file_text,
     fit_table,
     human_bytes,
     job_bytes,
@@ -55,7 +56,8 @@ def _iso(t: float | None) -> str:
 
 
 def _streams(j: dict[str, Any], size: Callable[[int], str]) -> str:
-    return ", ".join(f"{s['kind']} {s['name']} {size(s['durable'])}" for s in j["streams"] if s["kind"] != "stdin")
+    return ", ".join([f"{s['kind']} {s['name']} {size(s['durable'])}" for s in j["streams"] if s["kind"] != "stdin"]
+                     + [file_text(f, size) for f in j.get("files") or ()])
 
 
 def _text(key: str) -> JobColumn:
@@ -161,6 +163,10 @@ def job_json(job: dict[str, Any], now: float, events: bool) -> dict[str, Any]:
 # -- a job's timeline -----------------------------------------------------------------------------
 
 _TIMES = ("since", "worked_at", "heard")  # details that are Unix times: shown as clock times
+# What an event of a job's file means, said after its details.
+_WORDS = {"file_gone": "(the job deleted it: home keeps what it had)",
+          "file_unreadable": "(gcwrap cannot read it: home keeps what it had)",
+          "file_refused": "(home refused the file's NAME)"}
 
 
 def _detail(key: str, value: Any, now: float) -> str:
@@ -180,7 +186,9 @@ def timeline_lines(events: list[dict[str, Any]], now: float, width: int | None =
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])) + f".{int(e['time'] * 1000) % 1000:03d}"
         who = "home " if e["source"] == "shadow" else "agent"
         details = [_detail(k, v, now) for k, v in e["details"].items()]
-        lines += wrap_fields([f"  {stamp}", who, e["kind"], *[d for d in details if d]], width, indent="      ")
+        words = _WORDS.get(e["kind"], "").split()
+        lines += wrap_fields([f"  {stamp}", who, e["kind"], *[d for d in details if d], *words], width,
+                             indent="      ")
     return lines
 
 

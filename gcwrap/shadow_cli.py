@@ -40,6 +40,18 @@ class Port(click.IntRange):
         self.fail(f"{value!r} is not a port number: give 0-65535 (0: any free port)", param, ctx)
 
 
+class StreamOrName(click.Choice):  # type: ignore[type-arg]
+    """stdout, stderr or all (completed as choices); any other word is a file's NAME (`gcshadow tail`)."""
+
+    name = "stream"
+
+    def __init__(self) -> None:
+        super().__init__(["stdout", "stderr", "all"])
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        return str(value)
+
+
 root_option = click.option(
     "--root", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
     envvar="GCSHADOW_ROOT", show_envvar=True, help="Directory under which every job's files land.",
@@ -492,24 +504,30 @@ def _watch(console: Any, first: Callable[[], Any], refresh: Callable[[], Any]) -
 @click.option("-c", "--bytes", "nbytes", type=Size(), metavar="N",
               help="Start at the last N bytes of each stream (4096, 64KiB...).")
 @click.argument("job", required=False)
-@click.argument("stream", required=False, metavar="[STREAM]", type=click.Choice(["stdout", "stderr", "all"]))
+@click.argument("stream", required=False, metavar="[STREAM|NAME]", type=StreamOrName())
 def tail(root: Path, state: str, follow: bool, all_jobs: bool, lines: int | None, nbytes: int | None,
          job: str | None, stream: str | None) -> None:
     """Print the output a job has delivered so far; with -f, follow it live.
 
-    STREAM is stdout (the default), stderr, or all. Following ends when the
+    STREAM is stdout (the default), stderr, or all; or NAME, a file the job
+    writes (gcwrap --file), as the job named it. Following ends when the
     job has ended and all its output is printed; with --all it goes on until
     interrupted. -n N (lines) or -c N (bytes) starts at the end of each
-    stream instead of its beginning, like tail(1) and condor_tail.
+    stream instead of its beginning, like tail(1) and condor_tail. A file
+    is followed by its NAME, as tail -F does: when a new version of it
+    replaces NAME, a line on stderr says so and the new version is printed
+    from its start.
 
     \b
     Examples:
       gcshadow tail -f --root ~/results slurm-4242
       gcshadow tail -n 20 --root ~/results slurm-4242 stderr
+      gcshadow tail -f --root ~/results slurm-4242 train.log
       gcshadow tail -f --all --root ~/results
     """
     import sqlite3
 
+    from .render import say_on_stderr
     from .shadow.files import StoreError
     from .shadow.tail import tail as run_tail
 
@@ -519,11 +537,13 @@ def tail(root: Path, state: str, follow: bool, all_jobs: bool, lines: int | None
         raise click.UsageError("--all follows every job: do not name one")
     if lines is not None and nbytes is not None:
         raise click.UsageError("give -n (lines) or -c (bytes), not both")
+    if all_jobs and stream not in (None, "stdout", "stderr", "all"):
+        raise click.UsageError("--all follows stdout, stderr or all: name a JOB to follow a file")
     stream = stream or ("all" if all_jobs else "stdout")
     prefix = all_jobs or stream == "all"
     try:
         run_tail(root, job, stream, sys.stdout.buffer, follow=follow, prefix=prefix, state_url=state, lines=lines,
-                 nbytes=nbytes)
+                 nbytes=nbytes, notice=say_on_stderr)
     except sqlite3.Error as e:
         raise click.ClickException(f"no shadow state under {root}: {e}") from None
     except StoreError as e:

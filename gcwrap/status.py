@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .agent.spool import Spool, SpoolError, spool_files
+from .agent.spoolfiles import SpoolFiles
 
 
 def in_use(path: Path) -> bool:
@@ -95,6 +96,7 @@ def read_spool(path: Path) -> dict[str, Any]:
         streams = spool.streams()
         size = spool.file_size()
         oldest = spool.oldest_pending()
+        files = spool_files_view(SpoolFiles(spool))
     finally:
         spool.close()
     active = in_use(path)
@@ -154,12 +156,49 @@ def read_spool(path: Path) -> dict[str, Any]:
             for s in streams.values() if s.kind != "stdin"
         ],
     }
+    info["files"] = _live_files(files, read_live(path) or {}) if files else []
     if live:
         _overlay(info, live)
     elif final:
         # The spool refused the final record, which says what was lost: the live file has it.
         _final_loss(info, final)
     return info
+
+
+def spool_files_view(recorded: SpoolFiles) -> list[dict[str, Any]]:
+    """The job's files (--file) as the spool records them: for each, its
+    newest version, how far it was sent and acknowledged, and the size home
+    holds committed (-1: none). The spool records how far a version went at
+    its commits, and knows nothing of a file deleted or unreadable: the
+    live status file says more (`_live_files`)."""
+    out = []
+    for handle, f in recorded.files().items():
+        versions = recorded.versions(handle)
+        newest = versions[-1] if versions else None
+        done = [v for v in versions if v.committed is not None]
+        committed = done[-1].committed if done and done[-1].committed is not None else -1
+        size = max(newest.sent, newest.size or 0) if newest else 0
+        state = "committed" if newest is not None and newest.committed == size else "live"
+        out.append({"file": handle, "path": f.path, "name": f.name, "version": newest.version if newest else 0,
+                    "size": size, "sent": newest.sent if newest else 0, "acked": newest.acked if newest else 0,
+                    "committed": committed, "state": state})
+    return out
+
+
+def _live_files(files: list[dict[str, Any]], live: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spool's view of the files, with what the agent's live status file
+    says of them (`FileSender.live`: figures as of its last look, whether a
+    file is gone or unreadable), where it tells of the same version or a newer one."""
+    by_handle = {f["file"]: f for f in files}
+    for row in live.get("files") or ():
+        if not isinstance(row, list) or len(row) != 7 or not all(isinstance(x, int) for x in row[:6]):
+            continue
+        f = by_handle.get(row[0])
+        if f is not None and row[1] >= f["version"]:
+            f.update(version=row[1], size=row[2], sent=row[3], acked=row[4], state=str(row[6]))
+            if row[5] >= 0:  # (-1: this version is not committed yet; home holds the one the spool says)
+                f["committed"] = row[5]
+    return files
 
 
 def _final_loss(info: dict[str, Any], final: dict[str, Any]) -> None:

@@ -69,8 +69,9 @@ class SlowFS:
     answers what is held and unmounts."""
 
     def __init__(self, mountpoint: Path, files: dict[str, bytes], *, hang_reads: bool = False,
-                 hang_syncs: bool = False) -> None:
+                 hang_syncs: bool = False, fail_reads: bool = False) -> None:
         self.mountpoint = mountpoint
+        self.fail_reads = fail_reads  # every read answered EIO (a disk or a server that fails)
         self.names: dict[bytes, int] = {}
         self.data: dict[int, bytearray] = {}
         for name, content in files.items():
@@ -206,6 +207,8 @@ class SlowFS:
                 self._reply(unique, error=errno.EEXIST)
             else:
                 self._reply(unique, self._entry(self._make(name)) + OPEN_OUT.pack(0, FOPEN_DIRECT_IO, 0))
+        elif opcode == READ and self.fail_reads:
+            self._reply(unique, error=errno.EIO)
         elif opcode == READ:
             _, offset, size, _ = IO_IN.unpack_from(body)
             self._hold(self.reads, unique, bytes(self.data[node][offset:offset + size]))

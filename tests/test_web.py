@@ -724,3 +724,42 @@ def test_a_job_is_shown_the_same_from_either_state(tmp_path: Path) -> None:
     assert decoded["command"] == ["python3", "x.py"] and decoded["duration_s"] == 2.5  # the job's own start and end
     running = reader.job_view({**base, "state": "streaming", "ended": None, "command": None, "summary": "{"}, wall=130.0)
     assert running["command"] == [] and running["summary"] == {} and running["duration_s"] == 30.0
+
+
+def test_a_jobs_page_lists_the_files_it_writes_with_their_sizes_and_versions(
+        web: WebProc, shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # (gcwrap's --file PATHs are relative to its working directory)
+    code = ("import os, time\n"
+            "open('log.txt', 'w').write('a line\\n' * 100)\n"
+            "for step in range(3):\n"
+            "    open('.s.tmp', 'w').write(f'step {step}\\n' * (step + 1))\n"
+            "    os.replace('.s.tmp', 'status.txt')\n"
+            "    time.sleep(1.3)\n"
+            "while not os.path.exists('go'):\n"
+            "    time.sleep(0.02)\n")
+    w = Wrapper(["--shadow", shadow.address, "--stdout", "out/files.txt", "--job-id", "files-1", "--spool",
+                 str(spool_dir), "--file", "log.txt=out/log.txt", "--file", "status.txt=out/status.txt", "--",
+                 sys.executable, "-c", code])
+
+    def files() -> dict[str, dict[str, Any]]:
+        job = job_state(web, "files-1") or {}
+        return {f["name"]: f for f in job.get("files", [])}
+
+    wait_until(lambda: files().get("out/status.txt", {}).get("version", 0) >= 3
+               and files()["out/status.txt"]["state"] == "committed", 30, "the third version listed")
+    (work / "go").touch()
+    assert w.wait(60) == 0, w.err
+    wait_until(lambda: (job_state(web, "files-1") or {}).get("state") == "finished", 20, "the web view to see the end")
+    job = web.json("/api/jobs/files-1")
+    listed = {f["name"]: (f["bytes"], f["version"], f["committed"], f["state"]) for f in job["files"]}
+    status = (work / "status.txt").read_bytes()
+    assert listed == {"out/log.txt": (700, 1, 700, "committed"),
+                      "out/status.txt": (len(status), listed["out/status.txt"][1], len(status), "committed")}
+    assert job["files"][0]["sha256"] == hashlib.sha256(b"a line\n" * 100).hexdigest()
+    _, _, page = web.get("/jobs/files-1")
+    assert b'id="files"' in page and b'id="filerows"' in page
+    _, _, script = web.get("/static/job.js")
+    assert b"showFiles(j.files" in script

@@ -411,3 +411,35 @@ def test_a_job_page_fits_wide_and_narrow_windows(browser: Any, sweep: WebClient,
         _shot(browser, _shots(tmp_path) / f"job-{width}.png")
         wide, view = _fits(browser)
         assert wide <= view, f"the job page with its timeline is {wide} px wide in a {view} px window"
+
+
+def test_a_job_page_shows_the_files_it_writes(browser: Any, web: WebProc, shadow: ShadowProc, spool_dir: Path,
+                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # (gcwrap's --file PATHs are relative to its working directory)
+    code = ("import os, time\n"
+            "open('result.csv', 'w').write('a,b\\n' * 1000)\n"
+            "open('tmp.txt', 'w').write('temporary')\n"
+            "time.sleep(1.5)\n"
+            "os.unlink('tmp.txt')\n"
+            "while not os.path.exists('go'):\n"
+            "    time.sleep(0.02)\n")
+    w = Wrapper(["--shadow", shadow.address, "--stdout", "out/b-files.txt", "--job-id", "b-files", "--spool",
+                 str(spool_dir), "--file", "result.csv=out/result.csv", "--file", "tmp.txt", "--", sys.executable,
+                 "-c", code])
+    wait_until(lambda: any(f["state"] == "committed" for f in (job_state(web, "b-files") or {}).get("files", [])),
+               30, "the file committed at home")
+    browser.get(web.base + "/jobs/b-files")
+    row = 'tr[data-file="out/result.csv"]'
+    wait_for(browser, lambda d: "3.91 KiB" in text_of(d, row), "the file's size in its row")
+    assert text_of(browser, row).split() == ["out/result.csv", "3.91", "KiB", "1", "committed"]
+    assert text_of(browser, "#files h2") == "Files"
+    wait_for(browser, lambda d: "file_gone" in (d.execute_script(
+        "return Array.from(document.querySelectorAll('#events li'), e => e.dataset.kind)") or []),
+        "the deleted file in the timeline")
+    browser.find_element("css selector", "#timeline summary").click()
+    gone = text_of(browser, '#events li[data-kind="file_gone"]')
+    assert "file deleted by the job: home keeps what it had" in gone and "tmp.txt" in gone, gone
+    (work / "go").touch()
+    assert w.wait(60) == 0, w.err

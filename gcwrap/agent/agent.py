@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
-from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, commit_text, loss_text
+from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, Outcome, commit_text, loss_text
 from .retry import Backoff, ShadowRefused, describe
 from .sender import Session, SessionConfig, SessionEnd
 from .shadows import ShadowList, connect, given_up, local_address
@@ -77,21 +76,6 @@ def read_size(held: int) -> int:
     (line output at a moderate rate reads a few KiB a time, thousands of
     times a second); SMALL_READ comes from the heap, without a system call."""
     return min(READ_SIZE, max(held, SMALL_READ))
-
-
-@dataclass
-class Outcome:
-    """How a run or a resume ended, for the CLI to report."""
-
-    status: int
-    job_status: int | None = None
-    message: str = ""
-    spool: Path | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    lost: str = ""  # what output is lost, in words (then status is LOST)
-    pending: int = 0  # bytes of output the spool keeps for `gcwrap resume`
-    refused: bool = False  # the shadow refused the job for good
-    signalled: str = ""  # the signal that stopped a resume ("SIGTERM"): resume no further spool
 
 
 class Agent:
@@ -143,7 +127,8 @@ class Agent:
         self.delivering = False  # the deliver loop runs
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
-        self.files = FileSender(Path.cwd(), opts.files, self.changed, spooler.record_files) if opts.files else None
+        self.files = FileSender(Path.cwd(), opts.files, self.changed, spooler.record_files,
+                                self.journal.note) if opts.files else None
 
     # -- shared state helpers ---------------------------------------------
 
@@ -178,6 +163,7 @@ class Agent:
                 for sid, o in self.out.items()
             },
             "wire": self.wire.as_dict(),
+            "files": self.files.live() if self.files is not None else [],  # (`FileSender.live`)
             # since when output has waited with nothing acknowledged (None: nothing waits)
             "waiting_since": None if (w := self.journal.link.waiting_since) is None else round(w + wall, 3),
         }

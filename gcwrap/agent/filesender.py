@@ -26,6 +26,7 @@ A session (gcwrap.agent.sender) calls `welcomed` with home's WELCOME.files,
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -59,6 +60,12 @@ FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams ge
 
 Send = Callable[[Event], Awaitable[None]]
 Record = Callable[[Callable[["SpoolFiles"], object]], Awaitable[None]]
+Note = Callable[..., None]  # (now, kind, **details): a note for the job's timeline at home (`Journal.note`)
+LIVE_FILES = 16  # files the live status file tells of at most (4 KiB in all, ~75 bytes each): not committed first
+
+
+def _no_note(at: float, kind: str, **details: object) -> None:
+    pass
 
 
 async def _no_record(fn: Callable[[SpoolFiles], object]) -> None:
@@ -139,14 +146,29 @@ class TrackedFile:
     committed_at: float = 0.0  # when its last FILE_COMMIT went
     base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
     numbered: int = 0  # the newest version number given (versions only grow)
+    trouble: str = ""  # "gone" (the job deleted it) or "unreadable" (gcwrap cannot read it): said once each
+
+    def state(self) -> str:
+        """live, committed, gone or unreadable (`gcwrap status`, the I/O summary)."""
+        v = self.current
+        if self.trouble or v is None:
+            return self.trouble or "unreadable"
+        return "committed" if v.committed == v.planned and v.sent == v.planned else "live"
+
+    def view(self) -> dict[str, object]:
+        v = self.current
+        return {"file": self.handle, "path": self.path, "name": self.name, "version": v.number if v else 0,
+                "size": v.planned if v else 0, "sent": v.sent if v else 0, "acked": v.acked if v else 0,
+                "committed": v.committed if v else -1, "state": self.state()}
 
 
 class FileSender:
     """The job's files: watched, versioned, sent, committed."""
 
     def __init__(self, workdir: Path, specs: tuple[FileSpec, ...], changed: Signal,
-                 record: Record = _no_record) -> None:
+                 record: Record = _no_record, note: Note = _no_note) -> None:
         self.workdir = workdir
+        self.note = note
         self.record = record  # into the spool: its files, versions, scans and commits (gcwrap.agent.spoolfiles)
         self.acks: list[tuple[int, int, int]] = []  # (file, version, size) commits acknowledged, to record
         self.watcher = FileWatcher(workdir, specs)
@@ -218,7 +240,10 @@ class FileSender:
         tracked.changed_at = now
         current = tracked.current
         if event.change is Change.DELETED:
-            return  # (the descriptor keeps its last content: that is what home gets)
+            self._trouble(tracked, "gone")  # (the descriptor keeps its last content: that is what home gets)
+            return
+        if tracked.trouble == "gone":
+            tracked.trouble = ""  # (there again)
         if event.change in (Change.GREW, Change.APPEARED) and current is not None and event.stat is not None \
                 and _same_inode(current.fd, event.stat) and event.stat.size >= current.planned:
             _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
@@ -249,7 +274,10 @@ class FileSender:
                         e.strerror)
             if fd is not None:
                 os.close(fd)
+            self._trouble(tracked, "gone" if e.errno == errno.ENOENT else "unreadable", e.strerror or str(e))
             return
+        if tracked.trouble == "unreadable":
+            tracked.trouble = ""
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         number = tracked.numbered = tracked.numbered + 1
@@ -258,6 +286,31 @@ class FileSender:
         tracked.base_digests = digests
         await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
         log.debug("file %s: version %d of %d bytes (base %s)", tracked.path, number, size, base)
+
+    def _trouble(self, tracked: TrackedFile, trouble: str, error: str = "") -> None:
+        """The file is gone or unreadable: a note for home's timeline, once
+        until it is there (or readable) again. Home keeps what it has of it."""
+        if tracked.trouble == trouble:
+            return
+        tracked.trouble = trouble
+        v = tracked.current
+        details: dict[str, object] = {"name": tracked.name, "path": tracked.path}
+        if v is not None:
+            details.update(version=v.number, size=v.planned)
+        if error:
+            details["error"] = error
+        self.note(trio.current_time(), f"file_{trouble}", **details)
+
+    def listing(self) -> list[dict[str, object]]:
+        """Each file as `gcwrap status` and the I/O summary show it (`TrackedFile.view`)."""
+        return [t.view() for t in self.by_handle.values()]
+
+    def live(self) -> list[list[object]]:
+        """For the live status file: [file, version, size, sent, acked,
+        committed, state] of LIVE_FILES files at most, those not committed first."""
+        shown = sorted(self.by_handle.values(), key=lambda t: (t.state() == "committed", t.handle))[:LIVE_FILES]
+        return [[(v := t.view())["file"], v["version"], v["size"], v["sent"], v["acked"], v["committed"], v["state"]]
+                for t in shown]
 
     # -- a connection ------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..ranks import Rank, ranked
@@ -120,3 +121,19 @@ def commit_text(kinds: dict[int, str], chunks: Iterable[Chunk | Extent], acked: 
     if updates:
         parts.append("job fields " + ", ".join(sorted(updates)))
     return "; ".join(parts)
+
+
+@dataclass
+class Outcome:
+    """How a run or a resume ended, for the CLI to report."""
+
+    status: int
+    job_status: int | None = None
+    message: str = ""
+    spool: Path | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    lost: str = ""  # what output is lost, in words (then status is LOST)
+    pending: int = 0  # bytes of output the spool keeps for `gcwrap resume`
+    refused: bool = False  # the shadow refused the job for good
+    signalled: str = ""  # the signal that stopped a resume ("SIGTERM"): resume no further spool
+    files: list[dict[str, Any]] = field(default_factory=list)  # the job's files (--file), for the I/O summary

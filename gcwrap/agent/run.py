@@ -28,10 +28,10 @@ from ..render import human_bytes
 from ..sync import worst_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from .addresses import show, show_all
-from .agent import Agent, Outcome
+from .agent import Agent
 from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
 from .options import AgentOptions
-from .records import JobRecord
+from .records import JobRecord, Outcome
 from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler
@@ -247,6 +247,7 @@ async def _run_job(
             await _keep(agent)  # (refused: what the disk did not take has no other copy)
         outcome = _finish(agent, status)
         outcome.stats = agent.summary()
+        outcome.files = agent.files.listing() if agent.files is not None else []
         nursery.cancel_scope.cancel()
     return outcome
 

@@ -30,6 +30,7 @@ import errno
 import hashlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +46,20 @@ from .admission import Refused
 from .backends import StateBackend
 from .durability import Fenced, Trouble
 from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
+from .replies import WIRE_CODES
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
 OPEN_PER_SESSION = 8  # a session's files kept open (a job may write thousands): `SessionFiles.trim`
+
+
+Said = Callable[..., None]  # (kind, **details): an event of the job's timeline
+COMMITS_SAID_EVERY = 60.0  # seconds: a file's commits said in the timeline at most this often (its last always)
+
+
+def _unsaid(kind: str, **details: Any) -> None:
+    pass
 
 
 class Fencing(Exception):
@@ -100,8 +110,11 @@ class SessionFiles:
     run in worker threads; the others in the event loop, between frames."""
 
     def __init__(self, store: StateBackend, job_id: str, instance: str, session: int, tenant: str,
-                 stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0) -> None:
+                 stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0,
+                 said: Said | None = None) -> None:
         self.store = store
+        self.said = said or _unsaid  # an event for the job's timeline (the shadow's `EventLog.event`)
+        self.told: dict[int, tuple[int, float, int]] = {}  # handle -> (version, when) last said committed, skipped
         self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
         self.streams = streams  # bytes its streams hold now
         self.job_id = job_id
@@ -471,8 +484,23 @@ class SessionFiles:
         v.committed, v.sha256 = size, sha
         self.bases[v.file] = (v.version, max(v.durable, size))
 
+    def say_commit(self, v: Version, size: int, final: bool = False) -> None:
+        """A version's commit, for the job's timeline: its first, at most
+        one a file every COMMITS_SAID_EVERY seconds (those between counted
+        as `skipped`), and at the job's end (`final`) the one not said yet."""
+        version, at, skipped = self.told.get(v.file, (0, -COMMITS_SAID_EVERY, 0))
+        now = time.monotonic()
+        if version == v.version or (not final and now - at < COMMITS_SAID_EVERY):
+            if version != v.version:
+                self.told[v.file] = (version, at, skipped + 1)
+            return
+        self.told[v.file] = (v.version, now, 0)
+        self.said("file_committed", file=v.file, name=v.name, version=v.version, size=size,
+                  sha256=(v.sha256 or "")[:16], skipped=skipped or None)
+
     def check_exit(self, files: Iterable[tuple[int, int, int]]) -> None:
-        """EXIT's final versions: each committed at its size, or LENGTH_MISMATCH."""
+        """EXIT's final versions: each committed at its size, or LENGTH_MISMATCH;
+        then the commits of the final versions not said yet, said (in the event loop)."""
         for file, version, size in files:
             base = self.bases.get(file)
             v = self.current.get(file)
@@ -480,6 +508,9 @@ class SessionFiles:
                 held = f"version {base[0]} at {v.committed if v else -1} bytes" if base else "nothing committed"
                 raise ProtocolError(f"EXIT says file {file} is version {version} at {size} bytes, home holds "
                                     f"{held}", ErrorCode.LENGTH_MISMATCH)
+        for file, (version, _) in self.bases.items():  # (each file's final version is in the timeline)
+            if (v := self.current.get(file)) is not None and v.version == version:
+                self.say_commit(v, v.committed, final=True)
 
     def finish(self) -> None:
         """The job ended (its EXIT checked): staged versions never committed go (blocking)."""
@@ -521,12 +552,16 @@ def _copy(src: int, dst: int, at: int, to: int, length: int) -> None:
 async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
     """One of FILE_OPEN, FILE_DATA, FILE_COPY, FILE_COMMIT."""
     if isinstance(ev, FileOpen):
-        name = files.name_of(ev)
-        if ev.file not in files.names:  # (a NAME is one job's at a time, as a stream's is)
-            holder = await trio.to_thread.run_sync(files.store.name_holder, name, files.job_id)
-            if holder:
-                raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
-        files.opened(ev)
+        try:
+            name = files.name_of(ev)
+            if ev.file not in files.names:  # (a NAME is one job's at a time, as a stream's is)
+                holder = await trio.to_thread.run_sync(files.store.name_holder, name, files.job_id)
+                if holder:
+                    raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
+            files.opened(ev)
+        except StoreError as e:  # (the session ends in an ERROR: the timeline says which file's NAME)
+            files.said("file_refused", file=ev.file, name=ev.name, code=WIRE_CODES[e.problem].name, message=str(e))
+            raise
     elif isinstance(ev, FileData):
         files.data(ev)
     elif isinstance(ev, FileCopy):
@@ -539,6 +574,7 @@ async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
             raise ProtocolError(f"FILE_COMMIT: version {v.version} of {v.name!r} has SHA-256 {sha} at home, not "
                                 f"{ev.sha256}: it was changed at home", ErrorCode.LENGTH_MISMATCH)
         await _guarded(files.commit_file, v, ev.size, sha)
+        files.say_commit(v, ev.size)
         await sender.send(lambda: sender.conn.send(FileAck(v.file, v.version, ev.size, committed=True)), check=True)
 
 

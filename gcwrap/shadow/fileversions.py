@@ -30,8 +30,8 @@ from typing import Any
 from ..wire.events import FileHeld
 from .timeline import POSTGRES, SQLITE, Dialect
 
-__all__ = ["POSTGRES", "SQLITE", "VersionRecord", "VersionRow", "held", "holder", "migrate_postgres",
-           "migrate_sqlite", "read", "record"]
+__all__ = ["POSTGRES", "SQLITE", "VersionRecord", "VersionRow", "file_view", "has_table", "held", "holder",
+           "listing", "migrate_postgres", "migrate_sqlite", "read", "record"]
 
 _COLUMNS = """job_id TEXT NOT NULL, instance TEXT NOT NULL, file INTEGER NOT NULL, name TEXT NOT NULL,
     version INTEGER NOT NULL, base INTEGER, durable BIGINT NOT NULL DEFAULT 0,
@@ -153,3 +153,55 @@ def held(rows: list[VersionRow]) -> tuple[FileHeld, ...]:
         if row.file not in newest or row.version > newest[row.file].version:
             newest[row.file] = row
     return tuple(FileHeld(r.file, r.version, r.durable, r.committed) for _, r in sorted(newest.items()))
+
+
+# -- what the listings show -------------------------------------------------------------
+
+
+def listing(conn: Any, d: Dialect, job_id: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The files of each job's current attempt (or of `job_id`'s), as
+    `gcshadow jobs`, `tail` and the web view list them (see `file_view`)."""
+    one, args = (" AND f.job_id = ?", [job_id]) if job_id is not None else ("", [])
+    rows = conn.cursor().execute(d.sql(
+        "SELECT f.job_id, f.file, f.name, f.version, f.base, f.durable, f.committed, f.sha256, j.state "
+        "FROM {s}file_versions f JOIN {s}jobs j ON j.job_id = f.job_id AND j.instance = f.instance "
+        f"WHERE true{one} ORDER BY f.job_id, f.file, f.version"), args).fetchall()
+    grouped: dict[tuple[str, int], list[tuple[VersionRow, bool]]] = {}
+    for job, file, name, version, base, durable, committed, sha, state in rows:
+        row = VersionRow(int(file), str(name), int(version), None if base is None else int(base), int(durable),
+                         int(committed), sha)
+        grouped.setdefault((str(job), int(file)), []).append((row, state == "finished"))
+    found: dict[str, list[dict[str, Any]]] = {}
+    for (job, _), versions in grouped.items():
+        found.setdefault(job, []).append(file_view([r for r, _ in versions], versions[0][1]))
+    return found
+
+
+def file_view(versions: list[VersionRow], finished: bool) -> dict[str, Any]:
+    """One file as the listings show it, from the versions home holds of
+    it (oldest first): its NAME; `bytes`, what NAME holds; `version`, the
+    version NAME is (the committed one, or the first while it arrives in
+    place); `committed`, NAME's committed size (-1: none yet) and its
+    `sha256`; `next`, a newer version staged beside NAME and its bytes so
+    far (None: none); `state`: "live" while bytes or a commit are to come,
+    "committed" when NAME is exactly its committed version, "partial" when
+    the job ended without a commit of what NAME holds."""
+    newest = versions[-1]
+    done = [v for v in versions if v.committed >= 0]
+    committed = done[-1] if done else None
+    staged = committed is not None and newest is not committed
+    named = committed if staged and committed is not None else newest
+    whole = named.committed >= 0 and named.durable == named.committed
+    state = "committed" if whole and (finished or not staged) else "partial" if finished else "live"
+    return {"file": newest.file, "name": newest.name, "version": named.version, "bytes": named.durable,
+            "committed": named.committed, "sha256": named.sha256 if named.committed >= 0 else None,
+            "next": {"version": newest.version, "bytes": newest.durable} if staged and not finished else None,
+            "state": state}
+
+
+def has_table(conn: Any, d: Dialect) -> bool:
+    """Whether the state has the file versions' table (a shadow of an older version made it, and serves it still)."""
+    sql = ("SELECT to_regclass('gcshadow.file_versions') IS NOT NULL" if d is POSTGRES
+           else "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'file_versions'")
+    row = conn.cursor().execute(sql).fetchone()
+    return bool(row and row[0])

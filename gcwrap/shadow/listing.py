@@ -1,6 +1,6 @@
 """What the commands read of the root's own state (SQLite), read-only,
-also while a shadow serves it: the jobs with their streams and timelines
-(`gcshadow jobs`, `tail`), the refused connections, the shadow's own row."""
+also while a shadow serves it: the jobs with their streams, files and
+timelines (`gcshadow jobs`, `tail`), the refused connections, the shadow's own row."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import timeline
+from . import fileversions, timeline
 from .state import open_state
 
 
 def list_jobs(root: Path, job: str | None = None, events: int | None = None) -> list[dict[str, Any]]:
     """Every job the shadow at `root` knows (or `job` alone), with its
-    streams and timeline (the newest `events` of each; None: all kept), for `gcshadow jobs`."""
+    streams, the files it writes (`fileversions.listing`) and timeline (the
+    newest `events` of each; None: all kept), for `gcshadow jobs`."""
     db = open_state(root, readonly=True)
     try:
         where: tuple[str | None, list[str] | None] = ("job_id = ?", [job]) if job is not None else (None, None)
@@ -26,6 +27,10 @@ def list_jobs(root: Path, job: str | None = None, events: int | None = None) -> 
                 "job_id = ?", [j["job_id"]], select="stream, kind, name, durable, wire", order_by="stream"))
             j["command"] = json.loads(j["command"] or "[]")
             j["summary"] = json.loads(j["summary"] or "{}")
+        files = fileversions.listing(db.conn, fileversions.SQLITE, job) if fileversions.has_table(
+            db.conn, fileversions.SQLITE) else {}
+        for j in jobs:
+            j["files"] = files.get(j["job_id"], [])
         now = time.time()
         if not _has_timeline(db.conn):
             return timeline.attach(jobs, {}, [], now)

@@ -551,6 +551,10 @@ def _jobs(conn: psycopg.Connection[Any], job: str | None = None, events: int | N
         j["streams"] = by_job.get(j["job_id"], [])
         j["command"] = json.loads(j["command"] or "[]")
         j["summary"] = json.loads(j["summary"] or "{}")
+    files = fileversions.listing(conn, fileversions.POSTGRES, job) if fileversions.has_table(
+        conn, fileversions.POSTGRES) else {}
+    for j in jobs:
+        j["files"] = files.get(j["job_id"], [])
     now = time.time()
     if not _has_timeline(conn):
         return timeline.attach(jobs, {}, [], now)

@@ -361,7 +361,8 @@ class Shadow:
                 if FILES_FEATURE in features:  # (what home holds of the files the job writes)
                     self.written[job] = SessionFiles(
                         self.store, job.job_id, hello.instance, files.session, tenant, [sf.name for sf in files.all()],
-                        quota=self.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()))
+                        quota=self.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()),
+                        said=lambda kind, **details: self.events.event(job.job_id, kind, **details))
                 held_files = await self._worker(self.written[job].load) if job in self.written else ()
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features,
                                   held_files)

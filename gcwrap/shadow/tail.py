@@ -8,6 +8,13 @@ Following polls the files' sizes every POLL seconds (20 ms: far below what a
 person notices, and cheap: one fstat per file) and the shadow's state every
 STATE_POLL seconds to learn which jobs have ended. A job's stream is done when
 the job is finished and every byte up to its final length has been printed.
+
+A file the job writes (--file) is followed by its NAME, as `tail -F`
+follows a name: a new version of the file is renamed over NAME at its
+commit, so when NAME is another file than the one being read, what is left
+of the old one is printed, `notice` says so (on stderr), and the new
+version is printed from its first byte. It is done when the job is finished
+and NAME's committed content is printed.
 """
 
 from __future__ import annotations
@@ -39,12 +46,26 @@ class Followed:
     extra: dict[str, Any] = field(default_factory=dict)
     lines: int | None = None  # start at the last `lines` lines, or...
     nbytes: int | None = None  # ...the last `nbytes` bytes (when the file is first opened)
+    by_name: bool = False  # a file the job writes: NAME may be replaced by a new version (followed)
+
+
+STREAMS = ("stdout", "stderr", "all")
+
+
+def _file_named(job: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The job's file (--file) at NAME, as the job named it (under its identity's directory, where there is one)."""
+    owner = job.get("owner") or ""
+    return next((f for f in job.get("files") or () if f["name"] in (name, f"{owner}/{name}")), None)
 
 
 def _select(jobs: list[dict[str, Any]], job: str | None, stream: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     out = []
     for j in jobs:
         if job is not None and j["job_id"] != job:
+            continue
+        if stream not in STREAMS:
+            if (f := _file_named(j, stream)) is not None:
+                out.append((j, {"kind": stream, "name": f["name"], "durable": f["bytes"], "file": True}))
             continue
         for st in j["streams"]:
             if st["kind"] == "stdin":
@@ -96,7 +117,26 @@ def start_offset(fd: int, lines: int | None, nbytes: int | None) -> int:
     return 0
 
 
-def _drain(f: Followed, write: Callable[[bytes], None]) -> None:
+def _replaced(f: Followed) -> bool:
+    """Whether NAME is now another file than the one read (a new version renamed over it)."""
+    try:
+        st = os.stat(f.path)
+    except OSError:
+        return False
+    return f.fd is not None and not os.path.samestat(st, os.fstat(f.fd))
+
+
+def _drain(f: Followed, write: Callable[[bytes], None], notice: Callable[[str], None]) -> None:
+    if f.by_name and _replaced(f):
+        _drain_fd(f, write)  # (what is left of the old version)
+        assert f.fd is not None
+        os.close(f.fd)
+        f.fd, f.offset = None, 0
+        if f.pending_line:
+            write(f.prefix + f.pending_line + b"\n")
+            f.pending_line = b""
+        notice(f"{f.kind} of job {f.job_id} was replaced by a new version: following it from its start")
+        f.lines = f.nbytes = None  # (the new version is printed whole)
     if f.fd is None:
         try:
             f.fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -108,6 +148,11 @@ def _drain(f: Followed, write: Callable[[bytes], None]) -> None:
         # A new attempt of the job started the file afresh: follow it from the top.
         write(f.prefix + b"--- file restarted by a new attempt of the job ---\n")
         f.offset, f.pending_line = 0, b""
+    _drain_fd(f, write)
+
+
+def _drain_fd(f: Followed, write: Callable[[bytes], None]) -> None:
+    assert f.fd is not None
     while True:
         data = os.pread(f.fd, 1 << 16, f.offset)
         if not data:
@@ -128,15 +173,19 @@ def tail(
     state_url: str = "",
     lines: int | None = None,
     nbytes: int | None = None,
+    notice: Callable[[str], None] = lambda text: None,
 ) -> int:
     """Print (and with `follow`, follow) the selected streams (`state_url`: the
     --state URL, "" for the root's own), each from its last `lines` lines or
-    `nbytes` bytes if given. Returns the number of streams printed; raises
+    `nbytes` bytes if given; `stream` is stdout, stderr, all, or the NAME of
+    a file the job writes (followed by name: `notice` says when a new
+    version replaced it). Returns the number of streams printed; raises
     LookupError when nothing matches."""
     state = {j["job_id"]: j for j in read_jobs(state_url, root, job=job, events=0)}
     selected = _select(list(state.values()), job, stream)
     if not selected and not (follow and job is None):
-        raise LookupError(f"no job {job!r} with a {stream} stream at this shadow" if job else "no jobs at this shadow")
+        what = f"a {stream} stream" if stream in STREAMS else f"a stream or file named {stream!r}"
+        raise LookupError(f"no job {job!r} with {what} at this shadow" if job else "no jobs at this shadow")
 
     def write(data: bytes) -> None:
         out.write(data)
@@ -149,7 +198,8 @@ def tail(
             key = (j["job_id"], st["kind"])
             if key not in followed:
                 tag = f"[{j['job_id']} {st['kind']}] ".encode() if prefix else b""
-                followed[key] = Followed(j["job_id"], st["kind"], root / st["name"], tag, lines=lines, nbytes=nbytes)
+                followed[key] = Followed(j["job_id"], st["kind"], root / st["name"], tag, lines=lines, nbytes=nbytes,
+                                         by_name=bool(st.get("file")))
             f = followed[key]
             if j["state"] == "finished":
                 f.final_length = st["durable"]
@@ -161,8 +211,9 @@ def tail(
         while True:
             for f in followed.values():
                 if not f.done:
-                    _drain(f, write)
-                    if not follow or (f.final_length is not None and f.offset >= f.final_length):
+                    _drain(f, write, notice)
+                    if not follow or (f.final_length is not None and f.offset >= f.final_length
+                                      and not (f.by_name and _replaced(f))):
                         f.done = True
                         if f.pending_line:
                             write(f.prefix + f.pending_line + b"\n")

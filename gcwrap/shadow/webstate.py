@@ -43,7 +43,7 @@ from urllib.parse import quote
 import sqlite_utils
 
 from ..wire.names import STATE_DIR, NameError_
-from . import backends
+from . import backends, fileversions
 from .files import StoreError, open_confined
 
 log = logging.getLogger("gcshadow")
@@ -189,6 +189,10 @@ class StateReader:
                 job_id = stream.pop("job_id")
                 if job_id in jobs:
                     jobs[job_id]["streams"].append(stream)
+            files = fileversions.listing(conn, fileversions.SQLITE) if fileversions.has_table(
+                conn, fileversions.SQLITE) else {}
+            for job_id, job in jobs.items():
+                job["files"] = files.get(job_id, [])
         except (sqlite3.Error, OSError) as e:
             self.close()
             error = str(e)
@@ -375,6 +379,9 @@ class StateReader:
             "last_byte_at": max(lasts) if lasts else None,
             "idle_s": round(max(0.0, wall - max(lasts)), 1) if lasts else None,
             "stdin": stdin, "streams": streams,
+            # The files the job writes (--file): NAME, its bytes, version, committed size, state (`fileversions`).
+            "files": [{k: f[k] for k in ("name", "bytes", "version", "committed", "sha256", "next", "state")}
+                      for f in job.get("files") or ()],
             "page": job_url(job["job_id"]), "url": api_url(job["job_id"]),
             "live": api_url(job["job_id"]) + "/events",
         }

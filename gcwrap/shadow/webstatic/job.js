@@ -110,6 +110,7 @@ function showJob(j) {
   fact(dl, "Refused / failed attempts", String(j.failed_attempts), j.failed_attempts ? "num warn" : "num");
   if (j.stdin) fact(dl, "Stdin", j.stdin, "mono");
   fact(dl, "Command", (j.command || []).join(" ") || "–", "mono", true);
+  showFiles(j.files || []);
   for (const s of j.streams) {
     const p = pane(s);
     p.bytes.textContent = fmtBytes(s.bytes) + (j.state === "finished" ? "" : ` · ${fmtRate(s.rate)}`);
@@ -125,6 +126,19 @@ function showJob(j) {
       el("div", { class: "fact" }, el("dt", { text: summaryLabel(k) }), el("dd", { text: summaryValue(k, v) })));
     document.getElementById("summary").replaceChildren(...items);
   }
+}
+
+// The files the job writes (gcwrap --file): what each NAME holds, its version and state.
+function showFiles(files) {
+  document.getElementById("files").hidden = !files.length;
+  document.getElementById("filerows").replaceChildren(...files.map((f) => {
+    const state = f.next ? `${f.state}; version ${f.next.version} arriving (${fmtBytes(f.next.bytes)})` : f.state;
+    return el("tr", { "data-file": f.name },
+      el("td", { class: "name mono", title: f.sha256 ? `SHA-256 ${f.sha256}` : f.name, text: f.name }),
+      el("td", { class: "num", text: fmtBytes(f.bytes) }),
+      el("td", { class: "num", text: String(f.version) }),
+      el("td", { class: f.state === "committed" ? "" : "muted", text: state }));
+  }));
 }
 
 const LABELS = {
@@ -156,10 +170,13 @@ const KINDS = {
   session_opened: "connected", session_ended: "session ended", connection_lost: "connection lost",
   stalled: "stalled", reconnected: "reconnected", paused: "job paused", resumed: "job resumed",
   refused: "refused", compression: "compression", disk: "disk", exit: "exit",
+  file_committed: "file committed", file_refused: "file refused",
+  file_gone: "file deleted by the job: home keeps what it had",
+  file_unreadable: "file gcwrap cannot read: home keeps what it had",
 };
 const TONE = {
   session_opened: "good", reconnected: "good", resumed: "good", session_ended: "warn", connection_lost: "bad",
-  stalled: "warn", paused: "bad", refused: "bad",
+  stalled: "warn", paused: "bad", refused: "bad", file_refused: "bad", file_gone: "warn", file_unreadable: "bad",
 };
 
 function detailText(key, value) {

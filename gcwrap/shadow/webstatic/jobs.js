@@ -34,7 +34,7 @@ function matches(job, text, state) {
   if (state && jobStatus(job).key !== state) return false;
   if (!text) return true;
   const hay = [job.job_id, job.host, job.user, job.state, job.reason, job.why, ...(job.command || []),
-    ...job.streams.map((s) => s.name)].join("\n").toLowerCase();
+    ...job.streams.map((s) => s.name), ...(job.files || []).map((f) => f.name)].join("\n").toLowerCase();
   return text.toLowerCase().split(/\s+/).every((word) => hay.includes(word));
 }
 
@@ -48,7 +48,15 @@ function streamsCell(job) {
       el("span", { class: "num muted", text: job.state === "finished" ? "" : fmtRate(s.rate) }),
     );
   }
-  if (!job.streams.length) box.append(el("span", { class: "muted", text: "none" }));
+  for (const f of job.files || []) {
+    box.append(
+      el("span", { class: "kind", text: "file" }),
+      el("span", { class: "name mono", title: f.name, text: f.name }),
+      el("span", { class: "num", text: fmtBytes(f.bytes) }),
+      el("span", { class: "num muted", text: `v${f.version}` }),
+    );
+  }
+  if (!job.streams.length && !(job.files || []).length) box.append(el("span", { class: "muted", text: "none" }));
   return box;
 }
 
