@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from gcwrap.agent.filedelta import Scan, digests_of
+from gcwrap.agent.filespecs import FileSpec
 from gcwrap.agent.records import JobRecord
 from gcwrap.agent.spool import MIGRATIONS, SPOOL_SUFFIX, Spool, SpoolError
 from gcwrap.agent.spoolfiles import FILE_MIGRATIONS, FileRecord, SpoolFiles, VersionRecord
@@ -153,6 +155,26 @@ def test_records_survive_reopening(tmp_path: Path) -> None:
     for readonly in (True, False):
         r = Spool.open(path, readonly=readonly)
         assert (SpoolFiles(r).files(), SpoolFiles(r).versions()) == before
+        r.close()
+
+
+def test_the_specs_and_the_working_directory_for_a_resume(tmp_path: Path) -> None:
+    """`gcwrap resume` needs the --file specs (NAMEs as expanded) and the job's working directory: a
+    spool keeps them, across reopening, a path that is not UTF-8 too; one that recorded none has none."""
+    path = tmp_path / f"j{SPOOL_SUFFIX}"
+    s = Spool.create(path, job(), STREAMS)
+    assert SpoolFiles(s).specs() is None
+    workdir = Path(os.fsdecode(b"/scratch/run-\xff/w"))
+    specs = (FileSpec("train.log"), FileSpec("status.json", "state/j42.json"), FileSpec("out/*.csv"))
+    SpoolFiles(s).record_specs(workdir, specs)
+    SpoolFiles(s).record_specs(workdir, specs)  # (again: the same, once)
+    assert SpoolFiles(s).specs() == (workdir, specs)
+    assert SpoolFiles(s).files() == {}  # (no file matched yet)
+    s.close()
+    r = Spool.open(path, readonly=True)
+    try:
+        assert SpoolFiles(r).specs() == (workdir, specs)
+    finally:
         r.close()
 
 

@@ -159,6 +159,10 @@ class FileSender:
         self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
         self.literal = 0  # bytes of the files sent on the wire (FILE_DATA), resends included
         self.copied = 0  # bytes home copied from a version it held (FILE_COPY)
+        # `gcwrap resume` (gcwrap.agent.fileresume): the job has ended; the last pass is made once the first
+        # WELCOME says what home holds (each new version's base).
+        self.resuming = False
+        self.pass_due = False
 
     # -- what the watcher says -------------------------------------------------
 
@@ -167,6 +171,8 @@ class FileSender:
         `changed` fires), waking the sender when something changed or a
         commit comes due; then `job_ended`."""
         send, self.events = trio.open_memory_channel[FileEvent](4096)
+        specs = self.watcher.specs
+        await self.record(lambda t: t.record_specs(self.workdir, specs))  # (for `gcwrap resume`)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.watcher.run, send)
             nursery.start_soon(self._take_events, self.events)
@@ -192,11 +198,20 @@ class FileSender:
         with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while self.events is not None:
                 pending.append(self.events.receive_nowait())
+        async with self.lock:
+            await self._last_pass(pending)
+
+    async def _last_pass(self, pending: list[FileEvent]) -> None:
         # Every file as the last pass finds it, as if new: an event the watcher made as it was
         # cancelled is lost, and one for a file as it was is an append, at most (`_take`).
         self.watcher.files.clear()
         for event in [*pending, *self.watcher.check()]:
-            await self.take(event)
+            await self._take(event)
+        if self.resuming:
+            for tracked in self.files.values():
+                if tracked.current is None:
+                    log.warning("the job's file %s is gone (or cannot be read): home keeps what it had of it (%s)",
+                                tracked.path, tracked.name)
         self.ending = True
         self.changed.fire()
 
@@ -210,7 +225,7 @@ class FileSender:
         if tracked is None:
             if event.stat is None:
                 return
-            handle = len(self.files) + 1
+            handle = max(self.by_handle, default=0) + 1  # (after those a resumed spool keeps)
             name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
             tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
             record = FileRecord(handle, event.path, name, event.spec.pattern, event.stat.dev, event.stat.ino)
@@ -267,13 +282,14 @@ class FileSender:
         by_file = {h.file: h for h in held}
         for tracked in self.files.values():
             v = tracked.current
-            if v is None:
-                continue
-            v.opened = False
             h = by_file.get(tracked.handle)
             tracked.base = _home_base(tracked, h)
             for number in [n for n in tracked.commits if n != tracked.base]:
                 del tracked.commits[number]  # (never committed at home, or no longer its committed one)
+            if v is None:  # (a file resumed, or one that could not be read: its next version is built on that base)
+                tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
+                continue
+            v.opened = False
             same = h.version == v.number if h is not None else v.base is None
             durable = h.durable if h is not None else 0
             if same and v.acked <= durable <= v.sent and v.sent_blocks.truncate(durable):
@@ -283,6 +299,8 @@ class FileSender:
                 continue
             tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
             self.restart.append(tracked)
+        if self.resuming and not self.ending:
+            self.pass_due = True
         self.changed.fire()
 
     @property
@@ -332,6 +350,9 @@ class FileSender:
             acks, self.acks = self.acks, []
             for file, version, size in acks:
                 await self.record(_commit_acked(file, version, size))
+            if self.pass_due:
+                self.pass_due = False
+                await self._last_pass([])
             while self.restart:
                 tracked = self.restart.pop()
                 v = tracked.current
@@ -461,9 +482,16 @@ def _whole_copies(ops: list[Op]) -> list[Op]:
 def _home_base(tracked: TrackedFile, held: FileHeld | None) -> int | None:
     """The version home holds committed, by its WELCOME row: none without
     a row; the row's version where it is committed; else the base that
-    version was opened with (home commits nothing but the version open)."""
+    version was opened with (home commits nothing but the version open).
+    The row names the newest version home holds, which a resumed spool
+    may no longer keep: one abandoned for a newer whose FILE_OPEN never
+    reached home. That newer one was built on the same committed version
+    (nothing else was committed meanwhile), its base is the answer."""
     if held is None:
         return None
     if held.committed >= 0:
         return held.version
-    return tracked.bases.get(held.version)
+    if held.version in tracked.bases:
+        return tracked.bases[held.version]
+    newer = [n for n in tracked.bases if n > held.version]
+    return tracked.bases[max(newer)] if newer else None

@@ -17,19 +17,25 @@ Synchronous and one transaction per call, like gcwrap.agent.spool, whose
 database (and errors: SpoolError with the reason) it shares. Its tables are
 made by a migration of their own, applied at the first file recorded: a
 table takes a page, and the spool of a job without files must still fit
-where little is left (a spool with none reads as one with no file).
+where little is left (a spool with none reads as one with no file). The
+--file specs and the job's working directory are recorded too, as the run
+starts watching: `gcwrap resume` reads the files, and matches the globs,
+again.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..db import AnyDatabase, Migration, migrate, transaction
 from .filedelta import Digests, Scan
+from .filespecs import FileSpec
 from .spool import Spool, SpoolError, describe_sqlite_error
 
 
@@ -48,9 +54,17 @@ def _f001_files(db: AnyDatabase) -> None:
     )
 
 
+def _f002_specs(db: AnyDatabase) -> None:
+    # The --file specs as the run expanded them and the job's working directory (bytes: a path need not be
+    # UTF-8): `gcwrap resume` matches them again, for files that appeared after gcwrap was killed.
+    db.execute("CREATE TABLE file_specs (position INTEGER PRIMARY KEY, pattern TEXT NOT NULL, name TEXT)")
+    db.execute("CREATE TABLE file_workdir (workdir BLOB NOT NULL)")
+
+
 # Numbered apart from the spool's own (gcwrap.agent.spool.MIGRATIONS), in the same `_migrations` table.
 FILE_MIGRATIONS: list[Migration] = [
     (1001, "files", _f001_files),
+    (1002, "file specs", _f002_specs),
 ]
 
 
@@ -106,11 +120,25 @@ class SpoolFiles:
         except sqlite3.Error as e:
             raise SpoolError(describe_sqlite_error(e, self.spool.path)) from e
 
-    def _has_tables(self) -> bool:
+    def _has_tables(self, table: str = "file_versions") -> bool:
         return self.db.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'file_versions'").fetchone() is not None
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", [table]).fetchone() is not None
 
     # -- reads -----------------------------------------------------------
+
+    def specs(self) -> tuple[Path, tuple[FileSpec, ...]] | None:
+        """The job's working directory and its --file specs, as the run
+        recorded them (`record_specs`); None where it recorded none."""
+        try:
+            if not self._has_tables("file_specs"):
+                return None
+            rows = self.db.execute("SELECT pattern, name FROM file_specs ORDER BY position").fetchall()
+            workdir = self.db.execute("SELECT workdir FROM file_workdir").fetchone()
+        except sqlite3.Error as e:
+            raise SpoolError(describe_sqlite_error(e, self.spool.path)) from e
+        if workdir is None:
+            return None
+        return Path(os.fsdecode(workdir[0])), tuple(FileSpec(pattern, name) for pattern, name in rows)
 
     def files(self) -> dict[int, FileRecord]:
         rows = self._read(lambda: self.db.execute(
@@ -136,15 +164,30 @@ class SpoolFiles:
 
     # -- writes ----------------------------------------------------------
 
+    def record_specs(self, workdir: Path, specs: tuple[FileSpec, ...]) -> None:
+        """The job's working directory and its --file specs (their NAMEs as
+        expanded), for `gcwrap resume`: recorded before the job's first file."""
+        self._migrate()
+        with self._write():
+            self.db.execute("DELETE FROM file_specs")
+            self.db.execute("DELETE FROM file_workdir")
+            for i, spec in enumerate(specs):
+                self.db.execute("INSERT INTO file_specs (position, pattern, name) VALUES (?, ?, ?)",
+                                [i, spec.pattern, spec.name])
+            self.db.execute("INSERT INTO file_workdir (workdir) VALUES (?)", [os.fsencode(workdir)])
+
+    def _migrate(self) -> None:
+        try:
+            migrate(self.db, FILE_MIGRATIONS)
+        except sqlite3.Error as e:
+            raise SpoolError(describe_sqlite_error(e, self.spool.path)) from e
+
     def add_file(self, record: FileRecord) -> None:
         """A new handle. ValueError for a handle or a path already recorded."""
         known = self.files()
         if record.handle in known or record.path in {f.path for f in known.values()}:
             raise ValueError(f"file {record.handle} ({record.path}) is already recorded")
-        try:
-            migrate(self.db, FILE_MIGRATIONS)
-        except sqlite3.Error as e:
-            raise SpoolError(describe_sqlite_error(e, self.spool.path)) from e
+        self._migrate()
         with self._write():
             self.db.execute("INSERT INTO files (handle, path, name, spec, dev, ino) VALUES (?, ?, ?, ?, ?, ?)",
                             [record.handle, record.path, record.name, record.spec, record.dev, record.ino])
