@@ -241,3 +241,27 @@ def _acked(raw: Any, ack: Any) -> None:
         assert isinstance(ev, FileAck), ev
         if ev == ack:
             return
+
+
+def test_a_job_with_files_alone_leaves_a_spool_that_resume_delivers(
+        shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No stream named, only --file, and home out of reach: the spool keeps the files' record (made
+    before the job starts, as for streams), and `gcwrap resume` delivers them from the files."""
+    import socket
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed: nothing listens there)
+    w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "alone", "--retry-timeout",
+                 "0.2", "--retry-limit", "2", "--file", "result.txt=r/result.txt", "--", sys.executable, "-c",
+                 "open('result.txt', 'w').write('done\\n' * 1000)"])
+    assert w.wait(60) == 122, w.err.decode()
+    assert b"gcwrap resume --spool" in w.err
+    res = subprocess.run([*tool("gcwrap"), "resume", "--spool", str(spool_dir), "--shadow", shadow.address,
+                          "--retry-timeout", "1"], capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr.decode()
+    assert (home / "r/result.txt").read_bytes() == b"done\n" * 1000
+    assert list(spool_dir.glob("*.spool")) == []

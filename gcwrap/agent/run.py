@@ -239,7 +239,7 @@ async def _run_job(
     agent.note(child_pid=proc.pid, state="running")
     running = JobProcess(proc, proc.pid if start.job.own_group else None)
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
-             spool_path if specs else "none (nothing to spool)")
+             spool_path if specs or opts.files else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_forward_signals, running, agent, signals)
         with worst_error():
