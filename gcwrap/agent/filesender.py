@@ -13,7 +13,12 @@ A version's bytes are read from a descriptor kept open on its inode, never
 copied: the descriptor keeps a deleted or renamed-over file's bytes alive.
 stat cannot see every rewrite, so a commit first scans the version's
 content and compares its block digests with those of what was sent
-(`SentBlocks`): a difference is a rewrite, and a new version. Commits come
+(`SentBlocks`): a difference is a rewrite, and a new version. While the job
+runs, a commit reads only the bytes added since the version was last read
+(filedelta.Scanner): a log appended to for hours costs its appends, and
+what home commits is what was sent either way; the commit at the job's end
+reads the version whole, so a write below what was read before is found
+there at the latest. Commits come
 when a file has been quiet a moment, at least every COMMIT_EVERY seconds
 while it changes, and always at the job's end after a last stat pass; the
 EXIT goes (with each file's final version) only once every file's final
@@ -119,6 +124,9 @@ class Version:
     opened: bool = False  # its FILE_OPEN went on this connection
     sent_blocks: SentBlocks = field(default_factory=SentBlocks)
     scanned: filedelta.Scan | None = None  # its content as scanned for its plan (None: not scanned, or grown since)
+    scanner: filedelta.Scanner = field(default_factory=filedelta.Scanner)  # (its content as read so far)
+    final: bool = False  # read whole since the job ended: its commit at `planned` says the file's final content
+    commit_sha: str = ""  # the SHA-256 its last FILE_COMMIT said
     commit_sent: int = -1  # the size its last FILE_COMMIT said
     committed: int = -1  # the size home acknowledged a commit at
     recorded: int = -1  # the size of the scan the spool keeps (its first commit's: see `_send_commit`)
@@ -163,6 +171,7 @@ class FileSender:
         # WELCOME says what home holds (each new version's base).
         self.resuming = False
         self.pass_due = False
+        self.job_over = False  # the last pass began: the job has ended
 
     # -- what the watcher says -------------------------------------------------
 
@@ -202,6 +211,7 @@ class FileSender:
             await self._last_pass(pending)
 
     async def _last_pass(self, pending: list[FileEvent]) -> None:
+        self.job_over = True  # (versions made from now on are read after the job's end: final)
         # Every file as the last pass finds it, as if new: an event the watcher made as it was
         # cancelled is lost, and one for a file as it was is an append, at most (`_take`).
         self.watcher.files.clear()
@@ -257,7 +267,8 @@ class FileSender:
                 fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
             st = os.fstat(fd)
             # Scanned whole: the plan needs its digests, and a version sent as scanned commits at once.
-            scanned = await trio.to_thread.run_sync(filedelta.scan, fd, st.st_size)
+            scanner = filedelta.Scanner()
+            scanned = await trio.to_thread.run_sync(scanner.advance, fd, st.st_size)
         except OSError as e:
             # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
             log.warning("cannot read the job's file %s (%s): home keeps what it has of it", tracked.path,
@@ -268,7 +279,7 @@ class FileSender:
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         number = tracked.numbered = tracked.numbered + 1
-        tracked.current = Version(number, base, fd, ops, size, scanned=scanned)
+        tracked.current = Version(number, base, fd, ops, size, scanned=scanned, scanner=scanner, final=self.job_over)
         tracked.bases[number] = base
         tracked.base_digests = digests
         await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
@@ -307,7 +318,7 @@ class FileSender:
     def done(self) -> bool:
         """Every file's final content is committed at home (after the job's end)."""
         return self.ending and not self.restart and all(
-            (v := t.current) is None or (v.committed == v.planned and v.sent == v.planned)
+            (v := t.current) is None or (v.final and v.committed == v.planned and v.sent == v.planned)
             for t in self.files.values())
 
     @property
@@ -382,7 +393,7 @@ class FileSender:
         now = trio.current_time()
         due = self.ending or (now - tracked.committed_at >= v.planned * SCAN_SHARE and (
             now - tracked.changed_at >= QUIET or now - tracked.committed_at >= COMMIT_EVERY))
-        if v.commit_sent == v.planned or not due:
+        if not due or (v.commit_sent == v.planned and (v.final or not self.ending)):
             return False
         return await self._commit(tracked, v, send)
 
@@ -423,13 +434,20 @@ class FileSender:
         if size > v.planned:
             _extend(v, size)
             return True
-        scan = await trio.to_thread.run_sync(filedelta.scan, v.fd, v.planned)
+        whole = self.ending or v.scanner.size > v.planned
+        if whole:
+            scan = await trio.to_thread.run_sync(filedelta.scan, v.fd, v.planned)
+        else:  # (a checkpoint: what was read before is trusted, see the module's docstring)
+            scan = await trio.to_thread.run_sync(v.scanner.advance, v.fd, v.planned)
         if tracked.current is not v:
             return True
         if scan.digests.size != v.planned or scan.digests.blocks != v.sent_blocks.digests():
             log.debug("file %s: version %d changed under its sending: a new version", tracked.path, v.number)
             await self.new_version(tracked)
             return True
+        v.final = self.ending  # (read whole after the job's end: nothing can change it now)
+        if v.commit_sent == v.planned and v.commit_sha == scan.sha256:
+            return True  # (its commit said this content already: nothing to send)
         return await self._send_commit(tracked, v, scan, send)
 
     async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
@@ -437,7 +455,7 @@ class FileSender:
             await self.record(lambda t: t.scanned(tracked.handle, v.number, scan))
             v.recorded = v.planned
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
-        v.commit_sent = v.planned
+        v.commit_sent, v.commit_sha = v.planned, scan.sha256
         tracked.commits = {n: d for n, d in tracked.commits.items() if n == tracked.base}  # (the older ones: useless)
         tracked.commits[v.number] = scan.digests
         tracked.base = v.number
@@ -467,6 +485,7 @@ def _extend(v: Version, size: int) -> None:
         v.ops.append(Literal(v.planned, size - v.planned))
     v.planned = size
     v.scanned = None
+    v.final = False
 
 
 def _whole_copies(ops: list[Op]) -> list[Op]:
