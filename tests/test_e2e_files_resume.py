@@ -265,3 +265,50 @@ def test_a_job_with_files_alone_leaves_a_spool_that_resume_delivers(
     assert res.returncode == 0, res.stderr.decode()
     assert (home / "r/result.txt").read_bytes() == b"done\n" * 1000
     assert list(spool_dir.glob("*.spool")) == []
+
+
+def _home_committed(home: Path, name: str) -> int:
+    """The size home holds the file at `name` committed at (its newest commit), or -1."""
+    try:
+        with sqlite3.connect(f"file:{home / '.gcshadow/state.db'}?mode=ro", uri=True, timeout=1) as db:
+            row = db.execute("SELECT MAX(committed) FROM file_versions WHERE name = ?", [name]).fetchone()
+    except sqlite3.Error:
+        return -1
+    return -1 if row is None or row[0] is None else int(row[0])
+
+
+def test_a_log_committed_again_as_it_grew_is_not_sent_again_by_the_resume(
+        shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log appended to and committed at checkpoints (quiet moments) as it grew to 3 MiB, then gcwrap
+    and the job killed -9: the resume builds the log on what home holds committed, its newest
+    commit's, not its first's: the 3 MiB are copied at home, not sent again."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code = textwrap.dedent("""
+        import os, time
+        open("pid", "w").write(str(os.getpid()))
+        with open("train.log", "ab") as log:
+            log.write(b"first line\\n")
+            log.flush()
+            time.sleep(1.5)  # (quiet: its first commit, at 11 bytes)
+            for i in range(3 * 1024):
+                log.write(os.urandom(512).hex().encode()[:1023] + b"\\n")
+            log.flush()
+            time.sleep(60)  # (quiet: committed at 3 MiB and more; killed meanwhile)
+    """)
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "grown", "--retry-timeout", "1",
+                 "--stdout", "grown.out", "--stderr", "grown.err", "--file", "train.log", "--",
+                 sys.executable, "-c", code])
+    size = 11 + 3 * 1024 * 1024
+    try:
+        wait_until(lambda: _home_committed(home, "train.log") == size, 30, "the grown log committed at home")
+        w.kill9()
+    finally:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.kill(int((work / "pid").read_text()), signal.SIGKILL)
+    res = _resume(spool_dir)
+    assert res.returncode == 0, res.stderr.decode()
+    assert sha256_bytes((home / "train.log").read_bytes()) == sha256_bytes((work / "train.log").read_bytes())
+    figures = _summary(home, "grown")
+    assert int(figures["files_sent"]) < 64 << 10 and int(figures["files_copied"]) >= size - (64 << 10), figures

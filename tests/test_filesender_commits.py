@@ -13,11 +13,12 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from gcwrap.agent import filedelta
-from gcwrap.agent.filesender import QUIET, FileSender
+from gcwrap.agent import filedelta, fileresume
+from gcwrap.agent.filesender import QUIET, FileSender, _no_record
 from gcwrap.agent.filespecs import FileSpec
+from gcwrap.agent.spoolfiles import FileRecord, VersionRecord
 from gcwrap.sync import Signal
-from gcwrap.wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileOpen
+from gcwrap.wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,3 +148,27 @@ async def test_a_rewrite_in_place_just_before_the_job_ends_is_found_by_the_last_
     await _drive(sender, home)
     assert sender.done
     assert home.committed[1][1] == data.read_bytes()
+
+
+async def test_a_resume_builds_on_what_home_committed_not_on_a_commit_home_never_read(
+        tmp_path: Path, autojump_clock: MockClock) -> None:
+    """The spool keeps the scan of a log's last FILE_COMMIT, sent as gcwrap was killed and never read by
+    home, which holds the log committed shorter: the resume copies none of what home lacks."""
+    block = filedelta.BLOCK_SIZE
+    held = os.urandom(3 * block + 100)
+    sent = held + os.urandom(2 * block)  # (the commit home never read was at this size)
+    log = tmp_path / "train.log"
+    log.write_bytes(sent + os.urandom(1000))
+    scan = filedelta.digests_of(sent)
+    record = FileRecord(1, "train.log", "train.log", "train.log")
+    kept = fileresume.Kept(tmp_path, (FileSpec("train.log"),), {1: record},
+                           {1: [VersionRecord(1, 1, None, len(sent), len(sent), len(sent),
+                                              hashlib.sha256(sent).hexdigest(), scan.blob(), len(held))]})
+    sender = fileresume.restore(kept, Signal(), _no_record)
+    home = Home()
+    home.committed[1] = (1, held)
+    sender.welcomed([FileHeld(1, 1, len(held), len(held))])
+    await _drive(sender, home)
+    assert sender.done
+    assert home.committed[1][1] == log.read_bytes()
+    assert sender.copied == 3 * block  # (the whole blocks home holds)

@@ -121,6 +121,25 @@ def test_a_commit_deletes_the_versions_before_it_and_a_new_version_abandons(spoo
     assert [v.version for v in files.versions()] == [3, 4]
 
 
+def test_a_version_committed_then_appended_to_is_scanned_at_each_commit(spool: Spool) -> None:
+    """A log committed, appended to, committed again: the spool keeps the newest commit's scan (a resume
+    builds the next version on it, not on the first commit's), and its acknowledgement."""
+    files = SpoolFiles(spool)
+    files.add_file(LOG)
+    files.new_version(1, 1, 5, 10, None)
+    first, grown = b"line\n" * 10, b"line\n" * 30_000
+    files.scanned(1, 1, scan_of(first))
+    files.commit_acked(1, 1, len(first))
+    files.scanned(1, 1, scan_of(grown))
+    assert files.newest(1).digests() == digests_of(grown)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="scanned at"):
+        files.commit_acked(1, 1, len(first))  # (the first commit's acknowledgement, late: not the scan's)
+    files.commit_acked(1, 1, len(grown))
+    assert files.committed(1).committed == len(grown)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="committed already"):
+        files.scanned(1, 1, scan_of(first))  # (what it committed is settled: never shorter)
+
+
 def test_refusals(spool: Spool) -> None:
     files = SpoolFiles(spool)
     files.add_file(LOG)

@@ -129,7 +129,7 @@ class Version:
     commit_sha: str = ""  # the SHA-256 its last FILE_COMMIT said
     commit_sent: int = -1  # the size its last FILE_COMMIT said
     committed: int = -1  # the size home acknowledged a commit at
-    recorded: int = -1  # the size of the scan the spool keeps (its first commit's: see `_send_commit`)
+    recorded: int = -1  # the size of the scan the spool keeps (its latest commit's)
 
 
 @dataclass
@@ -297,6 +297,9 @@ class FileSender:
             tracked.base = _home_base(tracked, h)
             for number in [n for n in tracked.commits if n != tracked.base]:
                 del tracked.commits[number]  # (never committed at home, or no longer its committed one)
+            if h is not None and tracked.base == h.version and (d := tracked.commits.get(h.version)) is not None:
+                # A commit home never read (sent as the connection broke): what it holds is less.
+                tracked.commits[h.version] = d.prefix(h.committed)
             if v is None:  # (a file resumed, or one that could not be read: its next version is built on that base)
                 tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
                 continue
@@ -451,7 +454,7 @@ class FileSender:
         return await self._send_commit(tracked, v, scan, send)
 
     async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
-        if v.committed < 0:  # (the spool keeps a version's first commit: its appends after it are not recorded)
+        if v.planned > v.recorded:  # (each commit's scan: a resume builds on the newest home holds)
             await self.record(lambda t: t.scanned(tracked.handle, v.number, scan))
             v.recorded = v.planned
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))

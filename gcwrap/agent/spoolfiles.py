@@ -7,8 +7,9 @@ A file is delivered as versions (see gcwrap.wire.events' FileOpen): version
 1 has no base; a later one is built from its base, the version home holds
 committed. Per version the spool records how far it was sent and how far
 home acknowledged it; once scanned for its commit, the size, SHA-256 and
-block digests (gcwrap.agent.filedelta) it commits; and once home
-acknowledged the commit, the committed size. A version committed makes the
+block digests (gcwrap.agent.filedelta) it commits (its latest commit's: a
+version appended to after a commit is committed again); and once home
+acknowledged a commit, the committed size. A version committed makes the
 older ones useless: they are deleted in the same transaction; a new version
 abandons those not committed but its base. So a file keeps its committed
 version, the base of the newest, and the newest.
@@ -228,9 +229,13 @@ class SpoolFiles:
 
     def scanned(self, file: int, version: int, scan: Scan) -> None:
         """The version's content as read for its commit (its size, SHA-256,
-        block digests). A version committed already is not scanned again."""
-        if self._version(file, version).committed is not None:
-            raise ValueError(f"version {version} of file {file} is committed already")
+        block digests): each commit's, so that a resume builds the next
+        version on as much of it as home holds. A version committed already
+        is scanned again only grown (appended to after its commit: the
+        bytes it committed are settled); ValueError for any other."""
+        committed = self._version(file, version).committed
+        if committed is not None and scan.digests.size <= committed:
+            raise ValueError(f"version {version} of file {file} is committed already at {committed} bytes")
         with self._write():
             self.db.execute("UPDATE file_versions SET size = ?, sha256 = ?, blocks = ? WHERE file = ? AND version = ?",
                             [scan.digests.size, scan.sha256, scan.digests.blob(), file, version])
@@ -238,7 +243,8 @@ class SpoolFiles:
     def commit_acked(self, file: int, version: int, size: int) -> None:
         """Home acknowledged the commit of the version at `size`: it is the
         file's committed version, acknowledged whole, and the versions before
-        it are deleted. ValueError where the spool's scan says another size."""
+        it are deleted. ValueError where the spool's scan says another size
+        (an acknowledgement of an older commit than the scan recorded)."""
         current = self._version(file, version)
         if current.size != size:
             raise ValueError(f"version {version} of file {file} committed at {size}, scanned at {current.size}")
