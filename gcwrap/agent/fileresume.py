@@ -55,7 +55,7 @@ def restore(kept: Kept, changed: Signal, record: Record) -> FileSender:
         for v in versions:
             tracked.bases[v.version] = v.base
             if (digests := v.digests()) is not None:
-                tracked.commits[v.version] = digests  # (its first FILE_COMMIT's: a prefix of what home holds)
+                tracked.commits[v.version] = digests  # (its last FILE_COMMIT's: `welcomed` cuts it to home's)
         tracked.numbered = versions[-1].version if versions else 0
         sender.files[f.path] = sender.by_handle[handle] = tracked
     return sender

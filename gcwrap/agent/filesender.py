@@ -16,13 +16,12 @@ content and compares its block digests with those of what was sent
 (`SentBlocks`): a difference is a rewrite, and a new version. While the job
 runs, a commit reads only the bytes added since the version was last read
 (filedelta.Scanner): a log appended to for hours costs its appends, and
-what home commits is what was sent either way; the commit at the job's end
-reads the version whole, so a write below what was read before is found
-there at the latest. Commits come
-when a file has been quiet a moment, at least every COMMIT_EVERY seconds
-while it changes, and always at the job's end after a last stat pass; the
-EXIT goes (with each file's final version) only once every file's final
-content is committed at home.
+what home commits is what was sent either way; at the job's end each
+version is read whole once more, so a write below what was read before is
+found there at the latest. Commits come when a file has been quiet a
+moment, at least every COMMIT_EVERY seconds while it changes, and always at
+the job's end after a last stat pass; the EXIT goes (with each file's final
+version) only once every file's final content is committed at home.
 
 A session (gcwrap.agent.sender) calls `welcomed` with home's WELCOME.files,
 `send_some` to send the next frames, and `ack` with home's FILE_ACKs.
@@ -57,8 +56,8 @@ log = logging.getLogger("gcwrap")
 QUIET = 1.0  # seconds without a change before a file's version is committed
 COMMIT_EVERY = 5.0  # seconds: a file that keeps changing is committed at least this often
 TICK = 0.5  # seconds between looks at commits due while nothing else happens
-# A commit reads the version whole (what was sent must still be there): a large file is committed
-# less often while it changes, so that scans take a twentieth of the time at most at 1 GB/s.
+# A large file is committed less often while it changes (once a commit read the version whole; now a
+# checkpoint reads what was added, and only the job's end reads it whole again).
 SCAN_SHARE = 20 / 1e9  # seconds between commits per byte of the file
 FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams get their turn between)
 
