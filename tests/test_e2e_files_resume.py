@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ShadowProc, Wrapper, sha256_bytes, tool, wait_until
+from helpers import ShadowProc, Wrapper, sha256_bytes, spool_status, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,13 +94,25 @@ def _committed(spool_dir: Path, path: str) -> bool:
         return False  # (no table yet)
 
 
-def _summary(home: Path, job_id: str) -> dict[str, str]:
-    """The I/O summary home recorded for the job (its EXIT's: the resume's)."""
+def _summary(home: Path, job_id: str, status_known: bool = False) -> dict[str, str]:
+    """The I/O summary home recorded for the job (its EXIT's: the resume's); the job's exit status
+    unknown unless gcwrap recorded it before it was killed."""
     jobs = subprocess.run([*tool("gcshadow"), "jobs", "--json", "--root", str(home)], capture_output=True, check=True,
                           timeout=60)
     (rec,) = [r for r in json.loads(jobs.stdout) if r["job_id"] == job_id]
-    assert "exit status is unknown" in rec["reason"], rec
+    assert ("exit status is unknown" in rec["reason"]) != status_known, rec
     return dict(rec["summary"])
+
+
+def _recorded(spool_dir: Path, path: str) -> bool:
+    """The spool records a version of the file at `path`."""
+    (spool,) = spool_dir.glob("*.spool")
+    try:
+        with sqlite3.connect(f"file:{spool}?mode=ro", uri=True, timeout=1) as db:
+            return db.execute("SELECT 1 FROM files JOIN file_versions ON file = handle WHERE path = ?",
+                              [path]).fetchone() is not None
+    except sqlite3.Error:
+        return False
 
 
 def _resume(spool_dir: Path) -> subprocess.CompletedProcess[bytes]:
@@ -108,12 +120,13 @@ def _resume(spool_dir: Path) -> subprocess.CompletedProcess[bytes]:
                           capture_output=True, timeout=90)
 
 
-@pytest.mark.parametrize("job_after", ["keeps running", "killed too"])
+@pytest.mark.parametrize("job_after", ["keeps running", "killed too", "ends while home is away"])
 def test_gcwrap_killed_mid_run_then_resume_brings_every_file_home(
         shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         job_after: str) -> None:
     """gcwrap killed -9 while the job writes; the job either goes on to its end alone (its files change
-    after gcwrap is gone) or dies with it (the files as it left them). The resume makes home hold each
+    after gcwrap is gone) or dies with it (the files as it left them); or home goes away, the job ends,
+    gcwrap records new versions home never sees, and is killed then. The resume makes home hold each
     file's content as the job left it, built from what home held."""
     work = tmp_path / "work"
     work.mkdir()
@@ -129,9 +142,19 @@ def test_gcwrap_killed_mid_run_then_resume_brings_every_file_home(
                and _committed(spool_dir, "out/early.csv"), 60, "the quiet files committed at home")
     wait_until(lambda: (home / "log.txt").exists() and b"step 20 " in (home / "log.txt").read_bytes(), 30,
                "the log's first steps at home")
-    w.kill9()
     try:
-        _after(work, job_after)
+        if job_after == "ends while home is away":
+            shadow.stop()
+            (work / "go").touch()
+            wait_until((work / "done").exists, 60, "the job to finish")
+            wait_until(lambda: _recorded(spool_dir, "out/late.csv"), 30, "gcwrap to take the file made last")
+            wait_until(lambda: str(spool_status(spool_dir)[0]["state"]).startswith("exited"), 30,
+                       "the spool to record the job's exit")
+            w.kill9()
+            shadow.start()
+        else:
+            w.kill9()
+            _after(work, job_after)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int((work / "pid").read_text()), signal.SIGKILL)  # (a job a failure left alone)
@@ -142,7 +165,7 @@ def test_gcwrap_killed_mid_run_then_resume_brings_every_file_home(
     paths = [p for p in AT_HOME if (work / p).exists()]
     for path in paths:
         assert sha256_bytes((home / AT_HOME[path]).read_bytes()) == sha256_bytes((work / path).read_bytes()), path
-    if job_after == "keeps running":
+    if job_after != "killed too":
         assert len(paths) == 5 and (work / "data.bin").stat().st_size == 4 << 20
         # Deleted after gcwrap was gone: home keeps what it had, and the resume says so.
         assert (home / "scratch.txt").read_bytes() == b"scratch\n" * 5000
@@ -152,7 +175,7 @@ def test_gcwrap_killed_mid_run_then_resume_brings_every_file_home(
     assert list(spool_dir.glob("*.spool")) == []
     # The resume built each file from what home held by the block digests: the binary's 3 MiB committed
     # before the kill are copied at home, less the few blocks written in place since.
-    figures = _summary(home, "orphan")
+    figures = _summary(home, "orphan", status_known=job_after == "ends while home is away")
     assert int(figures["files_copied"]) >= (2 << 20), figures
     assert "the spool cannot record" not in err and "cannot read" not in err, err
 
