@@ -140,6 +140,27 @@ def test_a_version_committed_then_appended_to_is_scanned_at_each_commit(spool: S
         files.scanned(1, 1, scan_of(first))  # (what it committed is settled: never shorter)
 
 
+def test_versions_whose_commit_went_are_kept_until_one_is_acknowledged(spool: Spool) -> None:
+    """Home acknowledged version 4's commit, but the acknowledgement was lost (the connection broke,
+    gcwrap was killed) while versions 5 and 6 followed: the spool keeps version 4's scan, for a resume
+    told by home that it holds version 4 committed (or a version 5 built on it) builds on it."""
+    files = SpoolFiles(spool)
+    files.add_file(LOG)
+    files.new_version(1, 3, 5, 10, None)
+    files.scanned(1, 3, scan_of(b"three"))
+    files.commit_acked(1, 3, 5)
+    files.new_version(1, 4, 5, 11, base=3)
+    files.scanned(1, 4, scan_of(b"four"))  # (its FILE_COMMIT went)
+    files.new_version(1, 5, 5, 12, base=4)
+    files.scanned(1, 5, scan_of(b"five!"))
+    files.new_version(1, 6, 5, 13, base=5)
+    files.new_version(1, 7, 5, 14, base=5)  # (6 never scanned: abandoned)
+    assert [(v.version, v.base) for v in files.versions(1)] == [(3, None), (4, 3), (5, 4), (7, 5)]
+    assert files.versions(1)[1].digests() == digests_of(b"four")
+    files.commit_acked(1, 5, 5)
+    assert [v.version for v in files.versions(1)] == [5, 7]
+
+
 def test_refusals(spool: Spool) -> None:
     files = SpoolFiles(spool)
     files.add_file(LOG)
@@ -239,7 +260,8 @@ class FilesModel(RuleBasedStateMachine):
         base = None if not bases or choice == 0 else bases[choice % len(bases)]
         version = self.next[file] + skip
         self.files.new_version(file, version, 1, version, base)
-        self.kept = {k: v for k, v in self.kept.items() if k[0] != file or v.committed is not None or k[1] == base}
+        self.kept = {k: v for k, v in self.kept.items()
+                     if k[0] != file or v.committed is not None or v.size is not None or k[1] == base}
         self.kept[file, version] = VersionRecord(file, version, base)
         self.next[file] = version + 1
 

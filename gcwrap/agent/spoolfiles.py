@@ -11,8 +11,10 @@ block digests (gcwrap.agent.filedelta) it commits (its latest commit's: a
 version appended to after a commit is committed again); and once home
 acknowledged a commit, the committed size. A version committed makes the
 older ones useless: they are deleted in the same transaction; a new version
-abandons those not committed but its base. So a file keeps its committed
-version, the base of the newest, and the newest.
+abandons those never scanned (no FILE_COMMIT went for them) but its base. So
+a file keeps its committed version, those whose FILE_COMMIT went since (home
+may hold one of them committed, its acknowledgement lost with the
+connection or with gcwrap: a resume builds on it), and the newest.
 
 Synchronous and one transaction per call, like gcwrap.agent.spool, whose
 database (and errors: SpoolError with the reason) it shares. Its tables are
@@ -198,9 +200,10 @@ class SpoolFiles:
         from `base`: the version home will hold committed when it reads this
         one's FILE_OPEN (the committed one, or one whose FILE_COMMIT went
         before it: home takes frames in order). Versions only grow. Versions
-        not committed, other than the base, are abandoned (deleted): home
-        drops them at the new FILE_OPEN. ValueError for an unknown file, a
-        version not above the newest, or a base the spool holds no scan of."""
+        neither committed nor scanned, other than the base, are abandoned
+        (deleted): home drops them at the new FILE_OPEN. ValueError for an
+        unknown file, a version not above the newest, or a base the spool
+        holds no scan of."""
         if file not in self.files():
             raise ValueError(f"no file {file}")
         versions = self.versions(file)
@@ -209,8 +212,8 @@ class SpoolFiles:
         if base is not None and not any(v.version == base and v.size is not None for v in versions):
             raise ValueError(f"version {base} of file {file} is not scanned: it cannot be a base")
         with self._write():
-            self.db.execute("DELETE FROM file_versions WHERE file = ? AND committed IS NULL AND version IS NOT ?",
-                            [file, base])
+            self.db.execute("DELETE FROM file_versions WHERE file = ? AND committed IS NULL AND size IS NULL "
+                            "AND version IS NOT ?", [file, base])
             self.db.execute("INSERT INTO file_versions (file, version, base) VALUES (?, ?, ?)",
                             [file, version, base])
             self.db.execute("UPDATE files SET dev = ?, ino = ? WHERE handle = ?", [dev, ino, file])
