@@ -208,3 +208,17 @@ def test_a_scanner_reads_only_the_appends_and_agrees_with_a_whole_scan(appends: 
                 assert scanner.advance(fd, len(content) + 100).digests.size == len(content)
         finally:
             os.close(fd)
+
+
+@given(st.binary(max_size=5 * 16), st.integers(0, 100), st.sampled_from([1, 7, 16]))
+def test_a_prefix_of_the_digests_is_the_digests_of_a_prefix_of_whole_blocks(content: bytes, size: int,
+                                                                             block_size: int) -> None:
+    """A commit home never read: what home holds is shorter than the digests the agent kept; their prefix
+    describes bytes home holds, and a plan built on it copies none beyond them."""
+    d = digests_of(content, block_size).prefix(size)
+    if size >= len(content):
+        assert d == digests_of(content, block_size)
+    else:
+        assert d == digests_of(content[: size - size % block_size], block_size)
+    assert all(op.source + op.length <= d.size for op in plan(d, digests_of(content, block_size))
+               if isinstance(op, Copy))

@@ -55,3 +55,13 @@ def test_the_base_home_holds_by_its_welcome() -> None:
     assert _home_base(tracked, None) is None
     assert _home_base(tracked, FileHeld(1, 3, 10, 10)) == 3  # (committed)
     assert _home_base(tracked, FileHeld(1, 3, 10)) == 2  # (in progress: its base is what home holds committed)
+
+
+def test_the_base_home_holds_when_its_newest_version_is_one_the_spool_dropped() -> None:
+    """A resumed spool keeps a file's committed version, the newest's base and the newest. Home's
+    WELCOME names the newest version it holds: one the spool dropped (abandoned for a newer whose
+    FILE_OPEN home never read) was built on what the newer was built on, not on nothing."""
+    tracked = TrackedFile(1, "f", "f", bases={2: None, 5: 2})  # (2 committed; 3 and 4 dropped, 5 opened)
+    assert _home_base(tracked, FileHeld(1, 4, 100)) == 2
+    assert _home_base(tracked, FileHeld(1, 5, 100)) == 2
+    assert _home_base(tracked, FileHeld(1, 2, 100, 90)) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from gcwrap.agent.filedelta import Scan, digests_of
+from gcwrap.agent.filespecs import FileSpec
 from gcwrap.agent.records import JobRecord
 from gcwrap.agent.spool import MIGRATIONS, SPOOL_SUFFIX, Spool, SpoolError
 from gcwrap.agent.spoolfiles import FILE_MIGRATIONS, FileRecord, SpoolFiles, VersionRecord
@@ -119,6 +121,46 @@ def test_a_commit_deletes_the_versions_before_it_and_a_new_version_abandons(spoo
     assert [v.version for v in files.versions()] == [3, 4]
 
 
+def test_a_version_committed_then_appended_to_is_scanned_at_each_commit(spool: Spool) -> None:
+    """A log committed, appended to, committed again: the spool keeps the newest commit's scan (a resume
+    builds the next version on it, not on the first commit's), and its acknowledgement."""
+    files = SpoolFiles(spool)
+    files.add_file(LOG)
+    files.new_version(1, 1, 5, 10, None)
+    first, grown = b"line\n" * 10, b"line\n" * 30_000
+    files.scanned(1, 1, scan_of(first))
+    files.commit_acked(1, 1, len(first))
+    files.scanned(1, 1, scan_of(grown))
+    assert files.newest(1).digests() == digests_of(grown)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="scanned at"):
+        files.commit_acked(1, 1, len(first))  # (the first commit's acknowledgement, late: not the scan's)
+    files.commit_acked(1, 1, len(grown))
+    assert files.committed(1).committed == len(grown)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="committed already"):
+        files.scanned(1, 1, scan_of(first))  # (what it committed is settled: never shorter)
+
+
+def test_versions_whose_commit_went_are_kept_until_one_is_acknowledged(spool: Spool) -> None:
+    """Home acknowledged version 4's commit, but the acknowledgement was lost (the connection broke,
+    gcwrap was killed) while versions 5 and 6 followed: the spool keeps version 4's scan, for a resume
+    told by home that it holds version 4 committed (or a version 5 built on it) builds on it."""
+    files = SpoolFiles(spool)
+    files.add_file(LOG)
+    files.new_version(1, 3, 5, 10, None)
+    files.scanned(1, 3, scan_of(b"three"))
+    files.commit_acked(1, 3, 5)
+    files.new_version(1, 4, 5, 11, base=3)
+    files.scanned(1, 4, scan_of(b"four"))  # (its FILE_COMMIT went)
+    files.new_version(1, 5, 5, 12, base=4)
+    files.scanned(1, 5, scan_of(b"five!"))
+    files.new_version(1, 6, 5, 13, base=5)
+    files.new_version(1, 7, 5, 14, base=5)  # (6 never scanned: abandoned)
+    assert [(v.version, v.base) for v in files.versions(1)] == [(3, None), (4, 3), (5, 4), (7, 5)]
+    assert files.versions(1)[1].digests() == digests_of(b"four")
+    files.commit_acked(1, 5, 5)
+    assert [v.version for v in files.versions(1)] == [5, 7]
+
+
 def test_refusals(spool: Spool) -> None:
     files = SpoolFiles(spool)
     files.add_file(LOG)
@@ -153,6 +195,26 @@ def test_records_survive_reopening(tmp_path: Path) -> None:
     for readonly in (True, False):
         r = Spool.open(path, readonly=readonly)
         assert (SpoolFiles(r).files(), SpoolFiles(r).versions()) == before
+        r.close()
+
+
+def test_the_specs_and_the_working_directory_for_a_resume(tmp_path: Path) -> None:
+    """`gcwrap resume` needs the --file specs (NAMEs as expanded) and the job's working directory: a
+    spool keeps them, across reopening, a path that is not UTF-8 too; one that recorded none has none."""
+    path = tmp_path / f"j{SPOOL_SUFFIX}"
+    s = Spool.create(path, job(), STREAMS)
+    assert SpoolFiles(s).specs() is None
+    workdir = Path(os.fsdecode(b"/scratch/run-\xff/w"))
+    specs = (FileSpec("train.log"), FileSpec("status.json", "state/j42.json"), FileSpec("out/*.csv"))
+    SpoolFiles(s).record_specs(workdir, specs)
+    SpoolFiles(s).record_specs(workdir, specs)  # (again: the same, once)
+    assert SpoolFiles(s).specs() == (workdir, specs)
+    assert SpoolFiles(s).files() == {}  # (no file matched yet)
+    s.close()
+    r = Spool.open(path, readonly=True)
+    try:
+        assert SpoolFiles(r).specs() == (workdir, specs)
+    finally:
         r.close()
 
 
@@ -198,7 +260,8 @@ class FilesModel(RuleBasedStateMachine):
         base = None if not bases or choice == 0 else bases[choice % len(bases)]
         version = self.next[file] + skip
         self.files.new_version(file, version, 1, version, base)
-        self.kept = {k: v for k, v in self.kept.items() if k[0] != file or v.committed is not None or k[1] == base}
+        self.kept = {k: v for k, v in self.kept.items()
+                     if k[0] != file or v.committed is not None or v.size is not None or k[1] == base}
         self.kept[file, version] = VersionRecord(file, version, base)
         self.next[file] = version + 1
 

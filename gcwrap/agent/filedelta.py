@@ -43,6 +43,15 @@ class Digests:
         if len(self.blocks) != -(-self.size // self.block_size):
             raise ValueError(f"{len(self.blocks)} digests for {self.size} bytes in blocks of {self.block_size}")
 
+    def prefix(self, size: int) -> Digests:
+        """The digests of the content's first `size` bytes, as far as these
+        tell them: all of them for `size` at least the content's, else its
+        whole blocks below `size` (a block cut short has no digest here)."""
+        if size >= self.size:
+            return self
+        whole = max(0, size) // self.block_size
+        return Digests(whole * self.block_size, self.blocks[:whole], self.block_size)
+
     def blob(self) -> bytes:
         """The digests end to end, as the spool keeps them."""
         return b"".join(self.blocks)

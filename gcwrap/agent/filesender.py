@@ -13,11 +13,15 @@ A version's bytes are read from a descriptor kept open on its inode, never
 copied: the descriptor keeps a deleted or renamed-over file's bytes alive.
 stat cannot see every rewrite, so a commit first scans the version's
 content and compares its block digests with those of what was sent
-(`SentBlocks`): a difference is a rewrite, and a new version. Commits come
-when a file has been quiet a moment, at least every COMMIT_EVERY seconds
-while it changes, and always at the job's end after a last stat pass; the
-EXIT goes (with each file's final version) only once every file's final
-content is committed at home.
+(`SentBlocks`): a difference is a rewrite, and a new version. While the job
+runs, a commit reads only the bytes added since the version was last read
+(filedelta.Scanner): a log appended to for hours costs its appends, and
+what home commits is what was sent either way; at the job's end each
+version is read whole once more, so a write below what was read before is
+found there at the latest. Commits come when a file has been quiet a
+moment, at least every COMMIT_EVERY seconds while it changes, and always at
+the job's end after a last stat pass; the EXIT goes (with each file's final
+version) only once every file's final content is committed at home.
 
 A session (gcwrap.agent.sender) calls `welcomed` with home's WELCOME.files,
 `send_some` to send the next frames, and `ack` with home's FILE_ACKs.
@@ -53,8 +57,8 @@ log = logging.getLogger("gcwrap")
 QUIET = 1.0  # seconds without a change before a file's version is committed
 COMMIT_EVERY = 5.0  # seconds: a file that keeps changing is committed at least this often
 TICK = 0.5  # seconds between looks at commits due while nothing else happens
-# A commit reads the version whole (what was sent must still be there): a large file is committed
-# less often while it changes, so that scans take a twentieth of the time at most at 1 GB/s.
+# A large file is committed less often while it changes (once a commit read the version whole; now a
+# checkpoint reads what was added, and only the job's end reads it whole again).
 SCAN_SHARE = 20 / 1e9  # seconds between commits per byte of the file
 FRAMES_PER_TURN = 16  # file frames sent per call of `send_some` (the streams get their turn between)
 
@@ -126,9 +130,12 @@ class Version:
     opened: bool = False  # its FILE_OPEN went on this connection
     sent_blocks: SentBlocks = field(default_factory=SentBlocks)
     scanned: filedelta.Scan | None = None  # its content as scanned for its plan (None: not scanned, or grown since)
+    scanner: filedelta.Scanner = field(default_factory=filedelta.Scanner)  # (its content as read so far)
+    final: bool = False  # read whole since the job ended: its commit at `planned` says the file's final content
+    commit_sha: str = ""  # the SHA-256 its last FILE_COMMIT said
     commit_sent: int = -1  # the size its last FILE_COMMIT said
     committed: int = -1  # the size home acknowledged a commit at
-    recorded: int = -1  # the size of the scan the spool keeps (its first commit's: see `_send_commit`)
+    recorded: int = -1  # the size of the scan the spool keeps (its latest commit's)
 
 
 @dataclass
@@ -181,6 +188,11 @@ class FileSender:
         self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
         self.literal = 0  # bytes of the files sent on the wire (FILE_DATA), resends included
         self.copied = 0  # bytes home copied from a version it held (FILE_COPY)
+        # `gcwrap resume` (gcwrap.agent.fileresume): the job has ended; the last pass is made once the first
+        # WELCOME says what home holds (each new version's base).
+        self.resuming = False
+        self.pass_due = False
+        self.job_over = False  # the last pass began: the job has ended
 
     # -- what the watcher says -------------------------------------------------
 
@@ -189,6 +201,8 @@ class FileSender:
         `changed` fires), waking the sender when something changed or a
         commit comes due; then `job_ended`."""
         send, self.events = trio.open_memory_channel[FileEvent](4096)
+        specs = self.watcher.specs
+        await self.record(lambda t: t.record_specs(self.workdir, specs))  # (for `gcwrap resume`)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.watcher.run, send)
             nursery.start_soon(self._take_events, self.events)
@@ -214,11 +228,21 @@ class FileSender:
         with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while self.events is not None:
                 pending.append(self.events.receive_nowait())
+        async with self.lock:
+            await self._last_pass(pending)
+
+    async def _last_pass(self, pending: list[FileEvent]) -> None:
+        self.job_over = True  # (versions made from now on are read after the job's end: final)
         # Every file as the last pass finds it, as if new: an event the watcher made as it was
         # cancelled is lost, and one for a file as it was is an append, at most (`_take`).
         self.watcher.files.clear()
         for event in [*pending, *self.watcher.check()]:
-            await self.take(event)
+            await self._take(event)
+        if self.resuming:
+            for tracked in self.files.values():
+                if tracked.current is None:
+                    log.warning("the job's file %s is gone (or cannot be read): home keeps what it had of it (%s)",
+                                tracked.path, tracked.name)
         self.ending = True
         self.changed.fire()
 
@@ -232,7 +256,7 @@ class FileSender:
         if tracked is None:
             if event.stat is None:
                 return
-            handle = len(self.files) + 1
+            handle = max(self.by_handle, default=0) + 1  # (after those a resumed spool keeps)
             name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
             tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
             record = FileRecord(handle, event.path, name, event.spec.pattern, event.stat.dev, event.stat.ino)
@@ -267,7 +291,8 @@ class FileSender:
                 fd = os.open(self.workdir / tracked.path, os.O_RDONLY | os.O_CLOEXEC)
             st = os.fstat(fd)
             # Scanned whole: the plan needs its digests, and a version sent as scanned commits at once.
-            scanned = await trio.to_thread.run_sync(filedelta.scan, fd, st.st_size)
+            scanner = filedelta.Scanner()
+            scanned = await trio.to_thread.run_sync(scanner.advance, fd, st.st_size)
         except OSError as e:
             # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
             log.warning("cannot read the job's file %s (%s): home keeps what it has of it", tracked.path,
@@ -281,7 +306,7 @@ class FileSender:
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         number = tracked.numbered = tracked.numbered + 1
-        tracked.current = Version(number, base, fd, ops, size, scanned=scanned)
+        tracked.current = Version(number, base, fd, ops, size, scanned=scanned, scanner=scanner, final=self.job_over)
         tracked.bases[number] = base
         tracked.base_digests = digests
         await self.record(lambda t: t.new_version(tracked.handle, number, st.st_dev, st.st_ino, base))
@@ -320,13 +345,17 @@ class FileSender:
         by_file = {h.file: h for h in held}
         for tracked in self.files.values():
             v = tracked.current
-            if v is None:
-                continue
-            v.opened = False
             h = by_file.get(tracked.handle)
             tracked.base = _home_base(tracked, h)
             for number in [n for n in tracked.commits if n != tracked.base]:
                 del tracked.commits[number]  # (never committed at home, or no longer its committed one)
+            if h is not None and tracked.base == h.version and (d := tracked.commits.get(h.version)) is not None:
+                # A commit home never read (sent as the connection broke): what it holds is less.
+                tracked.commits[h.version] = d.prefix(h.committed)
+            if v is None:  # (a file resumed, or one that could not be read: its next version is built on that base)
+                tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
+                continue
+            v.opened = False
             same = h.version == v.number if h is not None else v.base is None
             durable = h.durable if h is not None else 0
             if same and v.acked <= durable <= v.sent and v.sent_blocks.truncate(durable):
@@ -336,13 +365,15 @@ class FileSender:
                 continue
             tracked.numbered = max(tracked.numbered, h.version if h is not None else 0)
             self.restart.append(tracked)
+        if self.resuming and not self.ending:
+            self.pass_due = True
         self.changed.fire()
 
     @property
     def done(self) -> bool:
         """Every file's final content is committed at home (after the job's end)."""
         return self.ending and not self.restart and all(
-            (v := t.current) is None or (v.committed == v.planned and v.sent == v.planned)
+            (v := t.current) is None or (v.final and v.committed == v.planned and v.sent == v.planned)
             for t in self.files.values())
 
     @property
@@ -385,6 +416,9 @@ class FileSender:
             acks, self.acks = self.acks, []
             for file, version, size in acks:
                 await self.record(_commit_acked(file, version, size))
+            if self.pass_due:
+                self.pass_due = False
+                await self._last_pass([])
             while self.restart:
                 tracked = self.restart.pop()
                 v = tracked.current
@@ -414,7 +448,7 @@ class FileSender:
         now = trio.current_time()
         due = self.ending or (now - tracked.committed_at >= v.planned * SCAN_SHARE and (
             now - tracked.changed_at >= QUIET or now - tracked.committed_at >= COMMIT_EVERY))
-        if v.commit_sent == v.planned or not due:
+        if not due or (v.commit_sent == v.planned and (v.final or not self.ending)):
             return False
         return await self._commit(tracked, v, send)
 
@@ -455,21 +489,28 @@ class FileSender:
         if size > v.planned:
             _extend(v, size)
             return True
-        scan = await trio.to_thread.run_sync(filedelta.scan, v.fd, v.planned)
+        whole = self.ending or v.scanner.size > v.planned
+        if whole:
+            scan = await trio.to_thread.run_sync(filedelta.scan, v.fd, v.planned)
+        else:  # (a checkpoint: what was read before is trusted, see the module's docstring)
+            scan = await trio.to_thread.run_sync(v.scanner.advance, v.fd, v.planned)
         if tracked.current is not v:
             return True
         if scan.digests.size != v.planned or scan.digests.blocks != v.sent_blocks.digests():
             log.debug("file %s: version %d changed under its sending: a new version", tracked.path, v.number)
             await self.new_version(tracked)
             return True
+        v.final = self.ending  # (read whole after the job's end: nothing can change it now)
+        if v.commit_sent == v.planned and v.commit_sha == scan.sha256:
+            return True  # (its commit said this content already: nothing to send)
         return await self._send_commit(tracked, v, scan, send)
 
     async def _send_commit(self, tracked: TrackedFile, v: Version, scan: filedelta.Scan, send: Send) -> bool:
-        if v.committed < 0:  # (the spool keeps a version's first commit: its appends after it are not recorded)
+        if v.planned > v.recorded:  # (each commit's scan: a resume builds on the newest home holds)
             await self.record(lambda t: t.scanned(tracked.handle, v.number, scan))
             v.recorded = v.planned
         await send(FileCommit(tracked.handle, v.number, v.planned, scan.sha256))
-        v.commit_sent = v.planned
+        v.commit_sent, v.commit_sha = v.planned, scan.sha256
         tracked.commits = {n: d for n, d in tracked.commits.items() if n == tracked.base}  # (the older ones: useless)
         tracked.commits[v.number] = scan.digests
         tracked.base = v.number
@@ -499,6 +540,7 @@ def _extend(v: Version, size: int) -> None:
         v.ops.append(Literal(v.planned, size - v.planned))
     v.planned = size
     v.scanned = None
+    v.final = False
 
 
 def _whole_copies(ops: list[Op]) -> list[Op]:
@@ -514,9 +556,16 @@ def _whole_copies(ops: list[Op]) -> list[Op]:
 def _home_base(tracked: TrackedFile, held: FileHeld | None) -> int | None:
     """The version home holds committed, by its WELCOME row: none without
     a row; the row's version where it is committed; else the base that
-    version was opened with (home commits nothing but the version open)."""
+    version was opened with (home commits nothing but the version open).
+    The row names the newest version home holds, which a resumed spool
+    may no longer keep: one abandoned for a newer whose FILE_OPEN never
+    reached home. That newer one was built on the same committed version
+    (nothing else was committed meanwhile), its base is the answer."""
     if held is None:
         return None
     if held.committed >= 0:
         return held.version
-    return tracked.bases.get(held.version)
+    if held.version in tracked.bases:
+        return tracked.bases[held.version]
+    newer = [n for n in tracked.bases if n > held.version]
+    return tracked.bases[max(newer)] if newer else None

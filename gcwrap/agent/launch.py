@@ -273,9 +273,10 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
     signals caught so far, when no signal receiver is open yet."""
     start = Start(signals=signals)
     specs = stream_specs(opts)
-    if specs:
+    if specs or opts.files:
         # The spool exists before the job writes a byte: a wrapper killed in
-        # the first instant must not lose what the job wrote. If the disk
+        # the first instant must not lose what the job wrote (nor, with files
+        # alone, the record `gcwrap resume` needs of them). If the disk
         # refuses, the job runs anyway and the commit loop keeps trying.
         def live() -> None:
             if start.live_fd is None:

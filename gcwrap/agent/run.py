@@ -27,6 +27,7 @@ from .. import exitcodes
 from ..render import human_bytes
 from ..sync import worst_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
+from . import fileresume
 from .addresses import show, show_all
 from .agent import Agent
 from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
@@ -35,6 +36,7 @@ from .records import JobRecord, Outcome
 from .retry import describe
 from .spool import Spool, SpoolError
 from .spooler import Spooler
+from .spoolfiles import SpoolFiles
 from .stopsignals import stop_signals
 from .timeline import process_started
 
@@ -237,7 +239,7 @@ async def _run_job(
     agent.note(child_pid=proc.pid, state="running")
     running = JobProcess(proc, proc.pid if start.job.own_group else None)
     log.info("job %s started: pid %d, spool %s", job.job_id, proc.pid,
-             spool_path if specs else "none (nothing to spool)")
+             spool_path if specs or opts.files else "none (nothing to spool)")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_forward_signals, running, agent, signals)
         with worst_error():
@@ -454,12 +456,15 @@ async def resume_spool(
         spool = await trio.to_thread.run_sync(Spool.open, path)
         job = spool.job()
         states = spool.streams()
+        files = fileresume.read(SpoolFiles(spool))
     except SpoolError as e:
         os.close(lock_fd)
         return Outcome(exitcodes.INTERNAL, message=str(e))
     specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
     spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd)
     agent = Agent(opts, spooler, job, specs, resuming=True)
+    if files is not None:  # (the job's files: from the files themselves, once home says what it holds)
+        agent.files = fileresume.restore(files, agent.changed, spooler.record_files)
     for sid, out in agent.out.items():
         st = states[sid]
         out.restore(st.appended, st.acked)
@@ -499,6 +504,8 @@ async def resume_spool(
         job_status = 128 + job.exit_signal
     elif job.exit_code is not None:
         job_status = job.exit_code
+    if agent.files is not None:
+        agent.files.close()
     outcome = _finish(agent, job_status)
     if agent.delivered.is_set() and not agent.lost:
         outcome.status = 0
