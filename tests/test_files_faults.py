@@ -1,0 +1,279 @@
+"""The files a job writes (--file) under faults, identities and permissions.
+
+Real gcwrap and gcshadow processes; real faults from the kernel (a tmpfs
+that fills, kill -9, an iptables black hole, a file the job's user made
+unreadable). Each test checks that every file that can be saved is home
+exactly (SHA-256), the streams too, and that what cannot be is said in one
+clear line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from faults import NS_IP, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
+from helpers import ShadowProc, Wrapper, as_user, file_size, sha256_bytes, sha256_file, tool, wait_until
+
+from gcwrap.wire.auth import agent_mac, new_nonce
+from gcwrap.wire.events import (
+    FILES_FEATURE,
+    Auth,
+    Challenge,
+    Error,
+    ErrorCode,
+    FileOpen,
+    Hello,
+    StreamSpec,
+    Welcome,
+)
+from gcwrap.wire.protocol import NEED_DATA, Connection, Role
+
+pytestmark = pytest.mark.timeout(120)
+
+MB = 1 << 20
+
+
+def _job(code: str) -> list[str]:
+    prelude = "import os, sys, time, json, random\n"
+    prelude += ("def gate(path):\n"
+                "    end = time.monotonic() + 60\n"
+                "    while not os.path.exists(path) and time.monotonic() < end:\n"
+                "        time.sleep(0.02)\n")
+    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
+
+
+def _args(address: str, spool: Path, job_id: str, files: list[str], *extra: str) -> list[str]:
+    args = ["--shadow", address, "--spool", str(spool), "--job-id", job_id, "--retry-timeout", "0.5",
+            "--stdout", f"{job_id}.out", *extra]
+    for f in files:
+        args += ["--file", f]
+    return args
+
+
+def _same(home: Path, work: Path, *paths: str) -> None:
+    for path in paths:
+        assert (home / path).exists(), f"{path} is not at home"
+        assert sha256_file(home / path) == sha256_file(work / path), f"{path} differs at home"
+
+
+def _staging(home: Path) -> list[str]:
+    return sorted(str(p.relative_to(home)) for p in home.rglob(".*.gcwrap-*"))
+
+
+def _one_line(err: bytes, *words: str) -> str:
+    """The one line of gcwrap's stderr that holds every word (no traceback anywhere)."""
+    text = err.decode(errors="replace")
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if all(w in line for w in words)]
+    assert lines, f"no line with {words} in: {text}"
+    return lines[0]
+
+
+# -- 1. two identities ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> dict[str, Path]:
+    d = tmp_path / "tokens"
+    d.mkdir(mode=0o700)
+    out = {}
+    for who in ("alice", "bob"):
+        (d / who).write_text(os.urandom(32).hex() + "\n")
+        (d / who).chmod(0o600)
+        out[who] = d / who
+    return out
+
+
+@pytest.fixture
+def shared(home: Path, tmp_path: Path, tokens: dict[str, Path]) -> Iterator[ShadowProc]:
+    """One shadow, an identity for each of alice and bob (a token each)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--token-dir", str(tokens["alice"].parent)])
+    sh.start()
+    try:
+        yield sh
+    finally:
+        sh.stop()
+
+
+def test_two_identities_each_get_their_own_file_under_the_same_name(
+        shared: ShadowProc, home: Path, tmp_path: Path, tokens: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = {}
+    for who in ("alice", "bob"):
+        work = tmp_path / f"work-{who}"
+        work.mkdir()
+        monkeypatch.chdir(work)  # (the job's working directory: gcwrap's, as it starts)
+        runs[who] = Wrapper([*_args(shared.address, tmp_path / f"spool-{who}", f"{who}-1",
+                                    ["result.txt", "state.json", f"log.txt={who}-logs/%j.log", "bob/note.txt"],
+                                    "--token-file", str(tokens[who])), "--", *_job(f"""
+            rng = random.Random({len(who)})
+            os.makedirs("bob", exist_ok=True)
+            with open("log.txt", "a") as log:
+                for step in range(20):
+                    log.write("{who} " * rng.randrange(1, 2000) + "\\n")
+                    log.flush()
+                    with open(".state.tmp", "w") as f:
+                        json.dump({{"who": "{who}", "step": step, "pad": "{who}" * 20000}}, f)
+                    os.replace(".state.tmp", "state.json")
+                    time.sleep(0.05)
+            with open("result.txt", "w") as f:
+                f.write("{who}'s result\\n" * 1000)
+            with open("bob/note.txt", "w") as f:
+                f.write("written by {who}\\n")
+        """)])
+    for who, w in runs.items():
+        assert w.wait(60) == 0, w.err.decode()
+    for who in ("alice", "bob"):
+        work = tmp_path / f"work-{who}"
+        _same(home / who, work, "result.txt", "state.json", "bob/note.txt")
+        assert sha256_file(home / who / f"{who}-logs/{who}-1.log") == sha256_file(work / "log.txt")
+        assert (home / who / "result.txt").read_text().startswith(f"{who}'s result")
+    # Nothing outside each identity's directory: no file of one in the other's, none at the root.
+    assert sorted(p.name for p in home.iterdir() if p.name != ".gcshadow") == ["alice", "bob"]
+    assert (home / "bob" / "bob" / "note.txt").read_text() == "written by bob\n"
+    assert (home / "alice" / "bob" / "note.txt").read_text() == "written by alice\n"
+    assert not (home / "alice" / "bob-logs").exists() and not (home / "bob" / "alice-logs").exists()
+    assert _staging(home) == []
+
+
+@pytest.mark.parametrize("spec", ["r.txt=../r.txt", "r.txt=/tmp/r.txt", "r.txt=x/../../bob/r.txt", "../r.txt",
+                                  "/etc/hostname", "r.txt=.gcshadow/r.txt"])
+def test_a_name_that_leaves_the_identitys_directory_is_refused_before_the_job_starts(
+        shared: ShadowProc, home: Path, tmp_path: Path, tokens: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        spec: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    ran = tmp_path / "ran"
+    w = Wrapper([*_args(shared.address, tmp_path / "spool", "alice-2", [spec], "--token-file", str(tokens["alice"])),
+                 "--", "touch", str(ran)])
+    assert w.wait(30) == 2, w.err.decode()
+    line = _one_line(w.err, "--file")
+    assert len(w.err.decode().split()) and len([x for x in w.err.decode().splitlines() if x.strip()]) <= 3, \
+        w.err.decode()  # (click's usage line, its hint, the error)
+    assert spec.partition("=")[2 if "=" in spec else 0] in line or spec in line, line
+    assert not ran.exists(), "the job is not started"
+    assert sorted(p.name for p in home.iterdir() if p.name != ".gcshadow") == []
+
+
+def _raw_alice(port: int, token: bytes, job: str) -> tuple[socket.socket, Connection]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn = Connection(Role.AGENT)
+    nonce = new_nonce()
+    sock.sendall(conn.send(Hello(job_id=job, instance="i1", streams=(StreamSpec(1, "stdout", f"{job}.out"),),
+                                 host="test", features=(FILES_FEATURE,), nonce=nonce)))
+    challenge = _next(sock, conn)
+    assert isinstance(challenge, Challenge), challenge
+    sock.sendall(conn.send(Auth(agent_mac(token, nonce, challenge.nonce, job, "i1"))))
+    assert isinstance(_next(sock, conn), Welcome)
+    return sock, conn
+
+
+def _next(sock: socket.socket, conn: Connection) -> object:
+    while True:
+        ev = conn.next_event()
+        if ev is not NEED_DATA:
+            return ev
+        conn.receive_data(sock.recv(65536))
+
+
+@pytest.mark.parametrize("name", ["../bob/result.txt", "/etc/passwd", "x/../../bob/result.txt",
+                                  ".result.txt.gcwrap-1-2"])
+def test_the_shadow_refuses_a_file_name_that_leaves_the_identitys_directory(
+        shared: ShadowProc, home: Path, tokens: dict[str, Path], name: str) -> None:
+    """What gcwrap refuses on its command line, the shadow refuses again (it trusts no agent)."""
+    (home / "bob").mkdir()
+    (home / "bob" / "result.txt").write_bytes(b"bob's\n")
+    sock, conn = _raw_alice(shared.port, tokens["alice"].read_text().strip().encode(), "alice-3")
+    with sock:
+        sock.sendall(conn.send(FileOpen(1, name, 1)))
+        ev = _next(sock, conn)
+    assert isinstance(ev, Error), ev
+    assert ev.code is ErrorCode.PATH_FORBIDDEN, ev
+    assert (home / "bob" / "result.txt").read_bytes() == b"bob's\n"
+    assert not (home / "alice" / "bob").exists()
+    assert "alice-3" in shared.log() and name in shared.log()
+
+
+# -- 2. permissions -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can reach and write (its parents are world-searchable)."""
+    d = Path(tempfile.mkdtemp(prefix="gcwrap-files-", dir="/var/tmp"))
+    os.chmod(d, 0o777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: ShadowProc, home: Path,
+                                                                  open_dir: Path) -> None:
+    """gcwrap and its job run as nobody; the job makes one file no one but
+    root may read (mode 000 from its creation), and replaces another,
+    already home, by one of mode 000. gcwrap says which file and why, home
+    keeps what it had of the second, and the streams and the other files
+    are home exactly."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    work = open_dir / "work"
+    work.mkdir(mode=0o777)
+    os.chmod(work, 0o777)
+    w = subprocess.Popen(
+        [*as_user(65534), *tool("gcwrap"), *_args(shadow.address, open_dir / "spool", "perm",
+                                                  ["secret.bin", "state.json", "log.txt"], "--stderr", "perm.err"),
+         "--", *_job("""
+            fd = os.open("secret.bin", os.O_WRONLY | os.O_CREAT, 0o000)
+            os.write(fd, b"s" * 100000)
+            os.close(fd)
+            with open("state.json", "w") as f:
+                f.write('{"step": 0}')
+            with open("log.txt", "a") as log:
+                for i in range(30):
+                    log.write(f"line {i}\\n" * 100)
+                    log.flush()
+                    print(f"out {i}", flush=True)
+                    print(f"err {i}", file=sys.stderr, flush=True)
+                    time.sleep(0.1)
+            gate("home-has-v1")
+            fd = os.open(".state.tmp", os.O_WRONLY | os.O_CREAT, 0o000)
+            os.write(fd, b'{"step": 1}')
+            os.close(fd)
+            os.replace(".state.tmp", "state.json")
+            time.sleep(1.5)
+        """)], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HOME": "/nonexistent"},
+        start_new_session=True)
+    try:
+        wait_until(lambda: (home / "state.json").exists() and (home / "state.json").read_bytes() == b'{"step": 0}',
+                   30, "the first state.json at home")
+        (work / "home-has-v1").touch()
+        _, err = w.communicate(timeout=60)
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, 9)
+            w.wait(10)
+    text = err.decode(errors="replace")
+    assert "Traceback" not in text, text
+    line = _one_line(err, "secret.bin", "Permission denied")
+    assert "home" in line, line
+    _one_line(err, "state.json", "Permission denied")
+    assert w.returncode == 0, text
+    assert not (home / "secret.bin").exists()
+    assert (home / "state.json").read_bytes() == b'{"step": 0}'  # (what home had: the last it could read)
+    assert (home / "log.txt").read_bytes() == b"".join(f"line {i}\n".encode() * 100 for i in range(30))
+    assert (home / "perm.out").read_bytes() == b"".join(f"out {i}\n".encode() for i in range(30))
+    assert (home / "perm.err").read_bytes() == b"".join(f"err {i}\n".encode() for i in range(30))
+    assert _staging(home) == []
