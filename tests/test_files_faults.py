@@ -277,3 +277,102 @@ def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: Shado
     assert (home / "perm.out").read_bytes() == b"".join(f"out {i}\n".encode() for i in range(30))
     assert (home / "perm.err").read_bytes() == b"".join(f"err {i}\n".encode() for i in range(30))
     assert _staging(home) == []
+
+
+# -- 3. the home disk full; a file larger than the quota ---------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_home_disk_full_while_a_file_streams(spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shadow's root (a 24 MB tmpfs) fills while the job appends a log
+    and rewrites a file by rename: the job never waits, the files wait, and
+    once space is back every file lands exactly, no staging file left."""
+    need_tmpfs()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with Tmpfs(tmp_path / "root", "24m") as fs:
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        sh = ShadowProc(fs.path, logs, extra=["--min-free", "0"])
+        sh.start()
+        try:
+            w = Wrapper([*_args(sh.address, spool_dir, "full", ["big.log", "state.bin"]), "--", *_job("""
+                rng = random.Random(7)
+                stamps = open("stamps", "w")
+                with open("big.log", "ab") as log:
+                    for step in range(80):
+                        log.write(rng.randbytes(100_000))
+                        log.flush()
+                        if step % 10 == 0:
+                            with open(".state.tmp", "wb") as f:
+                                f.write(rng.randbytes(1_000_000))
+                            os.replace(".state.tmp", "state.bin")
+                        print(f"step {step}", flush=True)
+                        stamps.write(f"{time.monotonic()}\\n")
+                        stamps.flush()
+                        if step in (20, 50):
+                            gate("filled" if step == 20 else "freed")
+                            stamps.write("gate\\n")  # (its wait is the test's, not a gap)
+                        time.sleep(0.05)
+            """)])
+            wait_until(lambda: file_size(fs.path / "big.log") >= 2_000_000, 30, "the log's first steps at home")
+            filler = fs.fill()
+            (work / "filled").touch()
+            wait_until(lambda: (work / "stamps").read_text().count("\n") >= 52, 30, "the job to go on, home full")
+            time.sleep(1)  # (the agent is refused meanwhile, and backs off)
+            filler.unlink()
+            (work / "freed").touch()
+            assert w.wait(90) == 0, w.err.decode()
+        finally:
+            sh.stop()
+        _same(fs.path, work, "big.log", "state.bin")
+        assert (fs.path / "full.out").read_bytes() == b"".join(f"step {i}\n".encode() for i in range(80))
+        assert _staging(fs.path) == []
+        runs = [[float(x) for x in run.split()] for run in (work / "stamps").read_text().split("gate\n")]
+        gaps = [b - a for stamps in runs for a, b in zip(stamps, stamps[1:])]
+        assert max(gaps) < 1.0, ("the job does not wait for home's disk", [(i, g) for i, g in enumerate(gaps) if g > 0.2])
+        assert b"No space left" in w.err or b"disk is full" in w.err, w.err.decode()
+
+
+@pytest.mark.timeout(90)
+def test_a_file_larger_than_the_quota_is_refused_by_name_and_the_streams_delivered(
+        home: Path, tmp_path: Path, spool_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(home, logs, extra=["--quota", "1MB"])
+    sh.start()
+    try:
+        w = Wrapper([*_args(sh.address, spool_dir, "over", ["small.txt", "huge.bin"], "--stderr", "over.err"),
+                     "--", *_job("""
+            for i in range(100):
+                print(f"before {i}", flush=True)
+            with open("small.txt", "w") as f:
+                f.write("small\\n" * 1000)
+            time.sleep(1.5)
+            with open("huge.bin", "wb") as f:
+                f.write(os.urandom(3_000_000))
+            time.sleep(1.5)
+            for i in range(100):
+                print(f"after {i}", flush=True)
+                print(f"err {i}", file=sys.stderr, flush=True)
+        """)])
+        code = w.wait(60)
+    finally:
+        sh.stop()
+    text = w.err.decode(errors="replace")
+    # The shadow refuses the job as it refuses a stream past the quota, naming the file: the job goes
+    # on, what home took before is home exactly, the rest stays in the spool (123: see --quota).
+    line = _one_line(w.err, "huge.bin", "quota of 1000000 bytes", "[QUOTA]")
+    assert "refused" in line, line
+    assert code == 123, text
+    # The streams: home exactly (their bytes are within the quota, and sent between the file's refusals).
+    assert (home / "over.out").read_bytes() == b"".join(f"before {i}\n".encode() for i in range(100)) + b"".join(
+        f"after {i}\n".encode() for i in range(100)), text
+    assert (home / "over.err").read_bytes() == b"".join(f"err {i}\n".encode() for i in range(100)), text
+    assert (home / "small.txt").read_bytes() == b"small\n" * 1000
+    assert file_size(home / "huge.bin") <= 1_000_000
+    # (a staged version of it may stay at home: the job is refused, not ended; `gcwrap resume` goes on from it)

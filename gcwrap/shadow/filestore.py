@@ -305,7 +305,8 @@ class SessionFiles:
     def _charge(self, v: Version, end: int) -> None:
         """Refuse bytes past the job's quota (QUOTA), its streams' bytes counted with its files'."""
         if self.quota and end > v.written and self.streams() + self.written() + end - v.written > self.quota:
-            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes")
+            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes with "
+                                           f"its file {v.name!r} ({end} bytes of it)")
 
     def data(self, ev: FileData) -> None:
         """FILE_DATA: appended at its offset, less what the version holds (a resend)."""
