@@ -376,3 +376,130 @@ def test_a_file_larger_than_the_quota_is_refused_by_name_and_the_streams_deliver
     assert (home / "small.txt").read_bytes() == b"small\n" * 1000
     assert file_size(home / "huge.bin") <= 1_000_000
     # (a staged version of it may stay at home: the job is refused, not ended; `gcwrap resume` goes on from it)
+
+
+# -- 4. the shadow killed -9 mid-file -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_the_shadow_killed_mid_file_three_times(shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill -9 while a large file is half home: once mid-way through a first
+    version written in place, once mid-way through a staged rewrite, once
+    while blocks written in place are on their way; every file exact at the
+    end, no staging file left, no byte twice in the appended one."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    w = Wrapper([*_args(shadow.address, spool_dir, "k9", ["big.log", "model.bin", "data.bin"]), "--", *_job("""
+        rng = random.Random(11)
+        with open("big.log", "ab") as log:
+            for i in range(60):  # 30 MB, 0.5 MB every 20 ms
+                log.write(rng.randbytes(500_000))
+                log.flush()
+                time.sleep(0.02)
+        gate("go1")
+        for k in range(3):  # a 20 MB rewrite by rename, three times
+            with open(".model.tmp", "wb") as f:
+                for _ in range(40):
+                    f.write(rng.randbytes(500_000))
+                    f.flush()
+            os.replace(".model.tmp", "model.bin")
+            time.sleep(0.3)
+        gate("go2")
+        fd = os.open("data.bin", os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(fd, rng.randbytes(16 << 20))
+        time.sleep(1.5)
+        for _ in range(200):
+            os.pwrite(fd, rng.randbytes(rng.randrange(1, 20000)), rng.randrange(0, 16 << 20))
+        os.close(fd)
+        with open("big.log", "ab") as log:
+            log.write(rng.randbytes(3_000_000))
+    """)])
+
+    def kill_when(cond: object, what: str) -> None:
+        wait_until(cond, 30, what, interval=0.005)  # type: ignore[arg-type]
+        shadow.kill9()
+        time.sleep(0.5)
+        shadow.start()
+
+    kill_when(lambda: 1_000_000 < file_size(home / "big.log") < 29_000_000, "big.log half home")
+    (work / "go1").touch()
+    kill_when(lambda: any(p.stat().st_size > 1_000_000 for p in home.glob(".model.bin.gcwrap-*")),
+              "a rewrite of model.bin half home")
+    (work / "go2").touch()
+    kill_when(lambda: file_size(home / "data.bin") >= 16 << 20 and (work / "data.bin").stat().st_mtime > 0
+              and any(home.glob(".data.bin.gcwrap-*")) or w.proc.poll() is not None, "data.bin's writes in place")
+    assert w.wait(120) == 0, w.err.decode()
+    _same(home, work, "big.log", "model.bin", "data.bin")
+    assert _staging(home) == []
+    assert shadow.starts == 4
+
+
+# -- 5. the network down while a large file waits -----------------------------------------------------------
+
+
+@pytest.fixture
+def netns() -> Iterator[NetNS]:
+    need_netns()
+    with NetNS() as ns:
+        yield ns
+
+
+def _rss(pid: int) -> int:
+    """The resident set of a process, in bytes (/proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.timeout(180)
+def test_gcwraps_memory_stays_bounded_while_a_large_file_waits_behind_a_cut(
+        netns: NetNS, home: Path, spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packets to the shadow vanish (iptables DROP) while the job writes a
+    200 MiB file: gcwrap's resident memory stays within 32 MiB of what it
+    was before (the file is read from the job's disk as it goes, never held
+    in memory), and the file is home exactly after the heal."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    proc, port = shadow_in_ns(netns, home, logs)
+    try:
+        w = Wrapper([*_args(f"{NS_IP}:{port}", spool_dir, "cut200", ["big.bin", "log.txt"], "--heartbeat", "1"),
+                     "--", *_job("""
+            with open("log.txt", "a") as log:
+                log.write("started\\n")
+            gate("cut")
+            rng = random.Random(13)
+            with open("big.bin", "wb") as f:
+                for _ in range(200):
+                    f.write(rng.randbytes(1 << 20))
+            with open("log.txt", "a") as log:
+                log.write("written\\n")
+            gate("healed")
+            print("done", flush=True)
+        """)])
+        wait_until(lambda: (home / "log.txt").exists() and (home / "log.txt").read_bytes() == b"started\n", 30,
+                   "the log at home")
+        time.sleep(0.5)
+        before = _rss(w.proc.pid)
+        netns.blackhole(port)
+        (work / "cut").touch()
+        wait_until(lambda: b"written" in (work / "log.txt").read_bytes(), 60, "the 200 MiB file written")
+        peak = before
+        end = time.monotonic() + 8  # (several heartbeats: the connection declared dead, tried again into the cut)
+        while time.monotonic() < end:
+            peak = max(peak, _rss(w.proc.pid))
+            time.sleep(0.05)
+        assert file_size(home / "big.bin") < 200 * MB, "the cut let the file through"
+        netns.heal()
+        (work / "healed").touch()
+        assert w.wait(120) == 0, w.err.decode()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    _same(home, work, "big.bin", "log.txt")
+    assert peak - before < 32 * MB, (before, peak)  # (measured: 2 MiB)
