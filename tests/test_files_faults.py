@@ -267,9 +267,12 @@ def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: Shado
             w.wait(10)
     text = err.decode(errors="replace")
     assert "Traceback" not in text, text
-    line = _one_line(err, "secret.bin", "Permission denied")
-    assert "home" in line, line
-    _one_line(err, "state.json", "Permission denied")
+    # One line for each, said once (not again at the job's end), saying what home holds of it.
+    assert _one_line(err, "secret.bin") == ("gcwrap: cannot read the job's file secret.bin (Permission denied): "
+                                            "home gets none of it"), text
+    assert _one_line(err, "state.json") == ("gcwrap: cannot read the job's file state.json (Permission denied): "
+                                            "home keeps the last version gcwrap could read"), text
+    assert text.count("secret.bin") == 1 and text.count("state.json") == 1, text
     assert w.returncode == 0, text
     assert not (home / "secret.bin").exists()
     assert (home / "state.json").read_bytes() == b'{"step": 0}'  # (what home had: the last it could read)

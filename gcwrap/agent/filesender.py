@@ -139,6 +139,7 @@ class TrackedFile:
     committed_at: float = 0.0  # when its last FILE_COMMIT went
     base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
     numbered: int = 0  # the newest version number given (versions only grow)
+    unreadable: str = ""  # why it could not be read, as last said ("": it could): said once, not at every try
 
 
 class FileSender:
@@ -245,11 +246,15 @@ class FileSender:
             scanned = await trio.to_thread.run_sync(filedelta.scan, fd, st.st_size)
         except OSError as e:
             # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
-            log.warning("cannot read the job's file %s (%s): home keeps what it has of it", tracked.path,
-                        e.strerror)
+            if tracked.unreadable != e.strerror:
+                log.warning("cannot read the job's file %s (%s): %s", tracked.path, e.strerror,
+                            "home keeps the last version gcwrap could read" if tracked.numbered
+                            else "home gets none of it")
+            tracked.unreadable = e.strerror
             if fd is not None:
                 os.close(fd)
             return
+        tracked.unreadable = ""
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         number = tracked.numbered = tracked.numbered + 1
