@@ -506,3 +506,28 @@ def test_gcwraps_memory_stays_bounded_while_a_large_file_waits_behind_a_cut(
         proc.wait(10)
     _same(home, work, "big.bin", "log.txt")
     assert peak - before < 32 * MB, (before, peak)  # (measured: 2 MiB)
+
+
+# -- a NAME named as home names its staged versions ----------------------------------------------------------
+
+
+def test_a_stream_named_as_a_staged_version_is_refused(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    """Home stages a file's new version as `.BASENAME.gcwrap-F-V` beside it,
+    and removes those it abandons: a stream of that name could be taken
+    for one and removed, so gcwrap refuses it (2), and the shadow too."""
+    ran = tmp_path / "ran"
+    for option in ("--stdout", "--stderr", "--file"):
+        value = "r.txt=.r.txt.gcwrap-1-2" if option == "--file" else "d/.r.txt.gcwrap-1-2"
+        w = Wrapper(["--shadow", shadow.address, "--spool", str(tmp_path / "spool"), "--job-id", "staged",
+                     option, value, "--", "touch", str(ran)])
+        assert w.wait(30) == 2, w.err.decode()
+        _one_line(w.err, f"Invalid value for {option}", "stages")
+    assert not ran.exists()
+    sock = socket.create_connection(("127.0.0.1", shadow.port), timeout=10)
+    with sock:
+        conn = Connection(Role.AGENT)
+        sock.sendall(conn.send(Hello(job_id="staged", instance="i1", host="test",
+                                     streams=(StreamSpec(1, "stdout", "d/.r.txt.gcwrap-1-2"),))))
+        ev = _next(sock, conn)
+    assert isinstance(ev, Error) and ev.code is ErrorCode.PATH_FORBIDDEN, ev
+    assert not (home / "d").exists()

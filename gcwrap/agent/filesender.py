@@ -246,11 +246,12 @@ class FileSender:
             scanned = await trio.to_thread.run_sync(filedelta.scan, fd, st.st_size)
         except OSError as e:
             # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
-            if tracked.unreadable != e.strerror:
-                log.warning("cannot read the job's file %s (%s): %s", tracked.path, e.strerror,
+            reason = e.strerror or str(e)
+            if tracked.unreadable != reason:
+                log.warning("cannot read the job's file %s (%s): %s", tracked.path, reason,
                             "home keeps the last version gcwrap could read" if tracked.numbered
                             else "home gets none of it")
-            tracked.unreadable = e.strerror
+            tracked.unreadable = reason
             if fd is not None:
                 os.close(fd)
             return

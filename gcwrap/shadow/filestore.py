@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ import trio
 
 from ..wire.codec import ProtocolError
 from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
-from ..wire.names import NameError_, split_name
+from ..wire.names import NameError_, split_name, staged_like
 from . import fileversions
 from .acks import Sender
 from .admission import Refused
@@ -47,7 +46,6 @@ from .durability import Fenced, Trouble
 from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
-_STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
 OPEN_PER_SESSION = 8  # a session's files kept open (a job may write thousands): `SessionFiles.trim`
 
@@ -256,8 +254,8 @@ class SessionFiles:
             norm = "/".join(split_name(ev.name))
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
-        if _STAGING.fullmatch(norm.rpartition("/")[2]):
-            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a file it stages")
+        if staged_like(norm):
+            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a version of a file it stages")
         if self.tenant:
             norm = f"{self.tenant}/{norm}"
         known = self.names.get(ev.file)
