@@ -282,6 +282,54 @@ def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: Shado
     assert _staging(home) == []
 
 
+
+@pytest.mark.timeout(90)
+def test_a_file_in_a_directory_gcwrap_cannot_reach_is_named(shadow: ShadowProc, home: Path, open_dir: Path) -> None:
+    """The job (as nobody, as gcwrap) closes the directories its files lie
+    in: one it makes unsearchable (a named --file in it cannot be stat'ed),
+    one it makes unreadable (a glob cannot list it). Each is said in a
+    line, once, naming the path and why; the rest is home exactly (before:
+    nothing was said, the files were taken as absent)."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    work = open_dir / "work"
+    work.mkdir()
+    os.chmod(work, 0o777)
+    w = subprocess.Popen(
+        [*as_user(65534), *tool("gcwrap"), *_args(shadow.address, open_dir / "spool", "dirs",
+                                                  ["priv/x.txt", "locked/*.csv", "ok.txt"]),
+         "--", *_job("""
+            os.makedirs("priv")
+            os.makedirs("locked")
+            open("priv/x.txt", "w").write("x\\n")
+            open("locked/a.csv", "w").write("a,1\\n")
+            os.chmod("priv", 0o600)  # (no search: its files cannot be stat'ed)
+            os.chmod("locked", 0o300)  # (no read: it cannot be listed)
+            with open("ok.txt", "w") as f:
+                f.write("ok\\n" * 1000)
+            time.sleep(2.5)
+            print("done", flush=True)
+        """)], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HOME": "/nonexistent"},
+        start_new_session=True)
+    try:
+        _, err = w.communicate(timeout=60)
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, 9)
+            w.wait(10)
+    text = err.decode(errors="replace")
+    assert w.returncode == 0, text
+    assert _one_line(err, "priv/x.txt") == ("gcwrap: cannot reach the job's file priv/x.txt (Permission denied): "
+                                            "home gets what gcwrap could read of it before, if anything"), text
+    assert _one_line(err, "locked") == ("gcwrap: cannot list the directory locked of --file 'locked/*.csv' "
+                                        "(Permission denied): its files there are not seen"), text
+    assert [sum(word in line for line in text.splitlines()) for word in ("priv", "locked")] == [1, 1], text
+    assert (home / "ok.txt").read_bytes() == b"ok\n" * 1000
+    assert (home / "dirs.out").read_bytes() == b"done\n"
+    for d in ("priv", "locked"):
+        os.chmod(work / d, 0o700)  # (for the clean-up)
+
+
 # -- 3. the home disk full; a file larger than the quota ---------------------------------------------------
 
 
