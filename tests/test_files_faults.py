@@ -579,3 +579,28 @@ def test_a_stream_named_as_a_staged_version_is_refused(shadow: ShadowProc, home:
         ev = _next(sock, conn)
     assert isinstance(ev, Error) and ev.code is ErrorCode.PATH_FORBIDDEN, ev
     assert not (home / "d").exists()
+
+
+def test_a_glob_match_home_would_refuse_is_named_and_the_rest_delivered(
+        shadow: ShadowProc, home: Path, spool_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A glob matches a file whose path cannot be a NAME (a control
+    character in it; one named as home stages versions): gcwrap says so
+    once and leaves that one out, rather than have the shadow refuse the
+    whole job for it (before: every session refused, 123)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    w = Wrapper([*_args(shadow.address, spool_dir, "globbad", ["out/*.csv", "out/.*"]), "--", *_job("""
+        os.makedirs("out")
+        open("out/a.csv", "w").write("a,1\\n")
+        open("out/b\\x07.csv", "w").write("bell\\n")
+        open("out/.a.csv.gcwrap-1-2", "w").write("staged-like\\n")
+        time.sleep(1.5)
+        print("done", flush=True)
+    """)])
+    assert w.wait(60) == 0, w.err.decode()
+    _one_line(w.err, "out/b\\x07.csv", "control character")
+    _one_line(w.err, "out/.a.csv.gcwrap-1-2", "stages")
+    assert (home / "out" / "a.csv").read_bytes() == b"a,1\n"
+    assert (home / "globbad.out").read_bytes() == b"done\n"
+    assert sorted(p.name for p in (home / "out").iterdir()) == ["a.csv"]

@@ -37,6 +37,7 @@ import trio
 
 from ..sync import Signal
 from ..wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
+from ..wire.names import NameError_, normalize
 from ..wire.protocol import MAX_PAYLOAD
 from . import filedelta
 from .filedelta import BLOCK_SIZE, Copy, Digests, Literal, Op, block_digest
@@ -160,6 +161,7 @@ class FileSender:
         self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
         self.literal = 0  # bytes of the files sent on the wire (FILE_DATA), resends included
         self.copied = 0  # bytes home copied from a version it held (FILE_COPY)
+        self.left_out: set[str] = set()  # paths matched whose NAME home would refuse (said once)
 
     # -- what the watcher says -------------------------------------------------
 
@@ -211,8 +213,10 @@ class FileSender:
         if tracked is None:
             if event.stat is None:
                 return
-            handle = len(self.files) + 1
             name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
+            if not self._can_land(event.path, name):
+                return
+            handle = len(self.files) + 1
             tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
             record = FileRecord(handle, event.path, name, event.spec.pattern, event.stat.dev, event.stat.ino)
             await self.record(lambda t: t.add_file(record))
@@ -225,6 +229,19 @@ class FileSender:
             _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
             return
         await self.new_version(tracked)
+
+    def _can_land(self, path: str, name: str) -> bool:
+        """Whether home would take NAME (a glob's match is named by its path):
+        one it would refuse is said once and left out, rather than have home
+        refuse the whole job for it."""
+        try:
+            normalize(name)
+        except NameError_ as e:
+            if path not in self.left_out:
+                log.warning("a file the job writes cannot come home: %s; it is left out", e)
+                self.left_out.add(path)
+            return False
+        return True
 
     # -- versions --------------------------------------------------------------
 
