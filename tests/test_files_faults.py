@@ -603,3 +603,16 @@ def test_a_glob_match_home_would_refuse_is_named_and_the_rest_delivered(
     assert (home / "out" / "a.csv").read_bytes() == b"a,1\n"
     assert (home / "globbad.out").read_bytes() == b"done\n"
     assert sorted(p.name for p in (home / "out").iterdir()) == ["a.csv"]
+
+
+@pytest.mark.parametrize("args", [("--file", "a=x", "--file", "b=./x"), ("--stdout", "r/out", "--file", "r/out"),
+                                  ("--stderr", "e", "--file", "x.txt=e")])
+def test_two_outputs_of_one_name_are_a_usage_error(shadow: ShadowProc, tmp_path: Path, args: tuple[str, ...]) -> None:
+    """Two files, or a file and a stream, landing at one NAME: refused before
+    the job starts (2), not by the shadow once it runs (before: 123)."""
+    ran = tmp_path / "ran"
+    w = Wrapper(["--shadow", shadow.address, "--spool", str(tmp_path / "spool"), "--job-id", "twice", *args, "--",
+                 "touch", str(ran)])
+    assert w.wait(30) == 2, w.err.decode()
+    _one_line(w.err, "Invalid value for --file", "lands at", "too")
+    assert not ran.exists()
