@@ -288,7 +288,7 @@ def run(
         raise click.UsageError("a stream NAME or a --file needs a shadow: use --shadow HOST:PORT or set "
                                "BYPASS_SHADOW_HOST/PORT")
     job_id, names = job_and_names(job_id, stdout_name, stderr_name, stdin_name, *(f.name for f in files))
-    (stdout_name, stderr_name, stdin_name), files = names[:3], file_specs(files, names[3:])
+    (stdout_name, stderr_name, stdin_name), files = names[:3], file_specs(files, names[3:], names[:2])
     from .agent.options import AgentOptions
 
     merge = stderr_name is not None and stderr_name == stdout_name
@@ -320,20 +320,29 @@ def job_and_names(job_id: str | None, *names: str | None) -> tuple[str | None, l
     return job_id, expanded
 
 
-def file_specs(files: tuple[FileSpec, ...], names: list[str | None]) -> tuple[FileSpec, ...]:
+def file_specs(files: tuple[FileSpec, ...], names: list[str | None], streams: list[str | None] | None = None
+               ) -> tuple[FileSpec, ...]:
     """The --file specs with their NAMEs expanded; a PATH without a NAME
     lands at PATH, so it must be a NAME (a glob's matches are checked as they
-    appear)."""
+    appear). Two outputs landing at one NAME (the `streams`' NAMEs too) are
+    refused here, not by the shadow once the job runs."""
     import dataclasses
 
+    taken = {n for n in streams or () if n is not None}
     specs = []
     for spec, name in zip(files, names, strict=True):
+        lands = name
         if name is None and not spec.is_glob:
             try:
-                normalize(spec.pattern)
+                lands = normalize(spec.pattern)
             except NameError_ as e:
                 raise click.BadParameter(f"{spec.pattern!r} cannot land at home under its own name ({e}): "
                                          "give it one, PATH=NAME", param_hint="--file") from None
+        if lands is not None:
+            if lands in taken:
+                raise click.BadParameter(f"{spec.pattern!r} lands at {lands!r}, where another output lands too",
+                                         param_hint="--file")
+            taken.add(lands)
         specs.append(dataclasses.replace(spec, name=name))
     return tuple(specs)
 

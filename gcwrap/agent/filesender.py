@@ -42,6 +42,7 @@ import trio
 
 from ..sync import Signal
 from ..wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
+from ..wire.names import NameError_, normalize
 from ..wire.protocol import MAX_PAYLOAD
 from . import filedelta
 from .filedelta import BLOCK_SIZE, Copy, Digests, Literal, Op, block_digest
@@ -167,6 +168,7 @@ class TrackedFile:
         return {"file": self.handle, "path": self.path, "name": self.name, "version": v.number if v else 0,
                 "size": v.planned if v else 0, "sent": v.sent if v else 0, "acked": v.acked if v else 0,
                 "committed": v.committed if v else -1, "state": self.state()}
+    unreadable: str = ""  # why it could not be read, as last said ("": it could): said once, not at every try
 
 
 class FileSender:
@@ -193,6 +195,7 @@ class FileSender:
         self.resuming = False
         self.pass_due = False
         self.job_over = False  # the last pass began: the job has ended
+        self.left_out: set[str] = set()  # paths matched whose NAME home would refuse (said once)
 
     # -- what the watcher says -------------------------------------------------
 
@@ -256,8 +259,10 @@ class FileSender:
         if tracked is None:
             if event.stat is None:
                 return
-            handle = max(self.by_handle, default=0) + 1  # (after those a resumed spool keeps)
             name = event.spec.name if event.spec.name is not None and not event.spec.is_glob else event.path
+            if not self._can_land(event.path, name):
+                return
+            handle = max(self.by_handle, default=0) + 1  # (after those a resumed spool keeps)
             tracked = self.files[event.path] = self.by_handle[handle] = TrackedFile(handle, event.path, name)
             record = FileRecord(handle, event.path, name, event.spec.pattern, event.stat.dev, event.stat.ino)
             await self.record(lambda t: t.add_file(record))
@@ -273,6 +278,19 @@ class FileSender:
             _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
             return
         await self.new_version(tracked)
+
+    def _can_land(self, path: str, name: str) -> bool:
+        """Whether home would take NAME (a glob's match is named by its path):
+        one it would refuse is said once and left out, rather than have home
+        refuse the whole job for it."""
+        try:
+            normalize(name)
+        except NameError_ as e:
+            if path not in self.left_out:
+                log.warning("a file the job writes cannot come home: %s; it is left out", e)
+                self.left_out.add(path)
+            return False
+        return True
 
     # -- versions --------------------------------------------------------------
 
@@ -295,14 +313,19 @@ class FileSender:
             scanned = await trio.to_thread.run_sync(scanner.advance, fd, st.st_size)
         except OSError as e:
             # (no version in progress now: home keeps its committed one, and the EXIT does not list it)
-            log.warning("cannot read the job's file %s (%s): home keeps what it has of it", tracked.path,
-                        e.strerror)
+            reason = e.strerror or str(e)
+            if tracked.unreadable != reason:
+                log.warning("cannot read the job's file %s (%s): %s", tracked.path, reason,
+                            "home keeps the last version gcwrap could read" if tracked.numbered
+                            else "home gets none of it")
+            tracked.unreadable = reason
             if fd is not None:
                 os.close(fd)
             self._trouble(tracked, "gone" if e.errno == errno.ENOENT else "unreadable", e.strerror or str(e))
             return
         if tracked.trouble == "unreadable":
             tracked.trouble = ""
+        tracked.unreadable = ""
         size = scanned.digests.size
         ops = _whole_copies(filedelta.plan(digests, scanned.digests))
         number = tracked.numbered = tracked.numbered + 1

@@ -105,3 +105,26 @@ def matches(workdir: Path, specs: tuple[FileSpec, ...]) -> dict[str, tuple[FileS
             if st is not None:
                 found[rel] = (spec, st)
     return found
+
+
+def unreachable(workdir: Path, specs: tuple[FileSpec, ...], found: dict[str, tuple[FileSpec, FileStat]]
+                ) -> dict[tuple[str, FileSpec], str]:
+    """What the specs name that is there but out of gcwrap's reach, with
+    why (a pass takes it for absent): a PATH not `found` whose stat fails
+    for another reason than its absence (the job made a directory on the
+    way unsearchable), and a glob's fixed directory it cannot list."""
+    out: dict[tuple[str, FileSpec], str] = {}
+    for spec in specs:
+        target = spec.fixed_dir if spec.is_glob else spec.pattern
+        if not spec.is_glob and target in found:
+            continue
+        try:
+            if spec.is_glob:
+                os.listdir(workdir / target)
+            else:
+                os.stat(workdir / target)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            out[(target or ".", spec)] = e.strerror or str(e)
+    return out

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import trio
 
-from .filespecs import FileSpec, FileStat, matches
+from .filespecs import FileSpec, FileStat, matches, unreachable
 
 log = logging.getLogger("gcwrap")
 
@@ -145,6 +145,7 @@ class FileWatcher:
         self.use_inotify = inotify
         self.inotify: Inotify | None = None
         self.files: dict[str, tuple[FileSpec, FileStat]] = {}  # what the last pass saw
+        self.out_of_reach: dict[tuple[str, FileSpec], str] = {}  # said already: (path, spec) -> why
 
     def check(self) -> list[FileEvent]:
         """One stat pass now: what changed since the last (the first reports
@@ -158,7 +159,22 @@ class FileWatcher:
             if what is not None and spec is not None:
                 events.append(FileEvent(path, spec, what, new[1] if new else None))
         self.files = seen
+        self._say_out_of_reach(seen)
         return events
+
+    def _say_out_of_reach(self, seen: dict[str, tuple[FileSpec, FileStat]]) -> None:
+        """Say once what the pass could not reach (it took it for absent)."""
+        now = unreachable(self.workdir, self.specs, seen)
+        for (path, spec), why in now.items():
+            if self.out_of_reach.get((path, spec)) == why:
+                continue
+            if spec.is_glob:
+                log.warning("cannot list the directory %s of --file %r (%s): its files there are not seen", path,
+                            spec.pattern, why)
+            else:
+                log.warning("cannot reach the job's file %s (%s): home gets what gcwrap could read of it before, "
+                            "if anything", path, why)
+        self.out_of_reach = now
 
     def _watched_pass(self) -> dict[str, tuple[FileSpec, FileStat]]:
         """A stat pass with the directories it depends on watched first, so

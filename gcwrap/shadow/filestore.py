@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import trio
 
 from ..wire.codec import ProtocolError
 from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
-from ..wire.names import NameError_, split_name
+from ..wire.names import NameError_, split_name, staged_like
 from . import fileversions
 from .acks import Sender
 from .admission import Refused
@@ -49,7 +48,6 @@ from .files import Problem, StateUnavailable, StoreError, lock_file, open_confin
 from .replies import WIRE_CODES
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
-_STAGING = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # (a file of that name would be taken for a staged one)
 _CHUNK = 1 << 20
 OPEN_PER_SESSION = 8  # a session's files kept open (a job may write thousands): `SessionFiles.trim`
 
@@ -269,8 +267,8 @@ class SessionFiles:
             norm = "/".join(split_name(ev.name))
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
-        if _STAGING.fullmatch(norm.rpartition("/")[2]):
-            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a file it stages")
+        if staged_like(norm):
+            raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a version of a file it stages")
         if self.tenant:
             norm = f"{self.tenant}/{norm}"
         known = self.names.get(ev.file)
@@ -318,7 +316,8 @@ class SessionFiles:
     def _charge(self, v: Version, end: int) -> None:
         """Refuse bytes past the job's quota (QUOTA), its streams' bytes counted with its files'."""
         if self.quota and end > v.written and self.streams() + self.written() + end - v.written > self.quota:
-            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes")
+            raise Refused(ErrorCode.QUOTA, f"job {self.job_id} would exceed its quota of {self.quota} bytes with "
+                                           f"its file {v.name!r} ({end} bytes of it)")
 
     def data(self, ev: FileData) -> None:
         """FILE_DATA: appended at its offset, less what the version holds (a resend)."""

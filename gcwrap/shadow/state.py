@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from ..db import migrate as db_migrate
 from ..db import transaction, uri
 from ..wire.events import StreamSpec
-from ..wire.names import STATE_DIR, NameError_, split_name
+from ..wire.names import STATE_DIR, NameError_, split_name, staged_like
 from . import fileversions, timeline
 from .files import (
     JobFiles,
@@ -462,6 +462,9 @@ class Store:
                 norm = f"{tenant}/{norm}"
             named.append((spec, norm))
             if spec.kind != "stdin":
+                if staged_like(norm):  # (a file's version staged at home is named so: `filestore`)
+                    raise StoreError(Problem.FORBIDDEN_NAME, f"{norm!r} is named as home names a version of a "
+                                                             "file it stages")
                 if norm in names:
                     raise StoreError(Problem.FORBIDDEN_NAME, f"two streams of the job name {norm!r}")
                 names[norm] = spec.id

@@ -7,7 +7,10 @@ directory at a time with O_NOFOLLOW so a symlink cannot lead out.
 
 from __future__ import annotations
 
+import re
+
 STATE_DIR = ".gcshadow"  # the shadow's own files under its root
+_STAGED = re.compile(r"\..*\.gcwrap-[0-9]+-[0-9]+")  # `.BASENAME.gcwrap-F-V`: a file's version staged at home
 
 
 class NameError_(ValueError):
@@ -43,5 +46,16 @@ def split_name(name: str) -> tuple[str, ...]:
     return parts
 
 
+def staged_like(name: str) -> bool:
+    """NAME's last component is named as the shadow names a version of a
+    job's file it stages beside it (`.BASENAME.gcwrap-F-V`): refused as an
+    output's NAME, since it could be taken for one and removed."""
+    return _STAGED.fullmatch(name.rpartition("/")[2]) is not None
+
+
 def normalize(name: str) -> str:
-    return "/".join(split_name(name))
+    """NAME as the shadow will take it (the agent's check), or NameError_."""
+    norm = "/".join(split_name(name))
+    if staged_like(norm):
+        raise NameError_(f"{name!r} is named as home names a version of a file it stages")
+    return norm
