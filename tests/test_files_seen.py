@@ -194,12 +194,19 @@ def test_jobs_lists_the_files_and_the_timeline_says_what_became_of_them(shadow: 
 
 def test_a_refused_file_name_is_in_the_jobs_timeline(shadow: ShadowProc, home: Path, spool_dir: Path,
                                                      work: Path) -> None:
-    w = _run(shadow.address, spool_dir, "bad-name", ["x.txt=.x.txt.gcwrap-1-1"], 'open("x.txt", "w").write("x")')
+    # (a NAME another job, still running, writes: gcwrap cannot know it, home refuses it)
+    owner = _run(shadow.address, spool_dir, "owner", [], 'print("mine", flush=True); gate("end")',
+                 "--stderr", "taken.txt")
+    wait_until(lambda: (home / "owner.out").exists() and (home / "owner.out").read_bytes() == b"mine\n", 30,
+               "the owner job to hold its NAMEs")
+    w = _run(shadow.address, spool_dir, "bad-name", ["x.txt=taken.txt"], 'open("x.txt", "w").write("x")')
     assert w.wait(60) != 0
+    Path("end").touch()
+    assert owner.wait(60) == 0
     job = _job_json(home, "bad-name")
     refused = [e for e in job["events"] if e["kind"] == "file_refused"]
     assert refused and refused[0]["source"] == "shadow", job["events"]
-    assert refused[0]["details"]["name"] == ".x.txt.gcwrap-1-1" and refused[0]["details"]["code"] == "PATH_FORBIDDEN"
+    assert refused[0]["details"]["name"] == "taken.txt" and refused[0]["details"]["code"] == "PATH_OWNED"
 
 
 # -- gcshadow tail JOB NAME -------------------------------------------------------------------------
