@@ -161,7 +161,9 @@ class Wrapper:
             try:
                 w.proc.communicate(timeout=10)
             except (subprocess.TimeoutExpired, ValueError):
-                pass
+                for pipe in (w.proc.stdout, w.proc.stderr):  # (held open by a process that outlived the kill)
+                    if pipe is not None:
+                        pipe.close()
         cls.started.clear()
 
     def wait(self, timeout: float) -> int:
