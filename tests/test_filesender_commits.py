@@ -172,3 +172,24 @@ async def test_a_resume_builds_on_what_home_committed_not_on_a_commit_home_never
     assert sender.done
     assert home.committed[1][1] == log.read_bytes()
     assert sender.copied == 3 * block  # (the whole blocks home holds)
+
+
+async def test_files_past_what_one_exit_can_list_are_left_out_said_once(
+        tmp_path: Path, autojump_clock: MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    """A glob matching more files than one WELCOME or EXIT can list (MAX_FILES): the first ones come home,
+    the rest are left out with one line; before, the EXIT could not be encoded at the job's end."""
+    from gcwrap.wire.fileframes import MAX_FILES
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(MAX_FILES + 5):
+        (out / f"{i:05d}.csv").write_bytes(b"%d\n" % i)
+    sender = FileSender(tmp_path, (FileSpec("out/*.csv"),), Signal())
+    home = Home()
+    await _look(sender)
+    await sender.job_ended()
+    await _drive(sender, home)
+    assert sender.done
+    assert len(home.committed) == MAX_FILES and len(sender.exit_files()) == MAX_FILES
+    said = [r.getMessage() for r in caplog.records if "at most" in r.getMessage()]
+    assert len(said) == 1 and f"at most {MAX_FILES} files a job" in said[0], said

@@ -42,6 +42,7 @@ import trio
 
 from ..sync import Signal
 from ..wire.events import Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
+from ..wire.fileframes import MAX_FILES
 from ..wire.names import NameError_, normalize
 from ..wire.protocol import MAX_PAYLOAD
 from . import filedelta
@@ -289,6 +290,12 @@ class FileSender:
             if path not in self.left_out:
                 log.warning("a file the job writes cannot come home: %s; it is left out", e)
                 self.left_out.add(path)
+            return False
+        if len(self.by_handle) >= MAX_FILES:  # (what one WELCOME or EXIT can list)
+            if not self.left_out:
+                log.warning("the job's file %s cannot come home: at most %d files a job; it and any later "
+                            "are left out", path, MAX_FILES)
+            self.left_out.add(path)
             return False
         return True
 
