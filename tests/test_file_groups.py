@@ -149,3 +149,33 @@ def test_many_jobs_with_files_stay_within_the_descriptor_budget(home: Path, tmp_
         assert "out of" not in sh.log() and "cannot accept" not in sh.log(), sh.log()
     finally:
         sh.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_stale_event_of_a_growing_file_makes_no_new_version(tmp_path: Path) -> None:
+    """The watcher's events wait their turn while the job appends: one that
+    reports a size the version has already passed (planned from a later
+    look) is no rewrite. Taken for one, every such event started the file
+    over, scanned and sent whole again (a 400 MiB append made 29 versions)."""
+    from gcwrap.agent.filesender import FileSender
+    from gcwrap.agent.filespecs import FileStat, parse_file_spec
+    from gcwrap.agent.filewatch import Change, FileEvent
+    from gcwrap.sync import Signal
+
+    path = tmp_path / "log.bin"
+    path.write_bytes(b"a" * 1000)
+    spec = parse_file_spec("log.bin")
+    sender = FileSender(tmp_path, (spec,), Signal())
+    try:
+        early = FileStat.of(path.stat())
+        await sender.take(FileEvent("log.bin", spec, Change.APPEARED, early))
+        with open(path, "ab") as f:
+            f.write(b"b" * 5000)
+        await sender.take(FileEvent("log.bin", spec, Change.GREW, FileStat.of(path.stat())))
+        tracked = sender.files["log.bin"]
+        assert tracked.current is not None and (tracked.current.number, tracked.current.planned) == (1, 6000)
+        stale = FileStat(early.dev, early.ino, 3000, early.mtime_ns)  # (a look between the two)
+        await sender.take(FileEvent("log.bin", spec, Change.GREW, stale))
+        assert (tracked.current.number, tracked.current.planned) == (1, 6000)
+    finally:
+        sender.close()

@@ -220,9 +220,13 @@ class FileSender:
         if event.change is Change.DELETED:
             return  # (the descriptor keeps its last content: that is what home gets)
         if event.change in (Change.GREW, Change.APPEARED) and current is not None and event.stat is not None \
-                and _same_inode(current.fd, event.stat) and event.stat.size >= current.planned:
-            _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
-            return
+                and _same_inode(current.fd, event.stat):
+            # An event waits its turn while the file grows on: one smaller than the version already
+            # planned (from a later look, `_commit`) is stale, not a rewrite, where the file is as long now.
+            size = event.stat.size if event.stat.size >= current.planned else os.fstat(current.fd).st_size
+            if size >= current.planned:
+                _extend(current, size)  # (writes below the old size: the commit's scan finds them)
+                return
         await self.new_version(tracked)
 
     # -- versions --------------------------------------------------------------

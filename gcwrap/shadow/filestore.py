@@ -40,6 +40,7 @@ from typing import Any
 
 import trio
 
+from ..sync import Signal
 from ..wire.codec import ProtocolError
 from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
 from ..wire.names import NameError_, split_name
@@ -47,7 +48,7 @@ from . import fileversions
 from .acks import Sender
 from .admission import Refused
 from .backends import StateBackend
-from .durability import Fenced, Trouble
+from .durability import GROUP_BULK, GROUP_BYTES, GROUP_IDLE, GROUP_INTERVAL, Fenced, Trouble
 from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
@@ -126,6 +127,14 @@ class SessionFiles:
         self.room = room  # waits until the shadow's descriptor budget has room for n more
         self.lock = trio.Lock()  # durable groups, commits and the EXIT's check take turns
         self.flushing = False  # a task makes groups durable (`keep_durable`)
+        # Groups under bulk output, as the streams' (gcwrap.shadow.durability, GROUP_BULK): bytes written since
+        # the last group was taken, those it took, when it was taken, when a frame last came, and a signal
+        # fired once the next group is full.
+        self.pending = 0
+        self.last_group = 0
+        self.began = 0.0
+        self.marked = 0.0
+        self.filled = Signal()
         self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
         self.streams = streams  # bytes its streams hold now
         self.job_id = job_id
@@ -367,6 +376,7 @@ class SessionFiles:
         if v.hasher is not None and v.hashed == v.written:
             v.hasher.update(new)
             v.hashed = at
+        self._mark(at - v.written)
         v.written = at
         self.dirty.add(v)
 
@@ -395,8 +405,28 @@ class SessionFiles:
             raise StoreError(Problem.IO, f"cannot copy into {v.path!r}: {e.strerror}") from None
         finally:
             os.close(src)
+        self._mark(ev.offset + ev.length - v.written)
         v.written = ev.offset + ev.length
         self.dirty.add(v)
+
+    def _mark(self, n: int) -> None:
+        self.pending += n
+        self.marked = trio.current_time()
+        if self.pending >= GROUP_BYTES:
+            self.filled.fire()
+
+    async def fill(self) -> None:
+        """Under bulk output (the last group took GROUP_BULK or more), wait for
+        the next group to fill: GROUP_BYTES, or GROUP_INTERVAL since the last
+        one was taken, or GROUP_IDLE without a frame, whichever comes first."""
+        if self.last_group < GROUP_BULK:
+            return
+        while self.pending < GROUP_BYTES:
+            wait = min(self.began + GROUP_INTERVAL, self.marked + GROUP_IDLE) - trio.current_time()
+            if wait <= 0:
+                return
+            with trio.move_on_after(wait):
+                await self.filled.wait()
 
     # -- durability ----------------------------------------------------------------------
 
@@ -417,6 +447,7 @@ class SessionFiles:
         """The versions to make durable, each with its length now (in the event loop)."""
         taken = [(v, v.written) for v in self.dirty]
         self.dirty.clear()
+        self.last_group, self.pending, self.began = self.pending, 0, trio.current_time()
         return taken
 
     def pin(self, taken: list[tuple[Version, int]], by: int) -> None:
@@ -608,6 +639,7 @@ def keep_durable(files: SessionFiles, sender: Sender) -> None:
 async def _keep_flushing(files: SessionFiles, sender: Sender) -> None:
     try:
         while files.dirty:
+            await files.fill()
             await flush(files, sender)
     finally:
         files.flushing = False
