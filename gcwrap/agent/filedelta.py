@@ -25,7 +25,7 @@ BLOCK_SIZE = 64 << 10
 DIGEST_SIZE = 16  # BLAKE2b-128: 16 bytes a block, 256 bytes per MiB of file
 
 
-def block_digest(block: bytes) -> bytes:
+def block_digest(block: bytes | memoryview) -> bytes:
     return hashlib.blake2b(block, digest_size=DIGEST_SIZE).digest()
 
 

@@ -81,11 +81,19 @@ class SentBlocks:
     def size(self) -> int:
         return len(self.blocks) * BLOCK_SIZE + len(self.tail)
 
-    def feed(self, data: bytes) -> None:
-        tail = self.tail + data
-        whole = len(tail) - len(tail) % BLOCK_SIZE
-        self.blocks.extend(block_digest(tail[i : i + BLOCK_SIZE]) for i in range(0, whole, BLOCK_SIZE))
-        self.tail = tail[whole:]
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)  # (digested in place: `data` may be a read buffer, used again after)
+        if self.tail:
+            need = BLOCK_SIZE - len(self.tail)
+            self.tail += view[:need]
+            view = view[need:]
+            if len(self.tail) < BLOCK_SIZE:
+                return
+            self.blocks.append(block_digest(self.tail))
+            self.tail = b""
+        whole = len(view) - len(view) % BLOCK_SIZE
+        self.blocks.extend(block_digest(view[i : i + BLOCK_SIZE]) for i in range(0, whole, BLOCK_SIZE))
+        self.tail = bytes(view[whole:])
 
     def copied(self, digests: Sequence[bytes]) -> None:
         assert not self.tail, "copies are of whole blocks"
@@ -159,6 +167,7 @@ class FileSender:
         self.events: trio.MemoryReceiveChannel[FileEvent] | None = None
         self.literal = 0  # bytes of the files sent on the wire (FILE_DATA), resends included
         self.copied = 0  # bytes home copied from a version it held (FILE_COPY)
+        self.buffer = memoryview(bytearray(MAX_PAYLOAD))  # what FILE_DATA's bytes are read into (`_send_bytes`)
 
     # -- what the watcher says -------------------------------------------------
 
@@ -383,11 +392,11 @@ class FileSender:
             await send(FileCopy(tracked.handle, v.number, offset, op.source + offset - op.offset, length))
             return True
         want = min(end - v.sent, MAX_PAYLOAD)
-        try:
-            data = os.pread(v.fd, want, v.sent)
+        try:  # (into a buffer used again: the frame is in the kernel's hands before the next read)
+            data = self.buffer[: os.preadv(v.fd, [self.buffer[:want]], v.sent)]
         except OSError as e:
             log.warning("cannot read the job's file %s (%s): reading it again", tracked.path, e.strerror)
-            data = b""
+            data = self.buffer[:0]
         if len(data) < want:  # truncated since it was planned (or unreadable): a version of what is there now
             await self.new_version(tracked)
             return True
