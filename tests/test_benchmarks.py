@@ -237,3 +237,20 @@ def test_sim_agents_exit_only_once_every_agent_is_acknowledged(tmp_path: Path) -
     assert r.notes["exits_in_data_phase"] == 0
     assert len(r.latencies_ms) == 40
     assert not math.isnan(r.notes["steady_p99_ms"]) and not math.isnan(r.notes["data_cpu_s"])
+
+
+@pytest.mark.timeout(180)
+def test_files_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/files.py, small: the scattered writes cost on the wire the
+    64 KiB blocks they touched and the extension, not the file again; the
+    appended file and stdout both land whole (each run checks the SHA-256)."""
+    import files
+
+    args = argparse.Namespace(scattered_size="2MiB", blocks=6, steps=2, extend="100000", size="8MiB", runs=1,
+                              timeout=120.0)
+    rows = dict((r[0], r[1]) for r in files.scattered(args, tmp_path))
+    sent = int(rows["gcwrap sent for them (files_sent less the first version)"].replace(",", ""))
+    assert 0 < sent <= 6 * (64 << 10) + 100000, rows
+    assert float(rows["sent / baseline"]) < 0.25, rows
+    table = files.appended(args, tmp_path)
+    assert table[1][0] == "wall time (s)" and table[-1][-1].endswith("x"), table

@@ -2,7 +2,9 @@
 plan that builds the new content from the version home holds (its base).
 
 This is rsync's idea without its rolling checksum: the file is cut into
-fixed 64 KiB blocks at fixed offsets, each block digested (BLAKE2b-128), and
+fixed 64 KiB blocks at fixed offsets, each block digested (SHA-256 cut to
+128 bits: with the SHA instructions of current x86 and ARM CPUs, twice as
+fast as BLAKE2b here, and every byte sent is digested), and
 a block of the new content whose digest equals the base's block *at the same
 offset* is copied from the base at home (FILE_COPY) instead of sent
 (FILE_DATA). A job that writes in place at scattered offsets (pwrite, seek)
@@ -22,11 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BLOCK_SIZE = 64 << 10
-DIGEST_SIZE = 16  # BLAKE2b-128: 16 bytes a block, 256 bytes per MiB of file
+DIGEST_SIZE = 16  # 16 bytes a block, 256 bytes per MiB of file
 
 
-def block_digest(block: bytes) -> bytes:
-    return hashlib.blake2b(block, digest_size=DIGEST_SIZE).digest()
+def block_digest(block: bytes | memoryview) -> bytes:
+    return hashlib.sha256(block).digest()[:DIGEST_SIZE]
 
 
 @dataclass(frozen=True)

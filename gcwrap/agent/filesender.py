@@ -94,11 +94,19 @@ class SentBlocks:
     def size(self) -> int:
         return len(self.blocks) * BLOCK_SIZE + len(self.tail)
 
-    def feed(self, data: bytes) -> None:
-        tail = self.tail + data
-        whole = len(tail) - len(tail) % BLOCK_SIZE
-        self.blocks.extend(block_digest(tail[i : i + BLOCK_SIZE]) for i in range(0, whole, BLOCK_SIZE))
-        self.tail = tail[whole:]
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)  # (digested in place: `data` may be a read buffer, used again after)
+        if self.tail:
+            need = BLOCK_SIZE - len(self.tail)
+            self.tail += view[:need]
+            view = view[need:]
+            if len(self.tail) < BLOCK_SIZE:
+                return
+            self.blocks.append(block_digest(self.tail))
+            self.tail = b""
+        whole = len(view) - len(view) % BLOCK_SIZE
+        self.blocks.extend(block_digest(view[i : i + BLOCK_SIZE]) for i in range(0, whole, BLOCK_SIZE))
+        self.tail = bytes(view[whole:])
 
     def copied(self, digests: Sequence[bytes]) -> None:
         assert not self.tail, "copies are of whole blocks"
@@ -197,6 +205,7 @@ class FileSender:
         self.pass_due = False
         self.job_over = False  # the last pass began: the job has ended
         self.left_out: set[str] = set()  # paths matched whose NAME home would refuse (said once)
+        self.buffer = memoryview(bytearray(MAX_PAYLOAD))  # what FILE_DATA's bytes are read into (`_send_bytes`)
 
     # -- what the watcher says -------------------------------------------------
 
@@ -275,9 +284,13 @@ class FileSender:
         if tracked.trouble == "gone":
             tracked.trouble = ""  # (there again)
         if event.change in (Change.GREW, Change.APPEARED) and current is not None and event.stat is not None \
-                and _same_inode(current.fd, event.stat) and event.stat.size >= current.planned:
-            _extend(current, event.stat.size)  # (writes below the old size: the commit's scan finds them)
-            return
+                and _same_inode(current.fd, event.stat):
+            # An event waits its turn while the file grows on: one smaller than the version already
+            # planned (from a later look, `_commit`) is stale, not a rewrite, where the file is as long now.
+            size = event.stat.size if event.stat.size >= current.planned else os.fstat(current.fd).st_size
+            if size >= current.planned:
+                _extend(current, size)  # (writes below the old size: the commit's scan finds them)
+                return
         await self.new_version(tracked)
 
     def _can_land(self, path: str, name: str) -> bool:
@@ -496,11 +509,11 @@ class FileSender:
             await send(FileCopy(tracked.handle, v.number, offset, op.source + offset - op.offset, length))
             return True
         want = min(end - v.sent, MAX_PAYLOAD)
-        try:
-            data = os.pread(v.fd, want, v.sent)
+        try:  # (into a buffer used again: the frame is in the kernel's hands before the next read)
+            data = self.buffer[: os.preadv(v.fd, [self.buffer[:want]], v.sent)]
         except OSError as e:
             log.warning("cannot read the job's file %s (%s): reading it again", tracked.path, e.strerror)
-            data = b""
+            data = self.buffer[:0]
         if len(data) < want:  # truncated since it was planned (or unreadable): a version of what is there now
             await self.new_version(tracked)
             return True

@@ -56,6 +56,7 @@ from ..wire.events import (
     Event,
     Exit,
     FileAck,
+    FileData,
     Hello,
     Ping,
     Pong,
@@ -180,18 +181,26 @@ class Session:
             raise ConnectionLost("the shadow ended the connection")
 
     async def _send(self, stream: trio.abc.Stream, event: Event) -> None:
+        if type(event) is FileData:  # (a file's bytes, as DATA's: `_send_gathered`)
+            await self._send_gathered(stream, partial(self.conn.send_file_data_head, event), event.payload)
+            return
         async with self.send_lock:
             self._open()
             data = self.conn.send(event)
             await stream.send_all(data)
 
     async def _send_data(self, stream: trio.abc.Stream, sid: int, offset: int, payload: bytes | memoryview) -> None:
-        """DATA without joining header and payload: with plain TCP one
-        sendmsg gathers both (the payload is never copied in user space).
-        The protocol checks the frame (`send_data_head`), as for any other."""
+        await self._send_gathered(stream, partial(self.conn.send_data_head, sid, offset, len(payload)), payload)
+
+    async def _send_gathered(self, stream: trio.abc.Stream, head: Callable[[], bytes],
+                             payload: bytes | memoryview) -> None:
+        """A frame of bytes (DATA, FILE_DATA) without joining header and
+        payload: with plain TCP one sendmsg gathers both (the payload is never
+        copied in user space). The protocol checks the frame (`head()`:
+        `send_data_head`, `send_file_data_head`), as for any other."""
         async with self.send_lock:
             self._open()
-            header = self.conn.send_data_head(sid, offset, len(payload))
+            header = head()
             if isinstance(stream, trio.SSLStream):
                 await stream.send_all(b"".join((header, payload)))
                 return

@@ -12,10 +12,14 @@ Any other is staged beside NAME, `.<basename>.gcwrap-<file>-<version>` (the
 same directory: the rename is atomic), until its commit. A newer version
 abandons one not committed (its staging file is removed).
 
-Durable, then acknowledged: after each read's frames, the versions written
-to are synced (fdatasync; their directory once, for the entry made), their
-lengths recorded in the state (`fileversions`, fenced by the session), then
-FILE_ACK. A commit is checked (every byte durable, the SHA-256 of the
+Durable, then acknowledged, in groups (gcwrap.shadow.filesession): the versions
+written to are synced (fdatasync; their directory once, for the entry
+made), their lengths recorded in the state (`fileversions`, fenced by the
+session), then FILE_ACK. A group is what arrived while the last one was
+made durable; the reads go on meanwhile, as the streams' do
+(gcwrap.shadow.durability): a sync per read held the session's reads up
+for as long as the sync took. Groups, commits and the EXIT take turns
+(`SessionFiles.lock`). A commit is checked (every byte durable, the SHA-256 of the
 version's bytes), recorded, then made NAME's content (a staged version:
 renamed over NAME, the directory synced), then acknowledged. A commit
 recorded whose rename a crash prevented is completed when the job's next
@@ -30,22 +34,21 @@ import errno
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from ..sync import Signal
 from ..wire.codec import ProtocolError
 from ..wire.events import ErrorCode, Event, FileAck, FileCommit, FileCopy, FileData, FileHeld, FileOpen
 from ..wire.names import NameError_, split_name, staged_like
 from . import fileversions
-from .acks import Sender
 from .admission import Refused
 from .backends import StateBackend
-from .durability import Fenced, Trouble
-from .files import Problem, StateUnavailable, StoreError, lock_file, open_confined, open_dir
-from .replies import WIRE_CODES
+from .durability import GROUP_BULK, GROUP_BYTES, GROUP_IDLE, GROUP_INTERVAL
+from .files import Problem, StoreError, lock_file, open_confined, open_dir
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _CHUNK = 1 << 20
@@ -58,6 +61,19 @@ COMMITS_SAID_EVERY = 60.0  # seconds: a file's commits said in the timeline at m
 
 def _unsaid(kind: str, **details: Any) -> None:
     pass
+
+
+async def _no_wait(n: int) -> None:
+    pass
+
+
+class OpenFiles:
+    """The versions' files open in every session, for the shadow's
+    descriptor budget (`Shadow._free_fds`): `freed` is called when one closes."""
+
+    def __init__(self, freed: Callable[[], None] = lambda: None) -> None:
+        self.count = 0
+        self.freed = freed
 
 
 class Fencing(Exception):
@@ -88,6 +104,8 @@ class Version:
     hasher: Any = None
     hashed: int = 0
     used: int = 0  # when last written to (`SessionFiles.trim`)
+    pins: int = 0  # groups syncing its descriptor now: it is not closed under them (`flush`)
+    doomed: bool = False  # abandoned while pinned: closed once the last group lets go
 
     @property
     def path(self) -> str:
@@ -109,10 +127,23 @@ class SessionFiles:
 
     def __init__(self, store: StateBackend, job_id: str, instance: str, session: int, tenant: str,
                  stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0,
-                 said: Said | None = None) -> None:
+                 said: Said | None = None, open_files: OpenFiles | None = None,
+                 room: Callable[[int], Awaitable[None]] = _no_wait) -> None:
         self.store = store
         self.said = said or _unsaid  # an event for the job's timeline (the shadow's `EventLog.event`)
         self.told: dict[int, tuple[int, float, int]] = {}  # handle -> (version, when) last said committed, skipped
+        self.open_files = open_files or OpenFiles()  # (the shadow's, shared by its sessions)
+        self.room = room  # waits until the shadow's descriptor budget has room for n more
+        self.lock = trio.Lock()  # durable groups, commits and the EXIT's check take turns
+        self.flushing = False  # a task makes groups durable (`keep_durable`)
+        # Groups under bulk output, as the streams' (gcwrap.shadow.durability, GROUP_BULK): bytes written since
+        # the last group was taken, those it took, when it was taken, when a frame last came, and a signal
+        # fired once the next group is full.
+        self.pending = 0
+        self.last_group = 0
+        self.began = 0.0
+        self.marked = 0.0
+        self.filled = Signal()
         self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
         self.streams = streams  # bytes its streams hold now
         self.job_id = job_id
@@ -158,8 +189,7 @@ class SessionFiles:
                                                           "acknowledged: it was truncated or replaced at home")
             if size > v.durable:
                 os.ftruncate(v.fd, v.durable)  # a torn or unacknowledged tail: it will be resent
-            os.close(v.fd)  # (opened again when the agent writes to it: a descriptor per file written, not held)
-            v.fd = -1
+            self._close(v)  # (opened again when the agent writes to it: a descriptor per file written, not held)
         return fileversions.held(rows)
 
     def _dir(self, name: str) -> tuple[int, str]:
@@ -204,19 +234,38 @@ class SessionFiles:
             v.fd = open_confined(self.root_fd, v.path, write=True, create=create, made=made)
         except NameError_ as e:
             raise StoreError(Problem.FORBIDDEN_NAME, str(e)) from None
+        self.open_files.count += 1
         if made:
             v.entry_synced = False
         if self.store.shared and not lock_file(v.fd):  # (as a stream's file is: `pgstate`)
-            os.close(v.fd)
-            v.fd = -1
+            self._close(v)
             raise StoreError(Problem.HELD, f"job {self.job_id}: another shadow's session still has {v.path!r} open; "
                                            "it was told to let go of it: come back shortly")
         st = os.fstat(v.fd)
         if v.ino and (st.st_dev, st.st_ino) != (v.dev, v.ino):
-            os.close(v.fd)
-            v.fd = -1
+            self._close(v)
             raise StoreError(Problem.CHANGED_AT_HOME, f"{v.path!r} was replaced at home while in use")
         v.dev, v.ino = st.st_dev, st.st_ino
+
+    def _close(self, v: Version) -> None:
+        """Close the version's file, unless a group syncs it now (then the group's end does)."""
+        if v.fd < 0:
+            return
+        if v.pins:
+            v.doomed = True
+            return
+        os.close(v.fd)
+        v.fd = -1
+        v.doomed = False
+        self.open_files.count -= 1
+        self.open_files.freed()
+
+    def fds_wanted(self, ev: Event) -> int:
+        """Descriptors the frame may open that the budget does not hold yet (`room`)."""
+        if isinstance(ev, FileOpen):
+            return 1
+        v = self.current.get(getattr(ev, "file", 0))
+        return 1 if v is not None and v.fd < 0 else 0
 
     def _reopen(self, v: Version) -> None:
         """The version's file, opened again (never made): the same file, as long as what was written."""
@@ -281,9 +330,7 @@ class SessionFiles:
     def _abandon(self, v: Version) -> None:
         """A newer version supersedes `v`: close it; a staged one's file goes."""
         self.dirty.discard(v)
-        if v.fd >= 0:
-            os.close(v.fd)
-            v.fd = -1
+        self._close(v)
         if v.staged and v.committed < 0:
             dfd, base = self._dir(v.name)
             try:
@@ -339,6 +386,7 @@ class SessionFiles:
         if v.hasher is not None and v.hashed == v.written:
             v.hasher.update(new)
             v.hashed = at
+        self._mark(at - v.written)
         v.written = at
         self.dirty.add(v)
 
@@ -367,28 +415,57 @@ class SessionFiles:
             raise StoreError(Problem.IO, f"cannot copy into {v.path!r}: {e.strerror}") from None
         finally:
             os.close(src)
+        self._mark(ev.offset + ev.length - v.written)
         v.written = ev.offset + ev.length
         self.dirty.add(v)
 
+    def _mark(self, n: int) -> None:
+        self.pending += n
+        self.marked = trio.current_time()
+        if self.pending >= GROUP_BYTES:
+            self.filled.fire()
+
+    async def fill(self) -> None:
+        """Under bulk output (the last group took GROUP_BULK or more), wait for
+        the next group to fill: GROUP_BYTES, or GROUP_INTERVAL since the last
+        one was taken, or GROUP_IDLE without a frame, whichever comes first."""
+        if self.last_group < GROUP_BULK:
+            return
+        while self.pending < GROUP_BYTES:
+            wait = min(self.began + GROUP_INTERVAL, self.marked + GROUP_IDLE) - trio.current_time()
+            if wait <= 0:
+                return
+            with trio.move_on_after(wait):
+                await self.filled.wait()
+
     # -- durability ----------------------------------------------------------------------
 
-    def trim(self) -> None:
-        """Keep at most OPEN_PER_SESSION of the versions' files open: the
-        least recently used of those all durable are closed (opened again
-        when written to; a dirty one stays open until its sync)."""
-        opened = [v for v in self.current.values() if v.fd >= 0]
-        if len(opened) <= OPEN_PER_SESSION:
+    def trim(self, keep: int = OPEN_PER_SESSION) -> None:
+        """Keep at most `keep` of the versions' files open: the least
+        recently used of those all durable are closed (opened again when
+        written to; a dirty one stays open until its sync). The shadow
+        asks for none when its descriptor budget is short (`Shadow._room`)."""
+        opened = [v for v in self.current.values() if v.fd >= 0 and not v.doomed]
+        if len(opened) <= keep:
             return
-        clean = sorted((v for v in opened if v not in self.dirty and v.durable == v.written), key=lambda v: v.used)
-        for v in clean[: len(opened) - OPEN_PER_SESSION]:
-            os.close(v.fd)
-            v.fd = -1
+        clean = sorted((v for v in opened if v not in self.dirty and v.durable == v.written and not v.pins),
+                       key=lambda v: v.used)
+        for v in clean[: len(opened) - keep]:
+            self._close(v)
 
     def take_dirty(self) -> list[tuple[Version, int]]:
         """The versions to make durable, each with its length now (in the event loop)."""
         taken = [(v, v.written) for v in self.dirty]
         self.dirty.clear()
+        self.last_group, self.pending, self.began = self.pending, 0, trio.current_time()
         return taken
+
+    def pin(self, taken: list[tuple[Version, int]], by: int) -> None:
+        """A group syncs these versions' descriptors (1), or is done with them (-1)."""
+        for v, _ in taken:
+            v.pins += by
+            if v.doomed and not v.pins:
+                self._close(v)
 
     def sync_and_record(self, taken: list[tuple[Version, int]], commit: tuple[Version, int, str] | None = None
                         ) -> None:
@@ -518,10 +595,10 @@ class SessionFiles:
                 self._abandon(v)
 
     def close(self) -> None:
+        """The session is over (no group syncs any more: `keep_durable` ran in its nursery)."""
         for v in self.current.values():
-            if v.fd >= 0:
-                os.close(v.fd)
-                v.fd = -1
+            v.pins = 0
+            self._close(v)
         self.dirty.clear()
 
 
@@ -542,60 +619,3 @@ def _copy(src: int, dst: int, at: int, to: int, length: int) -> None:
         at += n
         to += n
         length -= n
-
-
-
-# -- in the session's handler ---------------------------------------------------------------
-
-
-async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
-    """One of FILE_OPEN, FILE_DATA, FILE_COPY, FILE_COMMIT."""
-    if isinstance(ev, FileOpen):
-        try:
-            name = files.name_of(ev)
-            if ev.file not in files.names:  # (a NAME is one job's at a time, as a stream's is)
-                holder = await trio.to_thread.run_sync(files.store.name_holder, name, files.job_id)
-                if holder:
-                    raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
-            files.opened(ev)
-        except StoreError as e:  # (the session ends in an ERROR: the timeline says which file's NAME)
-            files.said("file_refused", file=ev.file, name=ev.name, code=WIRE_CODES[e.problem].name, message=str(e))
-            raise
-    elif isinstance(ev, FileData):
-        files.data(ev)
-    elif isinstance(ev, FileCopy):
-        files.copy(ev)
-    elif isinstance(ev, FileCommit):
-        await flush(files, sender)
-        v = files.to_commit(ev)
-        sha = await trio.to_thread.run_sync(files.digest, v, ev.size)
-        if sha != ev.sha256:
-            raise ProtocolError(f"FILE_COMMIT: version {v.version} of {v.name!r} has SHA-256 {sha} at home, not "
-                                f"{ev.sha256}: it was changed at home", ErrorCode.LENGTH_MISMATCH)
-        await _guarded(files.commit_file, v, ev.size, sha)
-        files.say_commit(v, ev.size)
-        await sender.send(lambda: sender.conn.send(FileAck(v.file, v.version, ev.size, committed=True)), check=True)
-
-
-async def flush(files: SessionFiles, sender: Sender) -> None:
-    """Make what the session's versions hold durable, then acknowledge it."""
-    taken = files.take_dirty()
-    if not taken:
-        return
-    await _guarded(files.sync_and_record, taken)
-    acks = files.made_durable(taken)
-    files.trim()
-    for ack in acks:
-        await sender.send(lambda ack=ack: sender.conn.send(ack), check=True)  # type: ignore[misc]
-
-
-async def _guarded(fn: Callable[..., None], *args: Any) -> None:
-    """A blocking record of the session's versions, in a worker thread: the
-    session stops if a newer one holds the job, or the state failed."""
-    try:
-        await trio.to_thread.run_sync(fn, *args)
-    except Fencing as e:
-        raise Fenced(str(e)) from None
-    except StateUnavailable as e:
-        raise Fenced(f"the state database failed while recording this job's files ({e}): nothing more is "
-                     "acknowledged until it answers; come back shortly", Trouble.STATE) from None

@@ -77,7 +77,8 @@ from .descriptors import ACCEPT_ERRNOS, FdBudget, nofile, open_fds, raise_fd_lim
 from .durability import Durability, Fenced, LiveJob
 from .eventlog import Caller, EventLog
 from .files import FileCache, Problem, StoreError, StreamFile
-from .filestore import FILE_EVENTS, SessionFiles, flush, on_event
+from .filesession import flush, keep_durable, on_event
+from .filestore import FILE_EVENTS, OpenFiles, SessionFiles
 from .handshakes import HandshakeMemory, await_event, refuse
 from .receive import Buffers, StdinReader, inflate, read_into, read_some
 from .replies import ROOT_RETRY_AFTER, ShuttingDown, reply_to
@@ -116,6 +117,7 @@ class Shadow:
         self.live: dict[str, LiveJob] = {}  # the session that holds each job (the latest claim)
         self.root_watch = RootWatch(opts.root, store.root_fd, self.live)  # deleted or replaced: refuse, fence
         self.written: dict[LiveJob, SessionFiles] = {}  # each session's files the job writes ("files" feature)
+        self.open_files = OpenFiles(self.fds_freed.fire)  # (their descriptors, which the budget counts)
         self.sessions: dict[str, list[LiveJob]] = {}  # every session of a job whose files may be open, oldest first
         self.connections = 0
         self.stats = {"accepted": 0, "refused": 0, "bytes": 0, "busy": 0, "wire": 0}
@@ -228,13 +230,16 @@ class Shadow:
                 nursery.start_soon(self._handle, tcp)
 
     def _free_fds(self) -> int:
-        return self.budget.avail - self.connections - len(self.files)
+        return self.budget.avail - self.connections - len(self.files) - self.open_files.count
 
     async def _room(self, n: int) -> None:
         """Wait until n more descriptors fit in the budget, closing clean
         cached files first. Dirty ones become clean with the next batch."""
         while self._free_fds() < n:
-            self.files.trim(self.budget.avail - self.connections - n)
+            self.files.trim(self.budget.avail - self.connections - self.open_files.count - n)
+            for written in self.written.values():  # (and the versions' files all durable: reopened when written)
+                if self._free_fds() < n:
+                    written.trim(0)
             if self._free_fds() >= n:
                 return
             await self.fds_freed.wait()
@@ -362,7 +367,8 @@ class Shadow:
                     self.written[job] = SessionFiles(
                         self.store, job.job_id, hello.instance, files.session, tenant, [sf.name for sf in files.all()],
                         quota=self.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()),
-                        said=lambda kind, **details: self.events.event(job.job_id, kind, **details))
+                        said=lambda kind, **details: self.events.event(job.job_id, kind, **details),
+                        open_files=self.open_files, room=self._room)
                 held_files = await self._worker(self.written[job].load) if job in self.written else ()
                 welcome = Welcome(PROTOCOL_VERSION, files.session, durable, self.opts.idle_timeout, proof, features,
                                   held_files)
@@ -612,8 +618,8 @@ class Shadow:
                 log.info("%s: connection lost (closed by the agent)", peer)
                 job.ended = "connection lost (closed by the agent)"
                 return True
-        if job in self.written and self.written[job].dirty:
-            await flush(self.written[job], sender)
+        if job in self.written:
+            keep_durable(self.written[job], sender)  # (in groups, as the reads go on)
         return False  # (a PONG asks nothing)
 
     def _write(self, job: LiveJob, stream: int, offset: int, payload: bytes, start: int, end: int,

@@ -247,7 +247,7 @@ class FileData(Event):
     file: int
     version: int
     offset: int
-    payload: bytes
+    payload: bytes | memoryview  # (a sender's view of its read buffer, sent before the buffer is used again)
 
 
 @dataclass(frozen=True)

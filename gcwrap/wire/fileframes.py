@@ -36,6 +36,7 @@ MAX_HANDLE = (1 << 32) - 1  # file handles and versions are u32, from 1
 MAX_FILES = 1000  # files in one WELCOME or EXIT (each ~40 bytes of JSON: well inside a control frame)
 MAX_NAME = 4096
 _FILE_DATA = struct.Struct("!IIQ")  # file, version, offset; the payload follows
+_FILE_DATA_HEAD = struct.Struct("!IBIIQ")  # the frame's header and the struct above
 _FILE_COPY = struct.Struct("!IIQQQ")  # file, version, offset, source, length
 _FILE_ACK = struct.Struct("!IIQB")  # file, version, offset, flags (1: committed)
 _SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
@@ -69,12 +70,19 @@ def _encode_open(e: FileOpen) -> bytes:
                                                  "base": e.base}))
 
 
-def _encode_data(e: FileData) -> bytes:
+def file_data_head(e: FileData) -> bytes:
+    """The bytes of `e`'s frame before its payload, checked (a sender may
+    write the payload after them without joining the two, as DATA's)."""
     _handles(e.file, e.version)
     _range(e.offset, len(e.payload))
     if len(e.payload) > MAX_PAYLOAD:
         raise LocalProtocolError("FILE_DATA payload too large")
-    return frame(FrameType.FILE_DATA, _FILE_DATA.pack(e.file, e.version, e.offset) + bytes(e.payload))
+    return _FILE_DATA_HEAD.pack(1 + _FILE_DATA.size + len(e.payload), FrameType.FILE_DATA, e.file, e.version,
+                                e.offset)
+
+
+def _encode_data(e: FileData) -> bytes:
+    return b"".join((file_data_head(e), e.payload))
 
 
 def _encode_copy(e: FileCopy) -> bytes:

@@ -71,6 +71,7 @@ from .events import (
     Welcome,
     ZData,
 )
+from .fileframes import file_data_head
 from .frames import (
     DATA_HEAD,
     DATA_TYPE,
@@ -238,6 +239,15 @@ class Connection:
             raise LocalProtocolError(f"{self.role.value} may not send Data in state {self.state.value}",
                                      ErrorCode.UNEXPECTED)
         return data_head(stream, offset, size)
+
+    def send_file_data_head(self, event: FileData) -> bytes:
+        """The bytes of `event`'s FILE_DATA frame before its payload, which
+        the caller sends right after them, unjoined, as `send_data_head`'s:
+        the event is checked as `send` checks it."""
+        if _next_state(self.state, self.role, event, self.features) is None:
+            raise LocalProtocolError(f"{self.role.value} may not send FileData in state {self.state.value}",
+                                     ErrorCode.UNEXPECTED)
+        return file_data_head(event)
 
     # -- receiving -------------------------------------------------------
 
