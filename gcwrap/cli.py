@@ -411,7 +411,7 @@ def _run_caught(
     # goes nowhere: the job has ended, and gcwrap is saying its last words.)
     outcome = trio.run(run_job, opts, command, job, spool_path, start)
     say = Reporter(fmt=log_format)
-    delivering = bool(addresses) and bool(stream_specs(opts))  # (else a plain pass-through)
+    delivering = bool(addresses) and bool(stream_specs(opts) or opts.files)  # (else a plain pass-through)
     if not quiet and delivering and outcome.job_status is not None:
         say.summary(job_id, outcome.job_status, outcome.stats, outcome.files)
     if outcome.message:

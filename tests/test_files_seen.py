@@ -146,6 +146,12 @@ def test_the_io_summary_lists_the_files_beside_the_streams(shadow: ShadowProc, s
     (record,) = [r for r in map(json.loads, j.err.decode().splitlines()) if r["message"] == "I/O summary"]
     assert [(f["path"], f["size"], f["state"]) for f in record["files"]] == [("a.txt", 10, "committed")]
 
+    # A job with files and no stream named gets its summary too.
+    only = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "files-only", "--file",
+                    "c.txt", "--", *_job('open("c.txt", "w").write("c" * 20)')])
+    assert only.wait(60) == 0, only.err.decode()
+    assert "gcwrap:   files: c.txt 20 B" in only.err.decode(), only.err.decode()
+
 
 # -- gcshadow jobs, its JSON and a job's timeline ----------------------------------------------------
 
