@@ -469,7 +469,7 @@ def test_every_interleaving_of_three_sessions() -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sessions", [2, 3])
+@pytest.mark.parametrize("sessions", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: 40 s; --run-slow)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(data=st.data())
 def test_interleavings_with_every_step_scheduled(sessions: int, data: st.DataObject) -> None:

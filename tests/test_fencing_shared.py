@@ -236,6 +236,7 @@ def test_interleavings_of_two_agents_at_two_shadows(pg_url: str, gate_all: bool)
     race()
 
 
+@pytest.mark.slow  # (two agents at two shadows run by default)
 @pytest.mark.timeout(900)
 def test_interleavings_of_three_agents_at_two_shadows(pg_url: str) -> None:
     @settings(max_examples=40, deadline=None, derandomize=True,
