@@ -275,6 +275,7 @@ def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: Shado
     said = "\n".join(line for line in text.splitlines() if not line.startswith("gcwrap:   files:"))  # (the summary)
     assert said.count("secret.bin") == 1 and said.count("state.json") == 1, text
     assert "secret.bin 0 B (gcwrap cannot read it: home keeps what it had)" in text, text
+    assert "state.json 11 B (gcwrap cannot read it: home keeps what it had)" in text, text  # (its first version)
     assert w.returncode == 0, text
     assert not (home / "secret.bin").exists()
     assert (home / "state.json").read_bytes() == b'{"step": 0}'  # (what home had: the last it could read)

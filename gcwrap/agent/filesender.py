@@ -164,6 +164,7 @@ class TrackedFile:
     base_digests: Digests | None = None  # (of the current version's base: what its copies copy)
     numbered: int = 0  # the newest version number given (versions only grow)
     trouble: str = ""  # "gone" (the job deleted it) or "unreadable" (gcwrap cannot read it): said once each
+    unreadable: str = ""  # why it could not be read, as last said ("": it could): said once, not at every try
 
     def state(self) -> str:
         """live, committed, gone or unreadable (`gcwrap status`, the I/O summary)."""
@@ -174,10 +175,16 @@ class TrackedFile:
 
     def view(self) -> dict[str, object]:
         v = self.current
-        return {"file": self.handle, "path": self.path, "name": self.name, "version": v.number if v else 0,
-                "size": v.planned if v else 0, "sent": v.sent if v else 0, "acked": v.acked if v else 0,
-                "committed": v.committed if v else -1, "state": self.state()}
-    unreadable: str = ""  # why it could not be read, as last said ("": it could): said once, not at every try
+        if v is not None:
+            return {"file": self.handle, "path": self.path, "name": self.name, "version": v.number,
+                    "size": v.planned, "sent": v.sent, "acked": v.acked, "committed": v.committed,
+                    "state": self.state()}
+        # (none in progress: gone or unreadable; what home holds is the version committed last, if any)
+        held = self.commits.get(self.base) if self.base is not None else None
+        size = held.size if held is not None else 0
+        return {"file": self.handle, "path": self.path, "name": self.name, "version": self.base or 0,
+                "size": size, "sent": size, "acked": size, "committed": size if held is not None else -1,
+                "state": self.state()}
 
 
 class FileSender:
