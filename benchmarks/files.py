@@ -254,6 +254,11 @@ def append_run(args: argparse.Namespace, work: Path, source: Path, want: str, ki
     return AppendRun(kind, index, seconds, r.own_cpu or 0.0, shadow_cpu)
 
 
+def _ratio(a: float, b: float) -> str:
+    """a/b as "1.23x"; "-" where b is nothing to divide by (a CPU time too short to count)."""
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
 def appended(args: argparse.Namespace, work: Path) -> list[list[str]]:
     size = parse_size(args.size)
     source = work / "source"
@@ -276,7 +281,7 @@ def appended(args: argparse.Namespace, work: Path) -> list[list[str]]:
         f = [getattr(r, key) for r in runs["file"]]
         s = [getattr(r, key) for r in runs["stdout"]]
         rows.append([label, fmt(statistics.median(f)), fmt(min(f)), fmt(max(f)), fmt(statistics.median(s)),
-                     fmt(min(s)), fmt(max(s)), f"{statistics.median(f) / statistics.median(s):.2f}x"])
+                     fmt(min(s)), fmt(max(s)), _ratio(statistics.median(f), statistics.median(s))])
     pairs = [f.seconds / s.seconds for f, s in zip(runs["file"], runs["stdout"])]
     rows.append(["wall time, median of the pairs' ratios", "", "", "", "", "", "", f"{statistics.median(pairs):.2f}x"])
     return rows
