@@ -190,16 +190,19 @@ async def test_files_past_what_one_exit_can_list_are_left_out_said_once(
         (out / f"{i:05d}.csv").write_bytes(b"%d\n" % i)
     sender = FileSender(tmp_path, (FileSpec("out/*.csv"),), Signal())
     home = Home()
-    said = logging.getLogger("gcwrap")  # (its records, whatever an earlier test made of its level and propagation)
+    # gcwrap's warnings, whatever an earlier test made of its logger's level and propagation
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
     caplog.set_level(logging.WARNING, logger="gcwrap")
-    said.addHandler(caplog.handler)
+    logging.getLogger("gcwrap").addHandler(handler)
     try:
         await _look(sender)
         await sender.job_ended()
         await _drive(sender, home)
     finally:
-        said.removeHandler(caplog.handler)
+        logging.getLogger("gcwrap").removeHandler(handler)
     assert sender.done
     assert len(home.committed) == MAX_FILES and len(sender.exit_files()) == MAX_FILES
-    said = [r.getMessage() for r in caplog.records if "at most" in r.getMessage()]
+    said = [r.getMessage() for r in records if "at most" in r.getMessage()]
     assert len(said) == 1 and f"at most {MAX_FILES} files a job" in said[0], said
