@@ -54,8 +54,8 @@ def test_units_are_hardened_and_stop_as_the_shadow_does() -> None:
     assert s["KillSignal"] == ["SIGTERM"] and s["Restart"] == ["on-failure"]
     from gcwrap.shadow.server import STOP_GRACE
 
-    stop = int(re.fullmatch(r"(\d+)s", s["TimeoutStopSec"][0])[1])  # type: ignore[index]
-    assert stop >= 2 * STOP_GRACE, "SIGKILL only well after the shadow's own stop (sessions made durable)"
+    stop = re.fullmatch(r"(\d+)s", s["TimeoutStopSec"][0])
+    assert stop is not None and int(stop[1]) >= 2 * STOP_GRACE, "SIGKILL only well after the shadow's own stop (sessions made durable)"
     assert s["ExecStart"] == ["/usr/local/bin/gcshadow serve $GCSHADOW_ARGS"]
     prune = _settings("gcshadow-prune.service")
     assert prune["ExecStart"][0].startswith("/usr/local/bin/gcshadow prune --finished-before ")
