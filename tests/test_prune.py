@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -18,6 +19,9 @@ from typing import Any
 
 import pytest
 from helpers import ShadowProc, Wrapper, _children, tool, wait_until
+
+from gcwrap.wire.events import Error, ErrorCode, Event, Hello, StreamSpec
+from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,3 +161,46 @@ def test_prune_leaves_a_job_seen_since_it_finished_and_reads_durations(site: Sit
     assert not (site.home / "aged.out").exists() and (site.home / "touched.out").exists()
     assert site.pruned("--finished-before", "0s") == {}, "the job seen since it finished stays"
     assert set(site.jobs()) == {"back"}
+
+
+def _hello(port: int, job_id: str, instance: str, name: str) -> Event:
+    """What the shadow answers a HELLO of this job and attempt (an agent come back)."""
+    conn = Connection(Role.AGENT)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.send(Hello(job_id, instance, (StreamSpec(1, "stdout", name),))))
+        while True:
+            data = sock.recv(65536)
+            conn.receive_data(data)
+            ev = conn.next_event()
+            if ev is not NEED_DATA or not data:
+                assert isinstance(ev, Event), ev
+                return ev
+
+
+@pytest.mark.parametrize("site", ["sqlite"], indirect=True)
+def test_prune_files_a_job_wrote_and_an_attempt_forgotten_comes_back(site: Site,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    work = site.tmp / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (site.home / "in.txt").write_text("input\n")
+    w = Wrapper(["--shadow", site.shadow.address, "--spool", str(site.tmp / "spool"), "--job-id", "files",
+                 "--retry-timeout", "0.2", "--retry-limit", "2", "--stdout", "files.out", "--stdin", "in.txt",
+                 "--file", "res.txt=res/res.txt", "--", "sh", "-c", "cat; echo result > res.txt"])
+    assert w.wait(30) == 0, w.err
+    assert (site.home / "res" / "res.txt").read_text() == "result\n"
+    leftover = site.home / "res" / ".res.txt.gcwrap-1-2"  # (a staging file a crash left behind)
+    leftover.write_text("partial")
+    unrelated = site.home / "res" / ".res.txt.gcwrap-9-1"  # (not a file number of the job's)
+    unrelated.write_text("other")
+    instance = site.jobs()["files"]["instance"]
+    pruned = site.pruned("--finished-before", "0s", "--files")
+    assert sorted(pruned["files"]["removed"]) == ["files.out", "res/.res.txt.gcwrap-1-2", "res/res.txt"], pruned
+    assert not leftover.exists() and unrelated.exists()
+    assert (site.home / "in.txt").read_text() == "input\n", "a job's stdin is never removed"
+    # The forgotten attempt's agent comes back: refused for good, nothing started afresh.
+    (site.home / "files.out").write_text("kept at home\n")
+    ev = _hello(site.shadow.port, "files", instance, "files.out")
+    assert isinstance(ev, Error) and ev.code is ErrorCode.STALE_ATTEMPT, ev
+    assert (site.home / "files.out").read_text() == "kept at home\n"
+    assert "files" not in site.jobs()
