@@ -62,7 +62,16 @@ class Pruned:
 def prune(state: str, root: Path, before: float, *, files: bool = False, dry_run: bool = False) -> list[Pruned]:
     """Forget the jobs that finished before `before` (a Unix time); with
     `files`, remove their files; with `dry_run`, change nothing and say what
-    would go. StoreError if the state cannot be used."""
+    would go. StoreError if the state or the root cannot be used."""
+    try:
+        return _prune(state, root, before, files, dry_run)
+    except sqlite3.Error as e:
+        raise StoreError(Problem.STATE, f"cannot prune the state under {root}: {e}") from None
+    except OSError as e:
+        raise StoreError(Problem.ROOT, f"cannot use the root {root}: {e.strerror or e}") from None
+
+
+def _prune(state: str, root: Path, before: float, files: bool, dry_run: bool) -> list[Pruned]:
     with _state(state, root) as (txn, d):
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if files else -1
         try:
