@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from helpers import ShadowProc, Wrapper, _children, tool, wait_until
 
-from gcwrap.wire.events import Error, ErrorCode, Event, Hello, StreamSpec
+from gcwrap.wire.events import Error, ErrorCode, Event, Hello, StreamSpec, Welcome
 from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,3 +204,25 @@ def test_prune_files_a_job_wrote_and_an_attempt_forgotten_comes_back(site: Site,
     assert isinstance(ev, Error) and ev.code is ErrorCode.STALE_ATTEMPT, ev
     assert (site.home / "files.out").read_text() == "kept at home\n"
     assert "files" not in site.jobs()
+
+
+@pytest.mark.parametrize("site", ["sqlite", "postgresql"], indirect=True)
+def test_prune_leaves_a_finished_job_whose_agent_is_back(site: Site) -> None:
+    """A finished job's agent reconnects (its EXIT's answer was lost): while
+    it is connected, and after, prune leaves the job alone."""
+    _finished(site, "back", "back.out")
+    instance = site.jobs()["back"]["instance"]
+    conn = Connection(Role.AGENT)
+    with socket.create_connection(("127.0.0.1", site.shadow.port), timeout=10) as sock:
+        sock.sendall(conn.send(Hello("back", instance, (StreamSpec(1, "stdout", "back.out"),))))
+        ev: Any = NEED_DATA
+        while ev is NEED_DATA:
+            data = sock.recv(65536)
+            assert data, "the shadow closed the connection"
+            conn.receive_data(data)
+            ev = conn.next_event()
+        assert isinstance(ev, Welcome), ev
+        assert site.pruned("--finished-before", "0s", "--files") == {}
+    assert site.pruned("--finished-before", "0s", "--files") == {}
+    assert (site.home / "back.out").read_text() == "output of back\n"
+    assert "back" in site.jobs()
