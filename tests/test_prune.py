@@ -89,7 +89,7 @@ def test_prune_forgets_finished_jobs_only(site: Site) -> None:
     _finished(site, "old", "old.out")
     _finished(site, "gone", "gone.out")
     _finished(site, "shared", "shared.out")
-    running = site.run("running", "running.out", HOLD)
+    site.run("running", "running.out", HOLD)  # (killed when the test ends)
     site.wait_state("running", "streaming")
     # A disconnected job: its agent killed mid-job (the shadow records the connection lost).
     lost = site.run("lost", "lost.out", HOLD)
@@ -101,7 +101,7 @@ def test_prune_forgets_finished_jobs_only(site: Site) -> None:
     lost.proc.communicate(timeout=10)
     site.wait_state("lost", "disconnected")
     # Another job writes shared.out now: it is that job's file.
-    owner = site.run("owner", "shared.out", HOLD)
+    site.run("owner", "shared.out", HOLD)
     site.wait_state("owner", "streaming")
     before = site.jobs()
 
