@@ -22,7 +22,7 @@ _gcshadow() {
     [[ $cur == [=:] ]] && cur=""
     if (( COMP_CWORD > 1 )); then
         case ${COMP_WORDS[1]} in
-            serve|jobs|tail|web) cmd=${COMP_WORDS[1]}; start=2 ;;
+            serve|jobs|tail|prune|web) cmd=${COMP_WORDS[1]}; start=2 ;;
         esac
     fi
     [[ -z $cmd ]] && cmd=serve
@@ -47,6 +47,7 @@ _gcshadow() {
             serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity|serve:--state) skip=1; lastopt=$w ;;
             jobs:--root|jobs:--state|jobs:--interval|jobs:--status|jobs:--since|jobs:--user|jobs:--host|jobs:-o|jobs:--columns) skip=1; lastopt=$w ;;
             tail:--root|tail:--state|tail:-n|tail:--lines|tail:-c|tail:--bytes) skip=1; lastopt=$w ;;
+            prune:--root|prune:--state|prune:--finished-before) skip=1; lastopt=$w ;;
             web:--root|web:--host|web:--port|web:--port-file|web:--tail|web:--token-file|web:--tls-cert|web:--tls-key|web:--tls-ca|web:--state) skip=1; lastopt=$w ;;
             *:-*) ;;
             *) operands=$((operands + 1)) ;;
@@ -66,6 +67,7 @@ _gcshadow() {
             jobs:--root) _gcshadow_files dir ;;
             jobs:--status) _gcshadow_words "streaming quiet stalled disconnected refused finished failed" ;;
             tail:--root) _gcshadow_files dir ;;
+            prune:--root) _gcshadow_files dir ;;
             web:--root) _gcshadow_files dir ;;
             web:--port-file) _gcshadow_files file ;;
             web:--token-file) _gcshadow_files file ;;
@@ -84,12 +86,13 @@ _gcshadow() {
             serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help" ;;
             jobs) _gcshadow_words "--root --state --json -w --watch --interval --status --since --user --host -o --columns --no-header --refused -h --help" ;;
             tail) _gcshadow_words "--root --state -f --follow --all -n --lines -c --bytes -h --help" ;;
+            prune) _gcshadow_words "--root --state --finished-before --files --dry-run --json -h --help" ;;
             web) _gcshadow_words "--root --host --port --port-file --tail --token-file --tls-cert --tls-key --tls-ca --insecure -v --verbose --state -h --help" ;;
         esac
         return 0
     fi
     if (( COMP_CWORD == 1 )); then
-        _gcshadow_words "serve jobs tail web"
+        _gcshadow_words "serve jobs tail prune web"
         return 0
     fi
     case $cmd in

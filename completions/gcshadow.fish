@@ -5,7 +5,7 @@
 
 function __gcshadow_subcommand --description 'The subcommand being completed'
     set -l tokens (commandline -opc)
-    if set -q tokens[2]; and contains -- $tokens[2] serve jobs tail web
+    if set -q tokens[2]; and contains -- $tokens[2] serve jobs tail prune web
         echo $tokens[2]
     else
         echo serve
@@ -26,6 +26,7 @@ complete -c gcshadow -f
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a serve -d 'Serve jobs: write their output files under ROOT, durably, and serve...'
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a jobs -d 'List the jobs the shadow at ROOT knows: host, state, exit status...'
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a tail -d 'Print the output a job has delivered so far; with -f, follow it live'
+complete -c gcshadow -n '__gcshadow_at_subcommand' -a prune -d 'Forget the jobs that finished before WHEN (their state, and with...'
 complete -c gcshadow -n '__gcshadow_at_subcommand' -a web -d 'Serve a live view of the jobs at ROOT to a browser, and the same as JSON'
 
 # options of the program itself
@@ -80,6 +81,15 @@ complete -c gcshadow -n '__gcshadow_using tail' -s n -l lines -x -d 'Start at th
 complete -c gcshadow -n '__gcshadow_using tail' -s c -l bytes -x -d 'Start at the last N bytes of each stream (4096, 64KiB...)'
 complete -c gcshadow -n '__gcshadow_using tail' -s h -l help -d 'Show this message and exit'
 complete -c gcshadow -n '__gcshadow_using tail' -a 'stdout stderr all'
+
+# gcshadow prune
+complete -c gcshadow -n '__gcshadow_using prune' -l root -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory under which every job\'s files land'
+complete -c gcshadow -n '__gcshadow_using prune' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
+complete -c gcshadow -n '__gcshadow_using prune' -l finished-before -x -d 'Forget the jobs that finished before WHEN: a duration back from now...'
+complete -c gcshadow -n '__gcshadow_using prune' -l files -d 'Remove their output files under the root too (not a file another job...'
+complete -c gcshadow -n '__gcshadow_using prune' -l dry-run -d 'Change nothing: say what would be forgotten and removed'
+complete -c gcshadow -n '__gcshadow_using prune' -l json -d 'Print JSON for scripts instead of lines'
+complete -c gcshadow -n '__gcshadow_using prune' -s h -l help -d 'Show this message and exit'
 
 # gcshadow web
 complete -c gcshadow -n '__gcshadow_using web' -l root -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory under which every job\'s files land'

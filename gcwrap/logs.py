@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 
 class _PlainFormatter(logging.Formatter):
@@ -28,12 +29,22 @@ class _PlainFormatter(logging.Formatter):
         return line
 
 
+# The fields a log record may carry (`log.warning(..., extra={"peer": ...})`),
+# each a key of its JSON line when it has a value: what a collector filters on.
+FIELDS = ("peer", "identity", "job", "stream", "code")
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(
-            {"time": round(record.created, 3), "level": record.levelname.lower(),
-             "logger": record.name, "message": record.getMessage()}
-        )
+        line: dict[str, Any] = {"time": round(record.created, 3), "level": record.levelname.lower(),
+                                "logger": record.name, "message": record.getMessage()}
+        for name in FIELDS:
+            value = getattr(record, name, None)
+            if value not in (None, ""):
+                line[name] = value
+        if record.exc_info:  # (one line still: the traceback is a field of it)
+            line["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(line)
 
 
 def setup_logging(prog: str, verbose: int, fmt: str = "text", timestamps: bool = False) -> None:

@@ -234,3 +234,18 @@ def home_warning(homes: list[dict[str, Any]]) -> list[str]:
     return [f"home short of disk: the shadow {h['shadow']} has {human_bytes(h['free'])} free under {h['root']}, "
             f"--min-free {human_bytes(h['min_free'])}: its jobs are told to come back later"
             for h in homes if h["min_free"] and h["free"] < h["min_free"]]
+
+
+def prune_lines(pruned: list[Any], now: float, dry_run: bool) -> list[str]:
+    """What `gcshadow prune` forgot (or would): a line per job and per file
+    removed or kept, then a summary."""
+    forget, remove = ("would forget", "would remove") if dry_run else ("forgot", "removed")
+    lines: list[str] = []
+    for p in pruned:
+        lines.append(f"{forget} job {p.job_id} (finished {ago(p.ended, now)}, {_iso(p.ended)})")
+        lines += [f"  {remove} {name}" for name in p.removed]
+        lines += [f"  kept {name} (another job's now, or written since)" for name in p.kept]
+    files = sum(len(p.removed) for p in pruned)
+    lines.append(f"{len(pruned)} job(s) {'would be ' if dry_run else ''}forgotten, {files} file(s) {remove}"
+                 + (" (dry run: nothing changed)" if dry_run else ""))
+    return lines

@@ -88,6 +88,7 @@ def main() -> None:
     gcshadow [serve] --port PORT [--root DIR]   serve (the default command)
     gcshadow jobs                               list the jobs this shadow knows
     gcshadow tail JOB                           print a job's output
+    gcshadow prune --finished-before 30d        forget the jobs that finished long ago
 
     \b
     Examples:
@@ -552,6 +553,46 @@ def tail(root: Path, state: str, follow: bool, all_jobs: bool, lines: int | None
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+# -- gcshadow prune --------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@root_option
+@state_option
+@click.option("--finished-before", "before", required=True, callback=_since, metavar="WHEN",
+              help="Forget the jobs that finished before WHEN: a duration back from now (7d, 12h, 30m; 0s: every "
+                   "finished job) or a time (2026-11-01).")
+@click.option("--files", is_flag=True, help="Remove their output files under the root too (not a file another job "
+                                            "writes now, nor any job's stdin).")
+@click.option("--dry-run", is_flag=True, help="Change nothing: say what would be forgotten and removed.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of lines.")
+def prune(root: Path, state: str, before: float, files: bool, dry_run: bool, as_json: bool) -> None:
+    """Forget the jobs that finished before WHEN (their state, and with --files their output files).
+
+    Never a job still streaming or disconnected, nor one whose agent came
+    back since it finished. Safe while the shadow serves the root: run it
+    from a systemd timer or cron.
+
+    \b
+    Examples:
+      gcshadow prune --root ~/results --finished-before 30d
+      gcshadow prune --root ~/results --finished-before 7d --files --dry-run
+      gcshadow prune --state postgresql://gcshadow@db.example.org/gcshadow --root /shared/results \\
+          --finished-before 14d --files
+    """
+    import json
+
+    from .render_jobs import prune_lines
+    from .shadow.prune import prune as run_prune
+
+    found = _read(lambda: run_prune(state, root, before, files=files, dry_run=dry_run))
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, "jobs": [p.as_json() for p in found]}, indent=2))
+        return
+    for line in prune_lines(found, _now(), dry_run):
+        click.echo(line)
 
 
 # -- gcshadow web ---------------------------------------------------------------------

@@ -69,7 +69,8 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
         else:
             why = allow.check(ip)
         if why:
-            log.warning("%s [unauthenticated]: refused before reading: %s", peer, why)
+            log.warning("%s [unauthenticated]: refused before reading: %s", peer, why,
+                        extra={"peer": peer, "code": ErrorCode.AUTH_FAILED.name})
             refused(ErrorCode.AUTH_FAILED.name, f"not allowed to connect: {why}")
             if opts.tls is None:
                 await refuse(tcp, conn, ErrorCode.AUTH_FAILED, f"not allowed to connect: {why}")
@@ -83,7 +84,7 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
     except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
         cause = e.__cause__ or e
         said = str(cause) if str(cause) else type(cause).__name__
-        log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer, said)
+        log.warning("%s [unauthenticated]: TLS handshake failed: %s", peer, said, extra={"peer": peer, "code": "TLS"})
         refused("TLS", f"TLS handshake failed: {said}")
         return None
     return tls, subject_cn(tls.getpeercert())

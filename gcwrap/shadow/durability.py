@@ -333,7 +333,7 @@ class Durability:
             return
         sf.cut_back = True
         log.error("cannot sync %s: %s; cut back to the %d bytes that synced before", sf.name, err.strerror,
-                  sf.synced)
+                  sf.synced, extra={"job": sf.job_id, "stream": sf.name})
         sf.written = sf.synced
         if sf.fd >= 0:  # a closed one is cut back when it is next opened (Store.open_job)
             try:
@@ -362,7 +362,7 @@ class Durability:
             syncer = self.store.syncer
             took = time.monotonic() - syncer.since if syncer.syncing else trio.current_time() - began
             log.warning("job %s: the sync of %s has not returned for %.0f s: its session ends without it",
-                        files.job_id, ", ".join(stuck), took)
+                        files.job_id, ", ".join(stuck), took, extra={"job": files.job_id})
 
     async def flush(self, job: LiveJob) -> None:
         """Wait until every byte written for `job` so far is durable (Fenced

@@ -63,6 +63,13 @@ class Caller:
     def job_text(self) -> str:
         return f"job {self.job_id}: " if self.job_id else ""
 
+    def __str__(self) -> str:  # (as a log line names it)
+        return f"{self.peer} [{self.who}]"
+
+    def fields(self, code: str = "") -> dict[str, str]:
+        """Its log records' fields (`extra=`: keys of --log-format json's lines)."""
+        return {"peer": self.peer, "identity": self.who, "job": self.job_id, "code": code}
+
 
 class EventLog:
     """The queue of records, and the task that writes it (`run`)."""
@@ -96,7 +103,7 @@ class EventLog:
         if room < len(notes):
             if room > 0:
                 log.warning("job %s: its agent sent more than %d notes in one session: the rest are dropped",
-                            job.job_id, NOTES_PER_SESSION)
+                            job.job_id, NOTES_PER_SESSION, extra={"job": job.job_id})
             self.dropped["events"] += len(notes) - max(room, 0)
             notes = notes[:max(room, 0)]
         job.notes += len(notes)

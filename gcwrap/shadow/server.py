@@ -273,7 +273,7 @@ class Shadow:
             if self.connections > self.budget.max_served:
                 self.stats["busy"] += 1
                 log.warning("%s [unauthenticated]: too many connections (%d; this shadow serves %d at once)", peer,
-                            self.connections, self.budget.max_served)
+                            self.connections, self.budget.max_served, extra={"peer": peer, "code": "BUSY"})
                 self.events.refused(Caller(peer, ""), ErrorCode.BUSY.name, "too many connections at the shadow")
                 await refuse(stream, conn, ErrorCode.BUSY, "too many connections at the shadow",
                                    retry_after=retry_after())
@@ -309,9 +309,9 @@ class Shadow:
             said = reply_to(e)
             if said.refused:
                 self.stats["refused"] += 1
-            named = f" (job {caller.job_id})" if caller.job_id else ""
-            log.log(said.level, "%s [%s]: %s%s", peer, caller.who, said.said, named, exc_info=said.traceback)
+            name = f" (job {caller.job_id})" if caller.job_id else ""  # (what the line names)
             code = said.code.name if said.code is not None else ""
+            log.log(said.level, "%s: %s%s", caller, said.said, name, exc_info=said.traceback, extra=caller.fields(code))
             self.events.ended(caller, said.said, code, job[0].heard if job else 0.0)
             if said.refused or (not caller.session and isinstance(e, (ProtocolError, trio.TooSlowError))):
                 self.events.refused(caller, code, said.message)
@@ -335,7 +335,7 @@ class Shadow:
         busy = self.root_watch.check() or disk_busy(self.opts)
         if busy:  # (a root that is gone was said once, by its watch)
             log.log(logging.DEBUG if self.root_watch.gone else logging.WARNING, "%s [%s]: job %s told to come back "
-                    "later: %s", peer, caller.who, hello.job_id, busy)
+                    "later: %s", peer, caller.who, hello.job_id, busy, extra=caller.fields(ErrorCode.BUSY.name))
             self.events.refused(caller, ErrorCode.BUSY.name, busy)
             await refuse(stream, conn, ErrorCode.BUSY, busy, retry_after=ROOT_RETRY_AFTER)
             return
@@ -376,7 +376,7 @@ class Shadow:
                 sender = Sender(stream, conn, job, lambda: self._holds(job))
                 await sender.send(conn.send(welcome))
                 log.info("%s [%s]: job %s session %d (%s)", peer, caller.who, files.job_id, files.session,
-                         hello.host or "?")
+                         hello.host or "?", extra=caller.fields())
                 held.append(job)
                 job.heard = time.time()
                 self.events.opened(caller, files.session, hello.host)
@@ -384,7 +384,7 @@ class Shadow:
                     async with trio.open_nursery() as nursery:
                         sender.attach(nursery)  # (its task, started when first needed)
                         try:
-                            await self._receive(stream, conn, job, sender, f"{peer} [{caller.who}]", pending)
+                            await self._receive(stream, conn, job, sender, caller, pending)
                         finally:
                             sender.close()  # (before the nursery closes: no batch starts the task after)
                 finally:
@@ -545,7 +545,7 @@ class Shadow:
                 log.error("cannot record job state: %s", e)
 
     async def _receive(
-        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, peer: str,
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, caller: Caller,
         pending: list[Event],
     ) -> None:
         conn.pieces = True  # DATA as it arrives, each piece written at its offset
@@ -563,7 +563,7 @@ class Shadow:
                         events = await read_some(stream, conn)
                     idle.deadline = math.inf
                     job.heard = time.time()
-                over = await self._process(stream, conn, job, sender, peer, events)
+                over = await self._process(stream, conn, job, sender, caller, events)
                 # DATA payloads are views of the read's buffer: keep none of
                 # them while waiting for the next read, and lend the buffer on.
                 del events
@@ -576,7 +576,8 @@ class Shadow:
             raise trio.TooSlowError
 
     async def _process(
-        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, peer: str, events: list[Event],
+        self, stream: trio.abc.Stream, conn: Connection, job: LiveJob, sender: Sender, caller: Caller,
+        events: list[Event],
     ) -> bool:
         """Act on the events of one read; True when the session is over."""
         files = job.files
@@ -607,15 +608,16 @@ class Shadow:
             elif isinstance(ev, Notes):
                 self.events.notes(job, ev.notes)
             elif isinstance(ev, Exit):
-                await self._finish(conn, job, ev, sender, peer)
+                await self._finish(conn, job, ev, sender, caller)
                 job.ended = "the job ended"
                 return True
             elif isinstance(ev, Error):
-                log.warning("%s: agent reported %s: %s", peer, ev.code.name, ev.message)
+                log.warning("%s: agent reported %s: %s", caller, ev.code.name, ev.message,
+                            extra=caller.fields(ev.code.name))
                 job.ended = f"the agent reported {ev.code.name}: {ev.message}"
                 return True
             elif isinstance(ev, ConnectionClosed):  # between frames, before its EXIT: the agent gave up on it
-                log.info("%s: connection lost (closed by the agent)", peer)
+                log.info("%s: connection lost (closed by the agent)", caller, extra=caller.fields())
                 job.ended = "connection lost (closed by the agent)"
                 return True
         if job in self.written:
@@ -665,9 +667,7 @@ class Shadow:
                 self.stats["bytes"] += grown
                 self.durability.mark(sf, job, grown)
 
-    async def _finish(
-        self, conn: Connection, job: LiveJob, ev: Exit, sender: Sender, peer: str
-    ) -> None:
+    async def _finish(self, conn: Connection, job: LiveJob, ev: Exit, sender: Sender, caller: Caller) -> None:
         files = job.files
         await self.durability.flush(job)
         if job in self.written:
@@ -696,5 +696,5 @@ class Shadow:
         self._check(job)
         status = (f"signal {ev.signal}" if ev.signal else f"status {ev.code}" if ev.code is not None
                   else "unknown status")
-        log.info("%s: job %s finished with %s", peer, files.job_id, status)
+        log.info("%s: job %s finished with %s", caller, files.job_id, status, extra=caller.fields())
         await sender.send(lambda: conn.send(Done()), check=True)  # (checked under the send lock)
