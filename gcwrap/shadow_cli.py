@@ -12,7 +12,7 @@ import click
 from . import __version__
 from .clitypes import Size
 from .shadow.why import STATUSES
-from .shadow_listen import host_port, http_security, need_metrics_extra
+from .shadow_listen import http_security, metrics_listener, metrics_options, need_metrics_extra
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -146,28 +146,14 @@ def main() -> None:
               help="Jobs streaming at once per certificate CN (or per host without one); 0: no limit.")
 @click.option("--insecure", is_flag=True,
               help="Listen on a non-loopback address without authentication (anyone who can connect may write).")
-@click.option("--metrics", metavar="[HOST:]PORT", callback=host_port, envvar="GCSHADOW_METRICS", show_envvar=True,
-              help="Serve Prometheus metrics (/metrics) and a health check (/healthz) there (HOST: 127.0.0.1 "
-                   "unless given); needs the 'metrics' extra.")
-@click.option("--metrics-token-file", type=click.Path(dir_okay=False, path_type=Path),
-              envvar="GCSHADOW_METRICS_TOKEN_FILE", show_envvar=True,
-              help="Require this secret of scrapers: 'Authorization: Bearer TOKEN' (the file must be private).")
-@click.option("--metrics-tls-cert", type=click.Path(dir_okay=False, path_type=Path),
-              help="Serve the metrics over HTTPS with this certificate.")
-@click.option("--metrics-tls-key", type=click.Path(dir_okay=False, path_type=Path),
-              help="Private key of --metrics-tls-cert (if not in the same file).")
-@click.option("--metrics-tls-ca", type=click.Path(dir_okay=False, path_type=Path),
-              help="Require scrapers' client certificates signed by this CA.")
-@click.option("--metrics-insecure", is_flag=True,
-              help="Serve the metrics on a non-loopback address without authentication.")
+@metrics_options
 @state_option
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
     max_connections: int, min_free: int, verbose: int, log_format: str, token_file: Path | None,
     tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, allow_subjects: tuple[str, ...],
     allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool, token_dir: Path | None,
-    state: str, metrics: tuple[str, int] | None, metrics_token_file: Path | None, metrics_tls_cert: Path | None,
-    metrics_tls_key: Path | None, metrics_tls_ca: Path | None, metrics_insecure: bool,
+    state: str, **metrics: Any,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -182,22 +168,15 @@ def serve(
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
 
-    if metrics is not None:
+    if metrics["metrics"] is not None:
         need_metrics_extra()
     _check_descriptors()  # (first: a shadow that could serve no job must not even start)
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
-    watch = None
-    if metrics is not None:
-        from .shadow.metrics import MetricsOptions
-
-        token, tls = http_security(*metrics[:1], metrics_token_file, metrics_tls_cert, metrics_tls_key,
-                                    metrics_tls_ca, metrics_insecure, "the metrics", "--metrics-")
-        watch = MetricsOptions(metrics[0], metrics[1], token, tls)
     _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
-        max_jobs_per_identity=max_jobs_per_identity, **security), state, watch)
+        max_jobs_per_identity=max_jobs_per_identity, **security), state, metrics_listener(**metrics))
 
 
 def _check_descriptors() -> None:

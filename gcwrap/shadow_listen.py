@@ -20,6 +20,44 @@ def host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return host or "127.0.0.1", int(port)
 
 
+METRICS_OPTIONS = [
+    click.option("--metrics", metavar="[HOST:]PORT", callback=host_port, envvar="GCSHADOW_METRICS", show_envvar=True,
+                 help="Serve Prometheus metrics (/metrics) and a health check (/healthz) there (HOST: 127.0.0.1 "
+                      "unless given); needs the 'metrics' extra."),
+    click.option("--metrics-token-file", type=click.Path(dir_okay=False, path_type=Path),
+                 envvar="GCSHADOW_METRICS_TOKEN_FILE", show_envvar=True,
+                 help="Require this secret of scrapers: 'Authorization: Bearer TOKEN' (the file must be private)."),
+    click.option("--metrics-tls-cert", type=click.Path(dir_okay=False, path_type=Path),
+                 help="Serve the metrics over HTTPS with this certificate."),
+    click.option("--metrics-tls-key", type=click.Path(dir_okay=False, path_type=Path),
+                 help="Private key of --metrics-tls-cert (if not in the same file)."),
+    click.option("--metrics-tls-ca", type=click.Path(dir_okay=False, path_type=Path),
+                 help="Require scrapers' client certificates signed by this CA."),
+    click.option("--metrics-insecure", is_flag=True,
+                 help="Serve the metrics on a non-loopback address without authentication."),
+]
+
+
+def metrics_options(fn: Any) -> Any:
+    """The options of `gcshadow serve --metrics`, as one decorator."""
+    for option in reversed(METRICS_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def metrics_listener(metrics: tuple[str, int] | None, metrics_token_file: Path | None,
+                     metrics_tls_cert: Path | None, metrics_tls_key: Path | None, metrics_tls_ca: Path | None,
+                     metrics_insecure: bool) -> Any:
+    """The metrics' listener (shadow.metrics.MetricsOptions), or None without --metrics."""
+    if metrics is None:
+        return None
+    from .shadow.metrics import MetricsOptions
+
+    token, tls = http_security(metrics[0], metrics_token_file, metrics_tls_cert, metrics_tls_key, metrics_tls_ca,
+                               metrics_insecure, "the metrics", "--metrics-")
+    return MetricsOptions(metrics[0], metrics[1], token, tls)
+
+
 def need_metrics_extra() -> None:
     """One line when the metrics' libraries are missing (an optional extra)."""
     try:
@@ -31,7 +69,7 @@ def need_metrics_extra() -> None:
 
 
 def http_security(host: str, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
-                   tls_ca: Path | None, insecure: bool, what: str, prefix: str = "--") -> tuple[Any, Any]:
+                  tls_ca: Path | None, insecure: bool, what: str, prefix: str = "--") -> tuple[Any, Any]:
     """The token and TLS context of an HTTP listener (the web view, the
     metrics), and its posture: loopback only unless authenticated (a token,
     or client certificates) or --insecure; a warning for plain HTTP."""
