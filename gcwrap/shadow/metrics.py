@@ -116,7 +116,8 @@ class ShadowCollector:
         durable.add_metric(["files"], f.durable)
         yield received
         yield durable
-        yield CounterMetricFamily("gcshadow_frames", "DATA and FILE_DATA frames taken whole", d.frames + f.frames)
+        yield CounterMetricFamily("gcshadow_frames", "DATA and FILE_DATA frames that added output (a frame "
+                                  "resent whole adds none)", d.frames + f.frames)
         yield from self._refusals()
         yield GaugeMetricFamily("gcshadow_connections", "Connections open", s.connections)
         yield GaugeMetricFamily("gcshadow_sessions_open", "Sessions of jobs whose files are open",
