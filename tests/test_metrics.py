@@ -197,3 +197,14 @@ def test_metrics_off_loopback_without_authentication_is_refused(tmp_path: Path) 
     bad = subprocess.run([*tool("gcshadow"), "serve", "--root", str(tmp_path), "--metrics", "host:port"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "is not [HOST:]PORT" in bad.stderr, bad.stderr
+
+
+def test_healthz_turns_503_once_the_root_is_gone(tmp_path: Path, shadows: list[ShadowProc]) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    _, base = start(shadows, home, tmp_path / "logs")
+    assert get(base + "/healthz") == (200, "ok\n")
+    home.rename(tmp_path / "moved")  # (the shadow takes no job until restarted: its root is not where it was)
+    wait_until(lambda: get(base + "/healthz")[0] == 503, 10, "/healthz to say 503")
+    status, said = get(base + "/healthz")
+    assert status == 503 and f"the root {home} is gone" in said, said

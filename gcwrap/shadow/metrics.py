@@ -60,11 +60,12 @@ class Look:
     free: int = -1  # bytes free under the root for an unprivileged user (-1: unknown)
     short: str = ""  # why new sessions are told BUSY for the root's space, or ""
     fds: int = 0  # descriptors open
+    gone: str = ""  # why the root is no longer the one served (before its watch says so), or ""
 
 
 def look(shadow: Shadow) -> Look:
     """(blocking) The root's free space and the descriptors open."""
-    out = Look(fds=open_fds())
+    out = Look(fds=open_fds(), gone=shadow.root_watch.look())
     try:
         st = os.statvfs(shadow.opts.root)
         out.free = st.f_bavail * st.f_frsize
@@ -89,8 +90,8 @@ def unhealthy(shadow: Shadow, seen: Look) -> str:
         return f"stopping: {shadow.stopping}"
     if shadow.accepting is None:
         return "not serving yet"
-    if shadow.root_watch.gone:
-        return shadow.root_watch.refusal
+    if shadow.root_watch.gone or seen.gone:
+        return shadow.root_watch.refusal or f"{seen.gone} under the shadow: it takes no job until it is restarted"
     return state_down(shadow) or seen.short
 
 
