@@ -188,7 +188,7 @@ def test_metrics_without_the_library_is_one_line(tmp_path: Path) -> None:
         "Error: --metrics needs the 'metrics' extra: pip install 'gcwrap[metrics]' (it adds prometheus-client and h11)"]
 
 
-def test_metrics_off_loopback_without_authentication_is_refused(tmp_path: Path) -> None:
+def test_metrics_off_loopback_without_authentication_is_refused(tmp_path: Path, shadows: list[ShadowProc]) -> None:
     proc = subprocess.run([*tool("gcshadow"), "serve", "--port", "0", "--root", str(tmp_path), "--metrics",
                            "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -197,6 +197,16 @@ def test_metrics_off_loopback_without_authentication_is_refused(tmp_path: Path) 
     bad = subprocess.run([*tool("gcshadow"), "serve", "--root", str(tmp_path), "--metrics", "host:port"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "is not [HOST:]PORT" in bad.stderr, bad.stderr
+    # ...unless asked for: then it serves, and says so.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sh = ShadowProc(tmp_path, logs, extra=["--metrics", "0.0.0.0:0", "--metrics-insecure"])
+    shadows.append(sh)
+    sh.start()
+    assert "serving 0.0.0.0 WITHOUT authentication (--metrics-insecure)" in sh.log()
+    found = re.search(r"metrics on http://0\.0\.0\.0:(\d+)/metrics", sh.log())
+    assert found, sh.log()
+    assert value(scrape(f"http://127.0.0.1:{found[1]}"), "gcshadow_state_up") == 1
 
 
 def test_healthz_turns_503_once_the_root_is_gone(tmp_path: Path, shadows: list[ShadowProc]) -> None:
