@@ -44,7 +44,7 @@ _gcshadow() {
             continue
         fi
         case $cmd:$w in
-            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity|serve:--state) skip=1; lastopt=$w ;;
+            serve:--port|serve:--host|serve:--root|serve:--port-file|serve:--handshake-timeout|serve:--idle-timeout|serve:--max-connections|serve:--min-free|serve:--log-format|serve:--token-file|serve:--token-dir|serve:--tls-cert|serve:--tls-key|serve:--tls-ca|serve:--allow-subject|serve:--allow|serve:--quota|serve:--max-jobs-per-identity|serve:--metrics|serve:--metrics-token-file|serve:--metrics-tls-cert|serve:--metrics-tls-key|serve:--metrics-tls-ca|serve:--state) skip=1; lastopt=$w ;;
             jobs:--root|jobs:--state|jobs:--interval|jobs:--status|jobs:--since|jobs:--user|jobs:--host|jobs:-o|jobs:--columns) skip=1; lastopt=$w ;;
             tail:--root|tail:--state|tail:-n|tail:--lines|tail:-c|tail:--bytes) skip=1; lastopt=$w ;;
             prune:--root|prune:--state|prune:--finished-before) skip=1; lastopt=$w ;;
@@ -64,6 +64,10 @@ _gcshadow() {
             serve:--tls-cert) _gcshadow_files file ;;
             serve:--tls-key) _gcshadow_files file ;;
             serve:--tls-ca) _gcshadow_files file ;;
+            serve:--metrics-token-file) _gcshadow_files file ;;
+            serve:--metrics-tls-cert) _gcshadow_files file ;;
+            serve:--metrics-tls-key) _gcshadow_files file ;;
+            serve:--metrics-tls-ca) _gcshadow_files file ;;
             jobs:--root) _gcshadow_files dir ;;
             jobs:--status) _gcshadow_words "streaming quiet stalled disconnected refused finished failed" ;;
             tail:--root) _gcshadow_files dir ;;
@@ -79,11 +83,11 @@ _gcshadow() {
     fi
     if [[ $cur == -* ]]; then
         if (( COMP_CWORD == 1 )); then
-            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help --version"
+            _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --metrics --metrics-token-file --metrics-tls-cert --metrics-tls-key --metrics-tls-ca --metrics-insecure --state -h --help --version"
             return 0
         fi
         case $cmd in
-            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --state -h --help" ;;
+            serve) _gcshadow_words "--port --host --root --port-file --handshake-timeout --idle-timeout --max-connections --min-free -v --verbose --log-format --token-file --token-dir --tls-cert --tls-key --tls-ca --allow-subject --allow --quota --max-jobs-per-identity --insecure --metrics --metrics-token-file --metrics-tls-cert --metrics-tls-key --metrics-tls-ca --metrics-insecure --state -h --help" ;;
             jobs) _gcshadow_words "--root --state --json -w --watch --interval --status --since --user --host -o --columns --no-header --refused -h --help" ;;
             tail) _gcshadow_words "--root --state -f --follow --all -n --lines -c --bytes -h --help" ;;
             prune) _gcshadow_words "--root --state --finished-before --files --dry-run --json -h --help" ;;

@@ -54,6 +54,12 @@ complete -c gcshadow -n '__gcshadow_using serve' -l allow -x -d 'Hosts, .domain 
 complete -c gcshadow -n '__gcshadow_using serve' -l quota -x -d 'Bytes one job may write in all (0: no limit)'
 complete -c gcshadow -n '__gcshadow_using serve' -l max-jobs-per-identity -x -d 'Jobs streaming at once per certificate CN (or per host without one)...'
 complete -c gcshadow -n '__gcshadow_using serve' -l insecure -d 'Listen on a non-loopback address without authentication (anyone who...'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics -x -d 'Serve Prometheus metrics (/metrics) and a health check (/healthz)...'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics-token-file -r -F -d 'Require this secret of scrapers: \'Authorization: Bearer TOKEN\' (the...'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics-tls-cert -r -F -d 'Serve the metrics over HTTPS with this certificate'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics-tls-key -r -F -d 'Private key of --metrics-tls-cert (if not in the same file)'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics-tls-ca -r -F -d 'Require scrapers\' client certificates signed by this CA'
+complete -c gcshadow -n '__gcshadow_using serve' -l metrics-insecure -d 'Serve the metrics on a non-loopback address without authentication'
 complete -c gcshadow -n '__gcshadow_using serve' -l state -x -d 'Where the state is (jobs, durable lengths, exit statuses)...'
 complete -c gcshadow -n '__gcshadow_using serve; and not __gcshadow_at_subcommand' -s h -l help -d 'Show this message and exit'
 

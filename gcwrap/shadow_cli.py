@@ -12,6 +12,7 @@ import click
 from . import __version__
 from .clitypes import Size
 from .shadow.why import STATUSES
+from .shadow_listen import http_security, metrics_listener, metrics_options, need_metrics_extra
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -146,13 +147,14 @@ def main() -> None:
               help="Jobs streaming at once per certificate CN (or per host without one); 0: no limit.")
 @click.option("--insecure", is_flag=True,
               help="Listen on a non-loopback address without authentication (anyone who can connect may write).")
+@metrics_options
 @state_option
 def serve(
     port: int, host: str, root: Path, port_file: Path | None, handshake_timeout: float, idle_timeout: float,
     max_connections: int, min_free: int, verbose: int, log_format: str, token_file: Path | None,
     tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None, allow_subjects: tuple[str, ...],
     allow: tuple[str, ...], quota: int, max_jobs_per_identity: int, insecure: bool, token_dir: Path | None,
-    state: str,
+    state: str, **metrics: Any,
 ) -> None:
     """Serve jobs: write their output files under ROOT, durably, and serve their stdin.
 
@@ -162,17 +164,20 @@ def serve(
       umask 077; openssl rand -hex 32 > ~/.gcshadow-token     # a token for the agents (copy it to them)
       gcshadow serve --host 0.0.0.0 --port 50000 --root ~/results --token-file ~/.gcshadow-token
       gcshadow serve --port 50000 --root /shared/results --state postgresql://gcshadow@db.example.org/gcshadow
+      gcshadow serve --port 50000 --root ~/results --metrics 9100   # Prometheus: http://127.0.0.1:9100/metrics
     """
     from .render import setup_logging
     from .shadow.admission import ShadowOptions
 
+    if metrics["metrics"] is not None:
+        need_metrics_extra()
     _check_descriptors()  # (first: a shadow that could serve no job must not even start)
     setup_logging("gcshadow", verbose + 1, log_format, timestamps=True)
     security = _security(host, token_file, tls_cert, tls_key, tls_ca, allow_subjects, allow, insecure, token_dir)
     _serve(ShadowOptions(
         root=root.resolve(), host=host, port=port, port_file=port_file, handshake_timeout=handshake_timeout,
         idle_timeout=idle_timeout, max_connections=max_connections, min_free=min_free, quota=quota,
-        max_jobs_per_identity=max_jobs_per_identity, **security), state)
+        max_jobs_per_identity=max_jobs_per_identity, **security), state, metrics_listener(**metrics))
 
 
 def _check_descriptors() -> None:
@@ -189,7 +194,7 @@ def _check_descriptors() -> None:
                                    "unit)")
 
 
-def _serve(opts: Any, state: str = "") -> None:
+def _serve(opts: Any, state: str = "", metrics: Any = None) -> None:
     """Run the shadow until it stops; its failures as one line each."""
     import functools
 
@@ -201,7 +206,7 @@ def _serve(opts: Any, state: str = "") -> None:
 
     try:
         check_root(opts.root)  # a root it cannot use is named as such, not blamed on the address
-        stuck = trio.run(functools.partial(run_shadow, opts, state=state))
+        stuck = trio.run(functools.partial(run_shadow, opts, state=state, metrics=metrics))
     except (StoreError, ListenError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
@@ -669,30 +674,7 @@ def _web_options(root: Path, host: str, port: int, port_file: Path | None, tail_
     """The web view's options, and its security posture: loopback only
     unless authenticated or --insecure, and a warning for plain HTTP."""
     from .shadow.web import WebOptions
-    from .wire.auth import AuthError, is_loopback, load_token, server_context
 
-    try:
-        token = load_token(token_file, private=True) if token_file else None
-        if (tls_key or tls_ca) and not tls_cert:
-            raise AuthError("--tls-key and --tls-ca need --tls-cert")
-        tls = server_context(tls_cert, tls_key, tls_ca) if tls_cert else None
-    except AuthError as e:
-        raise click.UsageError(str(e)) from None
-    opts = WebOptions(root=root.resolve(), host=host, port=port, port_file=port_file, token=token, tls=tls,
+    token, tls = http_security(host, token_file, tls_cert, tls_key, tls_ca, insecure, "every job's output")
+    return WebOptions(root=root.resolve(), host=host, port=port, port_file=port_file, token=token, tls=tls,
                       client_certs=tls_ca is not None, insecure=insecure, tail=tail_kib * 1024)
-    if not is_loopback(host):
-        if not opts.authenticated and not insecure:
-            raise click.UsageError(
-                f"refusing to serve {host} without authentication: anyone who can connect could read every "
-                "job's output. Use --token-file, or --tls-cert/--tls-key with --tls-ca; "
-                "or --insecure if that is really what you want"
-            )
-        import logging
-
-        log = logging.getLogger("gcshadow")
-        if not opts.authenticated:
-            log.warning("serving %s WITHOUT authentication (--insecure): anyone who can connect reads every job", host)
-        elif tls is None:
-            log.warning("serving %s over plain HTTP: the token and the output cross the network in clear "
-                        "(add --tls-cert)", host)
-    return opts

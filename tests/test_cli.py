@@ -34,6 +34,8 @@ def sample(param: click.Option) -> str:
         return "home.example:50000"
     if param.name == "state":  # (checked as it is parsed)
         return "postgresql://gcshadow@db.example.org/gcshadow"
+    if param.name == "metrics":  # ([HOST:]PORT, checked as it is parsed)
+        return "127.0.0.1:9100"
     if param.name == "since":  # (a duration or a time, checked as it is parsed)
         return "2h"
     if param.name == "columns":  # (known column names, checked as they are parsed)

@@ -29,6 +29,7 @@ from ..sync import Signal
 from .backends import StateBackend
 from .files import FileCache, JobFiles, StreamFile
 from .state import RecordUnknown, Superseded
+from .tally import BYTES, SECONDS, Tally
 
 log = logging.getLogger("gcshadow")
 
@@ -147,13 +148,26 @@ class Durability:
         self.token: trio.lowlevel.TrioToken | None = None
         self.abandoned = False  # the thread was left stuck (see `_join`)
         self.stop_by = math.inf  # (trio time) the shadow stops by then: nothing waits for a hung sync past it
+        # For the metrics (metrics.py): bytes by stream (1 stdout, 2 stderr) whose frames became whole, and
+        # made durable; frames that became whole; when the first frame of the pending batch did (monotonic).
+        self.received = {1: 0, 2: 0}
+        self.made_durable = {1: 0, 2: 0}
+        self.frames = 0
+        self.first_marked = self.batch_first = 0.0
+        self.ack_seconds = Tally(SECONDS)  # from the oldest frame of a batch whole to its ACKs (`apply`)
+        self.commit_seconds = Tally(SECONDS)  # a batch's record of durable lengths (its sync: `Syncer.seconds`)
+        self.group_bytes = Tally(BYTES)  # bytes a batch made durable
 
     def mark(self, sf: StreamFile, job: LiveJob, n: int = 0) -> None:
         """`sf` of `job` has `n` more bytes to make durable (a frame became whole)."""
         with self.mutex:
+            self.marked = time.monotonic()
+            if not self.pending:
+                self.first_marked = self.marked
             self.pending[sf] = job
             self.pending_bytes += n
-            self.marked = time.monotonic()
+            self.frames += 1
+            self.received[sf.stream] = self.received.get(sf.stream, 0) + n
             if self.thread_idle:
                 self.thread_idle = False
                 self.cond.notify()
@@ -187,7 +201,7 @@ class Durability:
                         self._fill()
                     if self.stopping:
                         return
-                self._post(self.run_batch())
+                self._post((*self.run_batch(), self.batch_first))
         except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
             self._post(e)
 
@@ -212,6 +226,7 @@ class Durability:
             batch, self.pending = self.pending, {}
             self.last_bytes, self.pending_bytes, self.hurried = self.pending_bytes, 0, False
             self.began = time.monotonic()
+            self.batch_first = self.first_marked
             snapshot = []
             for sf in batch:
                 sf.pins += 1
@@ -219,6 +234,9 @@ class Durability:
         try:
             todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
             results, db_error = self.store.make_durable(todo) if todo else ([], "")
+            if todo:  # (the sync's share is the syncer's: what is left is the record's)
+                self.commit_seconds.observe(max(time.monotonic() - self.began - self.store.syncer.took, 0.0))
+                self.group_bytes.observe(self.last_bytes)
             failed = OSError(errno.EIO, "an earlier sync of this file failed")
             results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
             for sf, _, err in results:
@@ -280,13 +298,15 @@ class Durability:
 
     def apply(
         self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
+        first: float = 0.0,
     ) -> None:
         """A batch's results: lengths become durable (what the ackers send).
         The three kinds of trouble stop a session each in its own way
         (`Trouble`): a record refused because a newer session holds the job;
         a record whose outcome is unknown (the state database failed: it may
         have applied), where nothing is cut back; a failed sync, where the
-        file is cut back to what synced before."""
+        file is cut back to what synced before. `first`: when the batch's
+        first frame became whole (time.monotonic), for the ACK latency."""
         self.batches += 1
         unknown: set[LiveJob] = set()
         for sf, n, err in results:
@@ -294,7 +314,9 @@ class Durability:
             if err is None or isinstance(err, RecordUnknown):
                 sf.synced = max(sf.synced, n)  # on disk, whatever the state database says
             if err is None:
-                sf.durable = max(sf.durable, n)
+                if n > sf.durable:
+                    self.made_durable[sf.stream] = self.made_durable.get(sf.stream, 0) + n - sf.durable
+                    sf.durable = n
                 continue
             if isinstance(err, Superseded):
                 # A newer session holds the job: this one's bytes are not its
@@ -321,6 +343,8 @@ class Durability:
             if job.on_durable is not None:
                 job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)
             job.durable_changed.fire()  # (nothing to do when no flush waits)
+        if first:
+            self.ack_seconds.observe(time.monotonic() - first)
         self.done.fire()
 
     def _cut_back(self, sf: StreamFile, job: LiveJob | None, err: OSError) -> None:

@@ -87,6 +87,10 @@ class EventLog:
         self.tokens = REFUSALS_BURST
         self.filled = time.monotonic()
         self.dropped = {"refusals": 0, "events": 0, "batches": 0}
+        # For the metrics: connections refused, and sessions ended with an ERROR, by its code (every one,
+        # recorded or not).
+        self.refusals: dict[str, int] = {}
+        self.stopped: dict[str, int] = {}
         self.said_dropped = 0.0
         self.heard: dict[str, float] = {}  # job -> the `heard` last recorded for it
         self.next_heard = self.next_home = 0.0  # (time.monotonic)
@@ -116,6 +120,8 @@ class EventLog:
 
     def ended(self, caller: Caller, reason: str, code: str = "", heard: float = 0.0) -> None:
         """A session ended (`reason` as the log says it; `code` the ERROR its agent was told, if any)."""
+        if code:
+            self.stopped[code] = self.stopped.get(code, 0) + 1
         if caller.session:
             self.event(caller.job_id, "session_ended", session=caller.session, reason=reason, code=code,
                        heard=heard or None)
@@ -123,6 +129,7 @@ class EventLog:
     def refused(self, caller: Caller, code: str, message: str) -> None:
         """A connection refused: in the list of refusals and, before its
         session (if it names a job the state knows), in that job's timeline."""
+        self.refusals[code] = self.refusals.get(code, 0) + 1
         now = time.monotonic()
         self.tokens = min(REFUSALS_BURST, self.tokens + (now - self.filled) * REFUSALS_PER_S)
         self.filled = now

@@ -69,11 +69,14 @@ async def _no_wait(n: int) -> None:
 
 class OpenFiles:
     """The versions' files open in every session, for the shadow's
-    descriptor budget (`Shadow._free_fds`): `freed` is called when one closes."""
+    descriptor budget (`Shadow._free_fds`): `freed` is called when one closes.
+    Shared by every session: it also counts, for the metrics, the FILE_DATA
+    frames taken and the bytes they added, and the bytes made durable."""
 
     def __init__(self, freed: Callable[[], None] = lambda: None) -> None:
         self.count = 0
         self.freed = freed
+        self.frames = self.received = self.durable = 0
 
 
 class Fencing(Exception):
@@ -387,6 +390,8 @@ class SessionFiles:
             v.hasher.update(new)
             v.hashed = at
         self._mark(at - v.written)
+        self.open_files.frames += 1
+        self.open_files.received += at - v.written
         v.written = at
         self.dirty.add(v)
 
@@ -500,7 +505,9 @@ class SessionFiles:
     def made_durable(self, taken: list[tuple[Version, int]]) -> list[Event]:
         """After `sync_and_record`: the lengths are durable; the FILE_ACKs due."""
         for v, n in taken:
-            v.durable = max(v.durable, n)
+            if n > v.durable:
+                self.open_files.durable += n - v.durable
+                v.durable = n
         acks: list[Event] = []
         for v, _ in taken:
             if v.durable > v.acked and self.current.get(v.file) is v:

@@ -13,13 +13,16 @@ from ..sync import worst_error
 from .admission import ShadowOptions
 from .backends import open_store
 from .files import Problem, StoreError
+from .metrics import MetricsOptions, serve_metrics
 from .server import Shadow
 
 log = logging.getLogger("gcshadow")
 
 
-async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
-    """Serve until stopped. True if a sync that hangs was left behind (the process must not wait for it)."""
+async def run_shadow(opts: ShadowOptions, *, state: str = "", metrics: MetricsOptions | None = None,
+                     task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
+    """Serve until stopped (and the metrics, if asked for: metrics.py). True
+    if a sync that hangs was left behind (the process must not wait for it)."""
     try:
         store = await trio.to_thread.run_sync(open_store, state, opts.root)
     except OSError as e:
@@ -29,6 +32,8 @@ async def run_shadow(opts: ShadowOptions, *, state: str = "", task_status: Any =
         with worst_error(), trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signals, shadow, signals)
+                if metrics is not None:
+                    await nursery.start(serve_metrics, shadow, metrics)
                 await shadow.serve(task_status=task_status)  # (until `stop` ends it)
                 nursery.cancel_scope.cancel()
     finally:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..wire.names import NameError_, split_name
 from .files import StreamFile, open_dir
+from .tally import SECONDS, Tally
 
 SYNCFS_MIN = 4  # dirty files on the root's file system from which one syncfs() replaces their fdatasync()s
 PARALLEL_MIN = 4  # dirty files from which fdatasync()s run in parallel threads
@@ -83,6 +84,8 @@ class Syncer:
         self.skipped = 0
         self.syncing: list[str] = []  # the names of the files a sync is making durable now
         self.since = 0.0  # when it began (time.monotonic)
+        self.took = 0.0  # how long the last one took
+        self.seconds = Tally(SECONDS)  # ...and every one (the metrics' fsync latency)
 
     def _prefer_syncfs(self, n: int) -> bool:
         if n < SYNCFS_MIN:
@@ -100,6 +103,8 @@ class Syncer:
             return self._sync(files)
         finally:
             self.syncing = []
+            self.took = time.monotonic() - self.since
+            self.seconds.observe(self.took)
 
     def _sync(self, files: list[tuple[StreamFile, int]]) -> list[tuple[StreamFile, int, OSError | None]]:
         out: list[tuple[StreamFile, int, OSError | None]] = []
