@@ -18,6 +18,7 @@ from gcwrap.clitypes import Size
 from gcwrap.shadow_cli import main as gcshadow_main
 
 REQUIRED = {"run": ["--", "true"], "tail": ["job"]}
+REQUIRED_FIRST = {"prune": ["--finished-before", "30d"]}  # (a later --finished-before takes its place)
 
 
 def sample(param: click.Option) -> str:
@@ -36,7 +37,7 @@ def sample(param: click.Option) -> str:
         return "postgresql://gcshadow@db.example.org/gcshadow"
     if param.name == "metrics":  # ([HOST:]PORT, checked as it is parsed)
         return "127.0.0.1:9100"
-    if param.name == "since":  # (a duration or a time, checked as it is parsed)
+    if param.name in ("since", "before"):  # (a duration or a time, checked as it is parsed)
         return "2h"
     if param.name == "columns":  # (known column names, checked as they are parsed)
         return "job,why"
@@ -53,7 +54,7 @@ def options() -> Iterator[Any]:
 
 
 def parse(cmd: click.Command, name: str, args: list[str]) -> dict[str, Any]:
-    with cmd.make_context(name, [*args, *REQUIRED.get(name, [])]) as ctx:
+    with cmd.make_context(name, [*REQUIRED_FIRST.get(name, []), *args, *REQUIRED.get(name, [])]) as ctx:
         return dict(ctx.params)
 
 
