@@ -11,6 +11,8 @@ spawn to exit (wall clock, time.perf_counter):
     PYTHON -c pass                                    the interpreter alone
     gcwrap --shadow 127.0.0.1:PORT --stdout startup-N.out --spool DIR --job-id ID -- true
                                                       with a live gcshadow (one per benchmark run)
+    PYTHON gcwrap.pyz -- true                         the same from the one-file bundle (`gcwrap bundle`,
+                                                      built into the benchmark's directory first)
     gcwrap --shadow ... -- sh -c 'date +%s.%N > STAMP'   the same with a job that writes the time it
                                                       started: spawn -> the job's start is how long the
                                                       job waits for gcwrap (the spool, its pipes)
@@ -63,6 +65,7 @@ from benchlib import (
 
 IMPORT_DEPS = "import trio, click, rich, sqlite_utils"
 IMPORT_TRIO = "import trio"
+BUNDLE_KEY = "python gcwrap.pyz -- true (the bundle)"
 
 
 def real_script(path: str) -> tuple[str, str | None]:
@@ -203,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         port = shadow.wait_ready()
         spool = workdir / "spool"
         print(f"gcshadow: {' '.join(shadow.cmd)}", flush=True)
+        pyz = workdir / "gcwrap.pyz"
+        built = subprocess.run([*gcwrap, "bundle", "-o", str(pyz)], capture_output=True, text=True,
+                               timeout=args.timeout, check=False)
+        if built.returncode != 0:
+            raise BenchError(f"gcwrap bundle failed: {built.stderr.strip()}")
+        print(f"bundle: {built.stdout.strip()}", flush=True)
+        commands[BUNDLE_KEY] = [python, str(pyz), "--", "true"]
         keys = [*commands, shadow_key, stamp_key, bare_stamp_key]
         stamp = workdir / "job-started"
         stamped = {stamp_key, bare_stamp_key}
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
               "or sqlite_utils at start-up, so this baseline flatters it:")
         print(f"gcwrap -- true / import trio (what it does import, with click): {mine / trio_base:.2f}x, "
               f"{(mine - trio_base) * 1000:+.0f} ms")
+        pyz_med = summary(walls[BUNDLE_KEY])[0]
+        print(f"python gcwrap.pyz -- true / gcwrap -- true: {pyz_med / mine:.2f}x, {(pyz_med - mine) * 1000:+.0f} ms "
+              f"(the target, <= 1.10x: {'met' if pyz_med / mine <= 1.1 else 'NOT met'})")
         med, lo, hi = summary(job_starts[stamp_key])
         alone = summary(job_starts[bare_stamp_key])[0]
         print(f"\nspawn -> the job's start, with a live shadow (the job waits this long for gcwrap): median "

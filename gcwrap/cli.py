@@ -149,7 +149,8 @@ def check_compress(ctx: click.Context, param: click.Parameter, value: str) -> An
     from .wire.compress import Mode, available
 
     if value == "zstd" and not available():
-        raise click.BadParameter("zstd needs the zstandard package (pip install zstandard)")
+        raise click.BadParameter(f"zstd needs the zstandard package, which {sys.executable} does not have "
+                                 "(pip install zstandard)")
     return Mode(value)
 
 
@@ -619,11 +620,44 @@ def demo(size: str, keep: bool) -> None:
     Example:
       gcwrap demo --size 64MiB
     """
+    import importlib.util
+
     from .demo import run_demo
     from .units import parse_size
+
+    if importlib.util.find_spec("gcwrap.shadow") is None:
+        raise click.ClickException("the demo runs a gcshadow, which the bundle does not carry: "
+                                   "run it with gcwrap installed (pip install gcwrap)")
 
     try:
         nbytes = parse_size(size)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--size") from None
     sys.exit(run_demo(nbytes, keep))
+
+
+@main.command(context_settings=CONTEXT,
+              epilog="\n\b\nExit status:\n  0       built\n  1       not built (the reason on stderr)")
+@click.option("-o", "--output", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("gcwrap.pyz"), show_default=True, help="Where the bundle is written.")
+def bundle(output: Path) -> None:
+    """Build the agent as one executable file, to ship with jobs to machines with only Python >= 3.11.
+
+    The file runs with `python3 FILE ...` or as `./FILE ...`, with nothing
+    installed there; zstandard is used if that Python has it. Its modules
+    are compiled for this Python (others run them from source, slower to
+    start): `python3.X gcwrap.pyz bundle` rebuilds it for python3.X.
+
+    \b
+    Example:
+      gcwrap bundle -o gcwrap.pyz
+      python3 gcwrap.pyz --shadow home.example.org:50000 --stdout out.5 -- ./app
+    """
+    from .bundle import BundleError, build
+
+    try:
+        built = build(output)
+    except BundleError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{built.path}: {built.size / (1 << 20):.1f} MiB, {built.modules} modules compiled for Python "
+               f"{sys.version_info[0]}.{sys.version_info[1]}")

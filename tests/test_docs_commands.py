@@ -103,12 +103,12 @@ def _block_lines(where: str, lines: list[tuple[int, str]], kind: str = "sh") -> 
             text = "gcwrap " + condor.group(1)
         elif stripped.startswith("#"):
             # A comment: a command it gives ("# At home: gcshadow ..."), or inline code in its prose.
-            given = re.match(r"#\s*(?:[A-Z][\w ]*:\s*)?((?:gcwrap|gcshadow)\s.*)$", stripped)
+            given = re.match(r"#\s*(?:[A-Z][\w ]*:\s*)?((?:gcwrap|gcshadow|python3 \S*gcwrap\.pyz)\s.*)$", stripped)
             if given:
                 out.append(Line(f"{where}:{n}", given.group(1), dict(env)))
             out += [Line(f"{where}:{n}", span, {}, inline=True) for span in _inline_commands(stripped)]
             continue
-        elif kind == "text" or not re.search(r"\b(gcwrap|gcshadow|export) ", stripped):
+        elif kind == "text" or not re.search(r"\b(gcwrap|gcwrap\.pyz|gcshadow|export) ", stripped):
             continue
         for m in re.finditer(r"(?:^|;|&&)\s*export\s+((?:\w+=\S+\s*)+)", text):
             for assignment in m.group(1).split():
@@ -219,7 +219,11 @@ def invocations(line: Line) -> list[Invocation]:
             if words[0] == "export":
                 continue
             words = words[1:]
-        if words and Path(words[0]).name in PROGRAMS:
+        if len(words) > 1 and re.fullmatch(r"python3(\.\d+)?", words[0]) and words[1].endswith("gcwrap.pyz"):
+            words = words[1:]  # the bundle (`gcwrap bundle`), run by a python3
+        if words and Path(words[0]).name == "gcwrap.pyz":
+            out.append(Invocation(line.where, "gcwrap", words[1:], env, line.inline))
+        elif words and Path(words[0]).name in PROGRAMS:
             out.append(Invocation(line.where, Path(words[0]).name, words[1:], env, line.inline))
     return out
 

@@ -22,6 +22,7 @@ gcwrap.agent.run starts them beside the job.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import trio
 
 from .. import exitcodes
-from ..wire.compress import WireStats, offered
+from ..wire.compress import Mode, WireStats, available, offered
 from ..wire.events import FILES_FEATURE, NOTES_FEATURE, ErrorCode, Exit, Hello, StreamSpec
 from .addresses import Address, show
 from .filesender import FileSender
@@ -47,6 +48,12 @@ from .spooler import Spooler
 from .timeline import Journal
 
 log = logging.getLogger("gcwrap")
+
+
+@functools.cache  # once a process, however many spools a resume delivers
+def say_no_codec() -> None:
+    log.info("compression left out: this Python has no zstandard package (pip install zstandard to have it)")
+
 
 READ_SIZE = 1 << 20  # a read returns what the pipe holds: large reads cost no latency
 COMMIT_BATCH = 8 << 20  # at most this many bytes per spool transaction
@@ -91,6 +98,8 @@ class Agent:
         started: float | None = None,
     ) -> None:
         self.opts = opts
+        if opts.compress is not Mode.NONE and not available():
+            say_no_codec()
         self.spooler = spooler
         self.job = job
         self.specs = specs
