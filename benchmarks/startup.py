@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         spool = workdir / "spool"
         print(f"gcshadow: {' '.join(shadow.cmd)}", flush=True)
         pyz = workdir / "gcwrap.pyz"
+        os.environ["XDG_CACHE_HOME"] = str(workdir / "cache")  # the bundle unpacks there (at the warm-up run)
         built = subprocess.run([*gcwrap, "bundle", "-o", str(pyz)], capture_output=True, text=True,
                                timeout=args.timeout, check=False)
         if built.returncode != 0:

@@ -22,7 +22,7 @@ _gcwrap() {
     [[ $cur == [=:] ]] && cur=""
     if (( COMP_CWORD > 1 )); then
         case ${COMP_WORDS[1]} in
-            run|status|resume|demo) cmd=${COMP_WORDS[1]}; start=2 ;;
+            run|status|resume|demo|bundle) cmd=${COMP_WORDS[1]}; start=2 ;;
         esac
     fi
     [[ -z $cmd ]] && cmd=run
@@ -49,6 +49,7 @@ _gcwrap() {
             status:--spool) skip=1; lastopt=$w ;;
             resume:--spool|resume:--shadow|resume:--retry-limit|resume:--retry-timeout|resume:--heartbeat|resume:--log-format|resume:--compress|resume:--token-file|resume:--tls-ca|resume:--tls-cert|resume:--tls-key) skip=1; lastopt=$w ;;
             demo:--size) skip=1; lastopt=$w ;;
+            bundle:-o|bundle:--output) skip=1; lastopt=$w ;;
             *:-*) ;;
             run:*) wrapped=$i; break ;;
             *) operands=$((operands + 1)) ;;
@@ -83,6 +84,7 @@ _gcwrap() {
             resume:--tls-ca) _gcwrap_files file ;;
             resume:--tls-cert) _gcwrap_files file ;;
             resume:--tls-key) _gcwrap_files file ;;
+            bundle:-o|bundle:--output) _gcwrap_files file ;;
         esac
         return 0
     fi
@@ -96,11 +98,12 @@ _gcwrap() {
             status) _gcwrap_words "--spool --json -h --help" ;;
             resume) _gcwrap_words "--spool --shadow --include-refused --retry-limit --retry-timeout --heartbeat -v --verbose -q --quiet --log-format --compress --token-file --tls --tls-ca --tls-cert --tls-key -h --help" ;;
             demo) _gcwrap_words "--size --keep -h --help" ;;
+            bundle) _gcwrap_words "-o --output -h --help" ;;
         esac
         return 0
     fi
     if (( COMP_CWORD == 1 )); then
-        _gcwrap_words "run status resume demo"
+        _gcwrap_words "run status resume demo bundle"
         return 0
     fi
     case $cmd in

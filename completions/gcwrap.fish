@@ -5,7 +5,7 @@
 
 function __gcwrap_subcommand --description 'The subcommand being completed'
     set -l tokens (commandline -opc)
-    if set -q tokens[2]; and contains -- $tokens[2] run status resume demo
+    if set -q tokens[2]; and contains -- $tokens[2] run status resume demo bundle
         echo $tokens[2]
     else
         echo run
@@ -73,6 +73,7 @@ complete -c gcwrap -n '__gcwrap_at_subcommand' -a run -d 'Run COMMAND; stream it
 complete -c gcwrap -n '__gcwrap_at_subcommand' -a status -d 'Show the spools on this machine: job, state, bytes written, acked...'
 complete -c gcwrap -n '__gcwrap_at_subcommand' -a resume -d 'Deliver the output that spools left behind (a killed wrapper, an...'
 complete -c gcwrap -n '__gcwrap_at_subcommand' -a demo -d 'Run a shadow on loopback and a sample job through gcwrap; verify...'
+complete -c gcwrap -n '__gcwrap_at_subcommand' -a bundle -d 'Build the agent as one executable file, to ship with jobs to...'
 
 # options of the program itself
 complete -c gcwrap -n '__gcwrap_at_subcommand' -l version -d 'Show the version and exit'
@@ -133,3 +134,7 @@ complete -c gcwrap -n '__gcwrap_using resume' -F
 complete -c gcwrap -n '__gcwrap_using demo' -l size -x -d 'Bytes the sample job writes to stdout (it also writes progress lines...'
 complete -c gcwrap -n '__gcwrap_using demo' -l keep -d 'Keep the demo\'s directory instead of deleting it'
 complete -c gcwrap -n '__gcwrap_using demo' -s h -l help -d 'Show this message and exit'
+
+# gcwrap bundle
+complete -c gcwrap -n '__gcwrap_using bundle' -s o -l output -r -F -d 'Where the bundle is written'
+complete -c gcwrap -n '__gcwrap_using bundle' -s h -l help -d 'Show this message and exit'

@@ -1,5 +1,9 @@
 #!/bin/bash
 # A Slurm batch job wrapped in gcwrap: its stdout and stderr stream home while it runs.
+# Nothing is installed on the nodes: the job ships gcwrap as one file,
+# gcwrap.pyz (`gcwrap bundle -o gcwrap.pyz` at home, beside this script), and
+# the node's python3 (3.11 or newer) runs it. With gcwrap installed on the
+# nodes, `exec gcwrap` with the same options does the same.
 #
 #   sbatch slurm-job.sh
 #
@@ -14,8 +18,10 @@
 #SBATCH --requeue
 #SBATCH --output=gcwrap-%j.log
 
+# sbcast copies the bundle to the local disk of the job's nodes.
+sbcast --force gcwrap.pyz "/tmp/gcwrap-$SLURM_JOB_ID.pyz" || exit 1
 # exec: gcwrap is the job step itself, so the job's exit status is Slurm's
 # and Slurm counts the job as running until its output is home.
-exec gcwrap --shadow home.example.org:50000 --token-file ~/.gcshadow-token \
+exec python3 "/tmp/gcwrap-$SLURM_JOB_ID.pyz" --shadow home.example.org:50000 --token-file ~/.gcshadow-token \
     --stdout 'sim/%j.out' --stderr 'sim/%j.err' \
     -- ./sim --steps 1000

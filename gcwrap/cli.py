@@ -651,7 +651,7 @@ def bundle(output: Path) -> None:
     \b
     Example:
       gcwrap bundle -o gcwrap.pyz
-      python3 gcwrap.pyz --shadow home.example.org:50000 --stdout out.5 -- ./app
+      python3 gcwrap.pyz --shadow home.example.org:50000 --token-file gcshadow-token --stdout out.5 -- ./app
     """
     from .bundle import BundleError, build
 

@@ -99,8 +99,8 @@ def _block_lines(where: str, lines: list[tuple[int, str]], kind: str = "sh") -> 
     for n, text in _join_continuations(lines):
         stripped = text.strip()
         condor = re.match(r'arguments\s*=\s*"(.*)"\s*$', stripped)
-        if condor:  # an HTCondor submit file: gcwrap is the executable
-            text = "gcwrap " + condor.group(1)
+        if condor:  # an HTCondor submit file: gcwrap is the executable, or python3 runs the bundle
+            text = condor.group(1) if re.match(r"\S*gcwrap\S*\.pyz ", condor.group(1)) else "gcwrap " + condor.group(1)
         elif stripped.startswith("#"):
             # A comment: a command it gives ("# At home: gcshadow ..."), or inline code in its prose.
             given = re.match(r"#\s*(?:[A-Z][\w ]*:\s*)?((?:gcwrap|gcshadow|python3 \S*gcwrap\.pyz)\s.*)$", stripped)
@@ -108,7 +108,7 @@ def _block_lines(where: str, lines: list[tuple[int, str]], kind: str = "sh") -> 
                 out.append(Line(f"{where}:{n}", given.group(1), dict(env)))
             out += [Line(f"{where}:{n}", span, {}, inline=True) for span in _inline_commands(stripped)]
             continue
-        elif kind == "text" or not re.search(r"\b(gcwrap|gcwrap\.pyz|gcshadow|export) ", stripped):
+        elif kind == "text" or not re.search(r"\b(gcwrap|gcshadow|export) |gcwrap\S*\.pyz\b", stripped):
             continue
         for m in re.finditer(r"(?:^|;|&&)\s*export\s+((?:\w+=\S+\s*)+)", text):
             for assignment in m.group(1).split():
@@ -219,9 +219,10 @@ def invocations(line: Line) -> list[Invocation]:
             if words[0] == "export":
                 continue
             words = words[1:]
-        if len(words) > 1 and re.fullmatch(r"python3(\.\d+)?", words[0]) and words[1].endswith("gcwrap.pyz"):
-            words = words[1:]  # the bundle (`gcwrap bundle`), run by a python3
-        if words and Path(words[0]).name == "gcwrap.pyz":
+        bundle = r"gcwrap\S*\.pyz"  # the one-file gcwrap (`gcwrap bundle`)
+        if len(words) > 1 and re.fullmatch(r"(\S*/)?python3(\.\d+)?", words[0]) and re.fullmatch(bundle, Path(words[1]).name):
+            words = words[1:]
+        if words and re.fullmatch(bundle, Path(words[0]).name):
             out.append(Invocation(line.where, "gcwrap", words[1:], env, line.inline))
         elif words and Path(words[0]).name in PROGRAMS:
             out.append(Invocation(line.where, Path(words[0]).name, words[1:], env, line.inline))
