@@ -6,8 +6,10 @@ pip and without --system-site-packages: nothing can be imported from
 outside the file (the first test proves the venv has no trio). Against a
 real gcshadow: byte-exact output and the exit status home, `status` and
 `resume` from the bundle after a kill -9, twenty jobs from one bundle at
-once, a read-only job directory with no HOME, the shebang, and `--compress
-zstd` where this Python has no zstandard.
+once (racing to unpack it into one cache), a cache others can write left
+alone, a read-only job directory with no HOME (and the zip run as it is
+where no cache can be made), the shebang, and `--compress zstd` where this
+Python has no zstandard.
 """
 
 from __future__ import annotations

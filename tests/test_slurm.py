@@ -11,7 +11,9 @@ compares sha256 of what a job wrote with what landed at home:
   as killed by SIGTERM;
 - `scontrol requeue`: the new attempt starts afresh, as documented; with %n in
   a NAME each attempt has its own file, without it the file holds exactly the
-  last attempt's stream.
+  last attempt's stream;
+- the one-file bundle (`gcwrap bundle`) shipped to the node with sbcast and
+  run by a Python with no packages lands byte-exact.
 
 Needs root; installs the Debian packages (slurmctld slurmd slurm-client munge)
 when they are missing, and skips with the reason when it cannot.
@@ -317,3 +319,34 @@ def test_requeue_starts_a_fresh_attempt_without_mixing_bytes(
     assert "ended with status 143" in log and "ended with status 0" in log, log
     assert f"job slurm-{job} finished with signal 15" in shadow.log()
     assert list((tmp_path / "scratch" / f"gcwrap-{os.getuid()}").glob("*.spool")) == []
+
+
+# -- the one-file bundle shipped with the job -----------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_bundle_shipped_with_the_job_by_sbcast(slurm: Slurm, shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    """`gcwrap bundle`'s file, copied to the node by sbcast and run by a Python with no packages (`-I`, a venv
+    without pip or the system's packages), instead of the installed gcwrap."""
+    pyz = tmp_path / "gcwrap.pyz"
+    subprocess.run([installed("gcwrap"), "bundle", "-o", str(pyz)], check=True, capture_output=True, timeout=120)
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    out_n, err_n = 300_000, 30_000
+    shipped = "/tmp/gcwrap-$SLURM_JOB_ID.pyz"
+    script = write_script(
+        tmp_path / "bundle.sh",
+        f"export XDG_CACHE_HOME={shlex.quote(str(tmp_path / 'cache'))}",
+        f'sbcast --force {shlex.quote(str(pyz))} "{shipped}" || exit 99',
+        f'trap \'rm -f "{shipped}"\' EXIT',
+        f'{venv}/bin/python3 -I "{shipped}" --shadow {shadow.address} --retry-timeout 1 '
+        f"--stdout 'bundle/%j.out' --stderr 'bundle/%j.err' -- {genjob_line(out_n, err_n, '77', 200_000)}",
+    )
+    job = submit(slurm, script, tmp_path, f"--output={tmp_path}/slurm-%j.out")
+    wait_until(lambda: slurm.state(job) in ENDED, 120, f"job {job} to end", interval=0.2)
+    assert slurm.state(job) == "COMPLETED", "\n".join([slurm_out(tmp_path), slurm.logs()])
+    assert sha256_file(home / f"bundle/{job}.out") == sha256_bytes(stream(out_n, 77)), slurm_out(tmp_path)
+    assert sha256_file(home / f"bundle/{job}.err") == sha256_bytes(stream(err_n, 78))
+    rec = shadow_jobs(home)[f"slurm-{job}"]
+    assert rec["state"] == "finished" and rec["exit_code"] == 0
+    assert not Path(f"/tmp/gcwrap-{job}.pyz").exists()
