@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -266,3 +267,19 @@ def test_without_zstandard_compression_is_left_out_and_zstd_says_why(
     assert status == 0, err
     assert err.count("compression left out") == 1, err
     assert (home / "v.out").read_bytes() == b"plain\n"
+
+
+@pytest.mark.timeout(120)
+def test_the_bundle_rebuilds_itself_for_the_python_that_runs_it(bundle: Path, bare_python: Path,
+                                                                tmp_path: Path) -> None:
+    env = bare_env(tmp_path)
+    out = tmp_path / "again" / "gcwrap.pyz"
+    out.parent.mkdir()
+    status, err = finish(run_bundle(bare_python, bundle, ["bundle", "-o", str(out)], env, tmp_path))
+    assert status == 0, err
+    with zipfile.ZipFile(bundle) as a, zipfile.ZipFile(out) as b:
+        assert sorted(a.namelist()) == sorted(b.namelist())
+    status, err = finish(run_bundle(bare_python, out, ["--", "true"], env, tmp_path))
+    assert status == 0, err
+    status, err = finish(run_bundle(bare_python, bundle, ["demo"], env, tmp_path))
+    assert status == 1 and "the bundle does not carry" in err and "Traceback" not in err
