@@ -644,9 +644,11 @@ def bundle(output: Path) -> None:
     """Build the agent as one executable file, to ship with jobs to machines with only Python >= 3.11.
 
     The file runs with `python3 FILE ...` or as `./FILE ...`, with nothing
-    installed there; zstandard is used if that Python has it. Its modules
-    are compiled for this Python (others run them from source, slower to
-    start): `python3.X gcwrap.pyz bundle` rebuilds it for python3.X.
+    installed there; zstandard is used if that Python has it. At its first
+    start on a machine it unpacks itself into $XDG_CACHE_HOME/gcwrap or
+    /tmp/gcwrap-UID-cache, and writes nothing beside itself. Its modules are
+    compiled for this Python (another compiles them once, into that cache);
+    run from a bundle, `bundle` rebuilds it for the Python that runs it.
 
     \b
     Example:
