@@ -39,6 +39,7 @@ def unpack(archive: str, base: str, key: str) -> None:
     from importlib.util import MAGIC_NUMBER
 
     tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=base)
+    made: list[str] = []
     try:
         with zipfile.ZipFile(archive) as z:
             for name in z.namelist():
@@ -54,9 +55,26 @@ def unpack(archive: str, base: str, key: str) -> None:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as out:
                     out.write(data)
+                made.append(name)
+        with open(os.path.join(tmp, MANIFEST), "w") as out:
+            out.write("\n".join(made))
         os.rename(tmp, os.path.join(base, key))
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # (another job's rename came first, or no room)
+
+
+MANIFEST = ".complete"  # the files unpacked, written last: a copy without it, or short of one, is not used
+
+
+def complete(where: str) -> bool:
+    """Whether every file unpacked is still there (a cleaner of /tmp may take
+    files unused for a while, and an import would fail mid-run)."""
+    try:
+        with open(os.path.join(where, MANIFEST)) as f:
+            names = f.read().split("\n")
+    except OSError:
+        return False
+    return all(os.path.isfile(os.path.join(where, n)) for n in names if n)
 
 
 def unpacked(archive: str) -> str | None:
@@ -68,9 +86,19 @@ def unpacked(archive: str) -> str | None:
         return None  # not this user's alone: nothing of it is imported
     key = bundle_key(archive)
     where = os.path.join(base, key)
+    if os.path.isdir(where) and not complete(where):
+        # (files taken from it: moved aside whole, a new copy made; a job importing from it may fail anyway)
+        import shutil
+
+        aside = f"{where}.stale.{os.getpid()}"
+        try:
+            os.rename(where, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        except OSError:
+            return None
     if not os.path.isdir(where):
         unpack(archive, base, key)
-    return where if os.path.isdir(where) else None
+    return where if os.path.isdir(where) and complete(where) else None
 
 
 def main() -> None:

@@ -203,6 +203,33 @@ def test_twenty_jobs_start_from_one_bundle_at_once(bundle: Path, bare_python: Pa
 
 
 @pytest.mark.timeout(60)
+def test_a_cache_a_cleaner_took_files_from_is_made_again(bundle: Path, bare_python: Path,
+                                                         shadow_home: tuple[ShadowProc, Path], tmp_path: Path) -> None:
+    """A cleaner of /tmp (systemd-tmpfiles, tmpreaper) takes files unused for
+    a while from the cache's copy: the next start finds it short of them and
+    unpacks it again, rather than fail on an import mid-run."""
+    shadow, home = shadow_home
+    env = bare_env(tmp_path)
+    for n in (1, 2):
+        status, err = finish(run_bundle(bare_python, bundle, ["--shadow", shadow.address, "--stdout",
+                                                              f"clean-{n}.out", "--", "echo", str(n)], env, tmp_path))
+        assert status == 0, err
+        assert (home / f"clean-{n}.out").read_bytes() == f"{n}\n".encode()
+        (cached,) = (tmp_path / "cache" / "gcwrap").iterdir()
+        taken = [*cached.glob("rich/**/*.py"), *cached.glob("gcwrap/agent/*.py")]
+        assert taken, sorted(p.name for p in cached.iterdir())
+        for f in taken:
+            f.unlink()
+    (cached,) = (tmp_path / "cache" / "gcwrap").iterdir()
+    assert not (cached / "gcwrap" / "agent" / "sender.py").exists()  # (taken after the second run: made again)
+    status, err = finish(run_bundle(bare_python, bundle, ["--shadow", shadow.address, "--stdout", "clean-3.out",
+                                                          "--", "echo", "3"], env, tmp_path))
+    assert status == 0, err
+    (cached,) = (tmp_path / "cache" / "gcwrap").iterdir()
+    assert (cached / "gcwrap" / "agent" / "sender.py").is_file()
+
+
+@pytest.mark.timeout(60)
 def test_a_cache_others_can_write_is_not_used(bundle: Path, bare_python: Path,
                                               shadow_home: tuple[ShadowProc, Path], tmp_path: Path) -> None:
     shadow, home = shadow_home
