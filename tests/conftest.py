@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from statefaults import failsync  # noqa: F401 - a fixture
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run long soaks and many-seed chaos runs")
     parser.addoption("--seeds", type=int, default=None, help="number of seeds for randomized chaos runs")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # (for what test modules size at import: a randomized search's examples)
+    if config.getoption("--run-slow"):
+        os.environ["GCWRAP_TEST_SLOW"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
