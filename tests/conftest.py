@@ -76,3 +76,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         kinds = getattr(chaos, "CHAOS_KINDS", None)
         if kinds:
             terminalreporter.write_line("chaos faults by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
+    d = tmp_path / "work"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d

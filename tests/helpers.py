@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -192,6 +193,17 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def python_job(code: str) -> list[str]:
+    """A job of Python `code` (dedented), with os, sys, time, json and random
+    imported and `gate(path)`: wait (60 s at most) until `path` exists."""
+    prelude = ("import os, sys, time, json, random\n"
+               "def gate(path):\n"
+               "    end = time.monotonic() + 60\n"
+               "    while not os.path.exists(path) and time.monotonic() < end:\n"
+               "        time.sleep(0.02)\n")
+    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
 
 
 def genjob(out: int, err: int = 0, seed: int = 1, **opts: object) -> list[str]:

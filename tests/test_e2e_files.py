@@ -8,33 +8,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from helpers import ShadowProc, Wrapper, sha256_bytes, tool, wait_until
+from helpers import ShadowProc, Wrapper, python_job, sha256_bytes, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
-    d = tmp_path / "work"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    return d
-
-
-def _job(code: str) -> list[str]:
-    prelude = "import os, sys, time, json, random\n"
-    prelude += ("def gate(path):\n"
-                "    end = time.monotonic() + 60\n"
-                "    while not os.path.exists(path) and time.monotonic() < end:\n"
-                "        time.sleep(0.02)\n")
-    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
 
 
 def _run(shadow: ShadowProc, spool_dir: Path, job_id: str, files: list[str], code: str) -> Wrapper:
@@ -42,7 +24,7 @@ def _run(shadow: ShadowProc, spool_dir: Path, job_id: str, files: list[str], cod
             "--stdout", f"{job_id}.out"]
     for f in files:
         args += ["--file", f]
-    return Wrapper([*args, "--", *_job(code)])
+    return Wrapper([*args, "--", *python_job(code)])
 
 
 def _summary(home: Path, job_id: str) -> dict[str, str]:
@@ -194,7 +176,7 @@ def test_the_spool_records_the_files_while_home_is_out_of_reach(tmp_path: Path, 
         port = s.getsockname()[1]  # (closed: nothing listens there)
     w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "away", "--retry-timeout",
                  "0.2", "--retry-limit", "3", "--stdout", "away.out", "--file", "result.txt=r/result.txt", "--",
-                 *_job('open("result.txt", "w").write("done\\n")')])
+                 *python_job('open("result.txt", "w").write("done\\n")')])
     assert w.wait(60) == 122, w.err.decode()
     (spool,) = spool_dir.glob("*.spool")
     with sqlite3.connect(spool) as db:
@@ -218,7 +200,7 @@ def test_a_network_cut_for_ten_seconds(shadow: ShadowProc, home: Path, spool_dir
     with Relay(("127.0.0.1", shadow.port)) as relay:
         w = Wrapper(["--shadow", f"127.0.0.1:{relay.port}", "--spool", str(spool_dir), "--job-id", "cut",
                      "--heartbeat", "2", "--retry-timeout", "1", "--stdout", "cut.out", "--file", "log.txt",
-                     "--file", "state.json", "--", *_job("""
+                     "--file", "state.json", "--", *python_job("""
             rng = random.Random(3)
             step = 0
             with open("log.txt", "a") as log:

@@ -13,16 +13,14 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from faults import NS_IP, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
-from helpers import ShadowProc, Wrapper, as_user, file_size, sha256_bytes, sha256_file, tool, wait_until
+from helpers import ShadowProc, Wrapper, as_user, file_size, python_job, sha256_file, tool, wait_until
 
 from gcwrap.wire.auth import agent_mac, new_nonce
 from gcwrap.wire.events import (
@@ -42,14 +40,6 @@ pytestmark = pytest.mark.timeout(120)
 
 MB = 1 << 20
 
-
-def _job(code: str) -> list[str]:
-    prelude = "import os, sys, time, json, random\n"
-    prelude += ("def gate(path):\n"
-                "    end = time.monotonic() + 60\n"
-                "    while not os.path.exists(path) and time.monotonic() < end:\n"
-                "        time.sleep(0.02)\n")
-    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
 
 
 def _args(address: str, spool: Path, job_id: str, files: list[str], *extra: str) -> list[str]:
@@ -117,7 +107,7 @@ def test_two_identities_each_get_their_own_file_under_the_same_name(
         monkeypatch.chdir(work)  # (the job's working directory: gcwrap's, as it starts)
         runs[who] = Wrapper([*_args(shared.address, tmp_path / f"spool-{who}", f"{who}-1",
                                     ["result.txt", "state.json", f"log.txt={who}-logs/%j.log", "bob/note.txt"],
-                                    "--token-file", str(tokens[who])), "--", *_job(f"""
+                                    "--token-file", str(tokens[who])), "--", *python_job(f"""
             rng = random.Random({len(who)})
             os.makedirs("bob", exist_ok=True)
             with open("log.txt", "a") as log:
@@ -235,7 +225,7 @@ def test_a_file_gcwrap_cannot_read_is_named_and_the_rest_delivered(shadow: Shado
     w = subprocess.Popen(
         [*as_user(65534), *tool("gcwrap"), *_args(shadow.address, open_dir / "spool", "perm",
                                                   ["secret.bin", "state.json", "log.txt"], "--stderr", "perm.err"),
-         "--", *_job("""
+         "--", *python_job("""
             fd = os.open("secret.bin", os.O_WRONLY | os.O_CREAT, 0o000)
             os.write(fd, b"s" * 100000)
             os.close(fd)
@@ -301,7 +291,7 @@ def test_a_file_in_a_directory_gcwrap_cannot_reach_is_named(shadow: ShadowProc, 
     w = subprocess.Popen(
         [*as_user(65534), *tool("gcwrap"), *_args(shadow.address, open_dir / "spool", "dirs",
                                                   ["priv/x.txt", "locked/*.csv", "ok.txt"]),
-         "--", *_job("""
+         "--", *python_job("""
             os.makedirs("priv")
             os.makedirs("locked")
             open("priv/x.txt", "w").write("x\\n")
@@ -351,7 +341,7 @@ def test_home_disk_full_while_a_file_streams(spool_dir: Path, tmp_path: Path, mo
         sh = ShadowProc(fs.path, logs, extra=["--min-free", "0"])
         sh.start()
         try:
-            w = Wrapper([*_args(sh.address, spool_dir, "full", ["big.log", "state.bin"]), "--", *_job("""
+            w = Wrapper([*_args(sh.address, spool_dir, "full", ["big.log", "state.bin"]), "--", *python_job("""
                 rng = random.Random(7)
                 stamps = open("stamps", "w")
                 with open("big.log", "ab") as log:
@@ -401,7 +391,7 @@ def test_a_file_larger_than_the_quota_is_refused_by_name_and_the_streams_deliver
     sh.start()
     try:
         w = Wrapper([*_args(sh.address, spool_dir, "over", ["small.txt", "huge.bin"], "--stderr", "over.err"),
-                     "--", *_job("""
+                     "--", *python_job("""
             for i in range(100):
                 print(f"before {i}", flush=True)
             with open("small.txt", "w") as f:
@@ -445,7 +435,7 @@ def test_the_shadow_killed_mid_file_three_times(shadow: ShadowProc, home: Path, 
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    w = Wrapper([*_args(shadow.address, spool_dir, "k9", ["big.log", "model.bin", "data.bin"]), "--", *_job("""
+    w = Wrapper([*_args(shadow.address, spool_dir, "k9", ["big.log", "model.bin", "data.bin"]), "--", *python_job("""
         rng = random.Random(11)
         with open("big.log", "ab") as log:
             for i in range(60):  # 30 MB, 0.5 MB every 20 ms
@@ -522,7 +512,7 @@ def test_gcwraps_memory_stays_bounded_while_a_large_file_waits_behind_a_cut(
     proc, port = shadow_in_ns(netns, home, logs)
     try:
         w = Wrapper([*_args(f"{NS_IP}:{port}", spool_dir, "cut200", ["big.bin", "log.txt"], "--heartbeat", "1"),
-                     "--", *_job("""
+                     "--", *python_job("""
             with open("log.txt", "a") as log:
                 log.write("started\\n")
             gate("cut")
@@ -592,7 +582,7 @@ def test_a_glob_match_home_would_refuse_is_named_and_the_rest_delivered(
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    w = Wrapper([*_args(shadow.address, spool_dir, "globbad", ["out/*.csv", "out/.*"]), "--", *_job("""
+    w = Wrapper([*_args(shadow.address, spool_dir, "globbad", ["out/*.csv", "out/.*"]), "--", *python_job("""
         os.makedirs("out")
         open("out/a.csv", "w").write("a,1\\n")
         open("out/b\\x07.csv", "w").write("bell\\n")

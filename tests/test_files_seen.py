@@ -12,33 +12,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ShadowProc, Wrapper, tool, wait_until
+from helpers import ShadowProc, Wrapper, python_job, tool, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
-    d = tmp_path / "work"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    return d
-
-
-def _job(code: str) -> list[str]:
-    prelude = ("import os, sys, time, json\n"
-               "def gate(path):\n"
-               "    end = time.monotonic() + 60\n"
-               "    while not os.path.exists(path) and time.monotonic() < end:\n"
-               "        time.sleep(0.02)\n")
-    return [sys.executable, "-c", prelude + textwrap.dedent(code)]
 
 
 def _run(address: str, spool_dir: Path, job_id: str, files: list[str], code: str, *extra: str) -> Wrapper:
@@ -46,7 +28,7 @@ def _run(address: str, spool_dir: Path, job_id: str, files: list[str], code: str
             "--stdout", f"{job_id}.out", *extra]
     for f in files:
         args += ["--file", f]
-    return Wrapper([*args, "--", *_job(code)])
+    return Wrapper([*args, "--", *python_job(code)])
 
 
 def _gcshadow(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -148,7 +130,7 @@ def test_the_io_summary_lists_the_files_beside_the_streams(shadow: ShadowProc, s
 
     # A job with files and no stream named gets its summary too.
     only = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "files-only", "--file",
-                    "c.txt", "--", *_job('open("c.txt", "w").write("c" * 20)')])
+                    "c.txt", "--", *python_job('open("c.txt", "w").write("c" * 20)')])
     assert only.wait(60) == 0, only.err.decode()
     assert "gcwrap:   files: c.txt 20 B" in only.err.decode(), only.err.decode()
 
