@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import stages
 from faults import kill_ns_shadows
 from helpers import ShadowProc, Wrapper
 from pgserver import pg_url, postgres, postgres_url  # noqa: F401 - fixtures
@@ -17,6 +19,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(stages, "gcwrap-stages")
     # (for what test modules size at import: a randomized search's examples)
     if config.getoption("--run-slow"):
         os.environ["GCWRAP_TEST_SLOW"] = "1"
@@ -62,26 +65,25 @@ def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # What this process's chaos runs counted, for the summary (a worker's goes to the controller).
     import sys
 
     chaos = sys.modules.get("test_chaos")
-    totals = getattr(chaos, "CHAOS_TOTALS", None)
-    if totals and totals["seeds"]:
+    if chaos is not None:
+        stages.publish("chaos", chaos.CHAOS_TOTALS)
+        stages.publish("chaos kinds", chaos.CHAOS_KINDS)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    totals = stages.WORKER_TOTALS.get("chaos", Counter())
+    if totals["seeds"]:
         terminalreporter.write_line(
             "chaos schedule: {seeds} seeds, {bytes} bytes moved, {faults} faults injected, "
             "{lost} bytes lost, {duplicated} bytes duplicated, {corrupt} bytes corrupt, {hung} hung, "
-            "{refused} refused for good".format(**totals)
+            "{refused} refused for good".format_map(totals)
         )
-        kinds = getattr(chaos, "CHAOS_KINDS", None)
+        kinds = stages.WORKER_TOTALS.get("chaos kinds")
         if kinds:
             terminalreporter.write_line("chaos faults by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-
-
-@pytest.fixture
-def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
-    d = tmp_path / "work"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    return d

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Self
 
 import pytest
+from stages import net_number
 
 # GCWRAP_TEST_NET=N (0-63) gives a run its own namespace, veth pair and /30,
-# so that several test runs on one machine do not tear down each other's.
-_NET = int(os.environ.get("GCWRAP_TEST_NET", "0"))
+# so that several test runs on one machine do not tear down each other's
+# (and each xdist worker of a run its own: stages.net_number).
+_NET = net_number()
 NS = f"gcwtest{_NET}"
 VETH_HOST, VETH_NS = f"gcw{_NET}v0", f"gcw{_NET}v1"
 HOST_IP, NS_IP = f"10.200.{_NET}.1", f"10.200.{_NET}.2"

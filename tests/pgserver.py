@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from stages import net_number
 
 SCRIPTS = Path(__file__).parent / "postgres"
-NET = int(os.environ.get("GCWRAP_TEST_NET", "0"))
+NET = net_number()
 
 
 @dataclass
