@@ -59,20 +59,31 @@ def load(spec: str) -> click.Command:
     return command
 
 
-PLAIN = re.compile(r"(?<!\\)([*`|])")
+PLAIN = re.compile(r"([\\*`|])")
 OPTION_REF = re.compile(r":option:`([^`]+)`")
 
 
 def plain_help(app: Sphinx, ctx: click.Context, lines: list[str]) -> None:
-    """Help texts are plain text, not reST: a glob's `*` is no emphasis, a `|` no substitution."""
-    for i, line in enumerate(lines):
+    """Help texts are plain text, not reST: a glob's `*` is no emphasis, a `|` no substitution, and a
+    block kept as written (click's \\b: examples) is a code block, its lines and backslashes as in --help."""
+    out: list[str] = []
+    block: list[str] = []
+    block_head = ""
+    for line in [*lines, ""]:
         body = line.lstrip()
-        if body.startswith(("..", ":")) or not body:
-            continue
         head = line[: len(line) - len(body)]
-        if body.startswith("| "):
-            head, body = head + "| ", body[2:]
-        lines[i] = head + PLAIN.sub(r"\\\1", body)
+        if body.startswith("| ") or body == "|":
+            block_head = block_head if block else head
+            block.append(block_head + "    " + body[2:])
+            continue
+        if block:
+            out += [block_head + ".. code-block:: text", "", *block, ""]
+            block = []
+        if body.startswith(("..", ":")) or not body:
+            out.append(line)
+        else:
+            out.append(head + PLAIN.sub(r"\\\1", body))
+    lines[:] = out[:-1]
 
 
 def full_context(ctx: click.Context) -> click.Context:
@@ -116,6 +127,24 @@ def several_envvars(app: Sphinx, ctx: click.Context, lines: list[str]) -> None:
             lines[i] = f".. envvar:: {names[0]}" + "".join(f"\n            {name}" for name in names[1:])
 
 
+def usage_as_text(lines: list[str]) -> list[str]:
+    """The usage as a line of text, not a code block: a synopsis, where every block is a command to run."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith(".. code-block::") and out[-2:] == [".. rubric:: Usage", ""]:
+            i += 2  # the directive and its blank line
+            usage = []
+            while i < len(lines) and lines[i].startswith(" "):
+                usage.append(lines[i].strip())
+                i += 1
+            out += [f"``{' '.join(usage)}``", ""]
+            continue
+        out.append(lines[i])
+        i += 1
+    return out
+
+
 def unindexed(lines: list[str]) -> list[str]:
     """sphinx-click's reST with its object descriptions kept out of the index, and no labels."""
     result: list[str] = []
@@ -150,7 +179,7 @@ class ClickBody(SphinxDirective):
             assert isinstance(group, click.Group), self.arguments[0]
             ctx = click.Context(group.commands[self.arguments[1]], info_name=self.arguments[1], parent=ctx)
         ctx.meta["sphinx-click-env"] = self.env
-        lines = unindexed(list(sphinx_click._format_command(ctx, nested="none")))
+        lines = usage_as_text(unindexed(list(sphinx_click._format_command(ctx, nested="none"))))
         container = nodes.container()
         nested_parse_with_titles(self.state, StringList(lines, ctx.command_path), container)
         return list(container.children)
