@@ -87,7 +87,7 @@ def plain_help(app: Sphinx, ctx: click.Context, lines: list[str]) -> None:
 
 
 def full_context(ctx: click.Context) -> click.Context:
-    """sphinx-click's context without the command's context_settings (-h, widths): with them."""
+    """The context click makes for the command, with its context_settings (-h, widths): sphinx-click's has none."""
     return click.Context(ctx.command, info_name=ctx.info_name, parent=ctx.parent, **ctx.command.context_settings)
 
 
