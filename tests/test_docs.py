@@ -2,19 +2,24 @@
 
 - the shell completions are exactly what completions/generate.py writes from
   the click definitions (drift fails: regenerate them);
+- the man pages are what Sphinx's man builder writes from docs/man/ (drift
+  fails: run `python docs/build_man.py`);
 - every option and environment variable of gcwrap and gcshadow is in their
   man pages (each command's options in that command's section, the
   variables under ENVIRONMENT), nothing there names an option that is gone,
   and the exit status table matches gcwrap/exitcodes.py;
-- the man pages render without a groff warning;
+- the man pages render without a groff warning, and mandoc finds nothing;
+- the documentation site builds with warnings as errors, and its reference
+  names every option, environment variable and exit status;
 - the completions load in bash, zsh and fish, and bash and fish complete;
 - every command's help has an example;
 - README.md opens with the two set-up commands, and .ci/run runs the same
-  test command.
+  test command and builds the site.
 """
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -33,9 +38,11 @@ from gcwrap.shadow_cli import main as gcshadow_main
 ROOT = Path(__file__).resolve().parents[1]
 COMPLETIONS = ROOT / "completions"
 MAN = ROOT / "man"
+DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PROGRAMS: dict[str, click.Group] = {"gcwrap": gcwrap_main, "gcshadow": gcshadow_main}
 SETUP_COMMANDS = ["pip install -e '.[test]' && gcwrap demo", "python -m pytest -q"]
+SITE_COMMAND = "python -m sphinx -W --keep-going -b html docs build/docs"
 # Read by gcwrap itself (not through click), so no click option declares them.
 SEED_VARIABLES = {"gcwrap": ["BYPASS_SHADOW_HOST", "BYPASS_SHADOW_PORT"], "gcshadow": []}
 
@@ -110,6 +117,12 @@ def command_section(prog: str, name: str) -> str:
     return found[0]
 
 
+def tags(body: str) -> list[str]:
+    """The tag (roff text) of each .TP item: the next line that is not empty."""
+    lines = [line for line in body.splitlines() if line.strip()]
+    return [roff_text(lines[i + 1]) for i, line in enumerate(lines[:-1]) if line.strip() == ".TP"]
+
+
 def mentions(text: str, word: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", roff_text(text)) is not None
 
@@ -155,12 +168,9 @@ def test_man_page_documents_no_option_the_cli_lacks(prog: str) -> None:
     stale = []
     for name, cmd in PROGRAMS[prog].commands.items():
         known = {n for o in options(cmd) for n in o.opts + o.secondary_opts}
-        lines = command_section(prog, name).splitlines()
-        for i, line in enumerate(lines[:-1]):
-            if line.strip() == ".TP":
-                tag = roff_text(lines[i + 1])
-                stale += [f"{prog} {name} {opt}" for opt in re.findall(r"(?<![\w-])--?[a-z][\w-]*", tag)
-                          if opt not in known]
+        for tag in tags(command_section(prog, name)):
+            stale += [f"{prog} {name} {opt}" for opt in re.findall(r"(?<![\w-])--?[a-z][\w-]*", tag)
+                      if opt not in known]
     assert not stale, f"man/{prog}.1 documents options the CLI does not have: {', '.join(stale)}"
 
 
@@ -177,19 +187,78 @@ def test_man_page_environment_names_every_variable(prog: str) -> None:
 def test_man_page_exit_status_matches_exitcodes() -> None:
     body = sections("gcwrap", ".SH").get("EXIT STATUS")
     assert body is not None, "man/gcwrap.1 has no EXIT STATUS section"
-    lines = body.splitlines()
-    tags = [roff_text(lines[i + 1]).split()[-1] for i, line in enumerate(lines[:-1]) if line.strip() == ".TP"]
-    assert tags == [code for code, _ in exitcodes.TABLE], "EXIT STATUS of man/gcwrap.1 differs from exitcodes.TABLE"
+    codes = [tag.split()[-1] for tag in tags(body)]
+    assert codes == [code for code, _ in exitcodes.TABLE], "EXIT STATUS of man/gcwrap.1 differs from exitcodes.TABLE"
 
 
-def test_readme_names_every_option_variable_and_exit_status() -> None:
-    readme = README.read_text(encoding="utf-8")
-    missing = [opt for prog in PROGRAMS for cmd in commands(prog).values() for opt in sorted(long_options(cmd))
-               if not mentions(readme, opt)]
-    missing += [v for prog in PROGRAMS for v in sorted(envvars(prog) | set(SEED_VARIABLES[prog]))
-                if not mentions(readme, v)]
-    missing += [f"exit status {code}" for code, _ in exitcodes.TABLE if f"| {code} |" not in readme]
-    assert not missing, f"README.md does not mention: {', '.join(missing)}"
+def needs_sphinx() -> None:
+    for module in ("sphinx", "sphinx_click", "myst_parser"):
+        pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[docs]'): no docs to build")
+
+
+def test_man_pages_are_what_sphinx_writes(tmp_path: Path) -> None:
+    needs_sphinx()
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "build_man.py"), "--out", str(tmp_path / "man")],
+        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    generated = sorted(p.name for p in (tmp_path / "man").iterdir())
+    checked_in = sorted(p.name for p in MAN.iterdir())
+    assert generated == checked_in, f"man/ holds {checked_in}, docs/build_man.py writes {generated}"
+    stale = [name for name in generated if (tmp_path / "man" / name).read_bytes() != (MAN / name).read_bytes()]
+    assert not stale, (
+        f"man/{', man/'.join(stale)} differ from what docs/man/ and the CLI make now: "
+        "run `python docs/build_man.py` and commit the result"
+    )
+
+
+# -- (b2) the documentation site builds, and its reference is complete -----------------------------
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built as CI builds it: warnings are errors."""
+    needs_sphinx()
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
+         "-d", str(out / ".doctrees"), str(DOCS), str(out)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, f"the docs do not build with -W:\n{result.stdout}{result.stderr}"
+    return out
+
+
+def page_text(site: Path, page: str, section: str | None = None) -> str:
+    """A built page's words (or those of its <section id=...>): tags dropped, entities resolved."""
+    source = (site / page).read_text(encoding="utf-8")
+    if section is not None:
+        found = re.search(rf'<section id="{re.escape(section)}">(.*?)</section>', source, re.DOTALL)
+        assert found, f"{page} has no section {section!r}"
+        source = found.group(1)
+    return html.unescape(re.sub(r"<[^>]+>", " ", source))
+
+
+def test_site_builds_with_warnings_as_errors(site: Path) -> None:
+    for page in ["index.html", "reference/gcwrap.html", "reference/gcshadow.html", "man/gcwrap.html"]:
+        assert (site / page).is_file(), f"the site has no {page}"
+
+
+def test_reference_names_every_option_variable_and_exit_status(site: Path) -> None:
+    """Each command's options in its own section of the command reference, every variable, every status."""
+    missing = []
+    for prog in PROGRAMS:
+        for name, cmd in commands(prog).items():
+            text = page_text(site, f"reference/{prog}.html", f"{prog}-{name}" if name else None)
+            missing += [f"{prog} {name} {opt}".replace("  ", " ") for opt in sorted(long_options(cmd))
+                        if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text)]
+        env = page_text(site, "reference/environment.html")
+        missing += [v for v in sorted(envvars(prog) | set(SEED_VARIABLES[prog])) if not re.search(rf"\b{v}\b", env)]
+    assert not missing, f"the reference pages do not mention: {', '.join(missing)}"
+    source = (site / "reference" / "exit-status.html").read_text(encoding="utf-8")
+    codes = re.findall(r"<dt><strong>([^<]*)</strong></dt>", source)
+    assert codes == [code for code, _ in exitcodes.TABLE], "reference/exit-status differs from exitcodes.TABLE"
 
 
 # -- (c) the man pages render cleanly ---------------------------------------------------------------
@@ -366,3 +435,10 @@ def test_readme_first_code_block_is_the_two_setup_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert SETUP_COMMANDS[1] in [line.strip() for line in ci.splitlines()], ".ci/run must run `python -m pytest -q`"
+
+
+def test_ci_builds_the_site_with_warnings_as_errors() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert SITE_COMMAND in [line.strip() for line in ci.splitlines()], f".ci/run must run `{SITE_COMMAND}`"
+    installs = re.findall(r"pip install [^\n]*-e '\.\[([^]]*)\]'", ci)
+    assert any("docs" in extras.split(",") for extras in installs), ".ci/run must install the docs extra"

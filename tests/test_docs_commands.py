@@ -156,9 +156,9 @@ def man_lines() -> list[Line]:
     for page in sorted((ROOT / "man").glob("*.1")):
         block: list[tuple[int, str]] | None = None
         for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-            if line.startswith(".nf"):
+            if line.startswith((".nf", ".EX")):  # .EX: a code block as Sphinx writes it
                 block = []
-            elif line.startswith(".fi") and block is not None:
+            elif line.startswith((".fi", ".EE")) and block is not None:
                 out += _block_lines(f"man/{page.name}", block)
                 block = None
             elif block is not None:
