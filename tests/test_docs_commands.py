@@ -15,7 +15,8 @@
    their own (tests/sandbox.py: its own loopback, /tmp, /etc/hosts and HOME,
    so port 50000, /tmp/rd/results and home.example.org are the documented
    ones): the quick start, the session transcript, the demo, the outage, the
-   retry limit and resume, the token set-up and the seed's variables. Each
+   retry limit and resume, the token set-up, the seed's variables, and the
+   README's five-minute tour. Each
    transcript's lines must be what the commands print, up to the figures
    that change from run to run (times, ports, instance ids). A page marks a
    session with a comment on the line before its code block,
@@ -47,7 +48,8 @@ from gcwrap.wire.auth import is_loopback
 ROOT = Path(__file__).resolve().parents[1]
 # The session markers the tests run (see the module's docstring), each on one code block of one page.
 SESSIONS = {"quick-start-serve", "quick-start-wrap", "quick-start-log", "quick-start-session", "seed-variables",
-            "token-setup", "demo", "outage", "outage-status", "retry-limit", "resume"}
+            "token-setup", "demo", "outage", "outage-status", "retry-limit", "resume",
+            "tour-serve", "tour-job", "tour-watch", "tour-outage"}
 SESSION_MARK = re.compile(r"^<!-- session: ([\w-]+) -->$")
 PROGRAMS: dict[str, click.Group] = {"gcwrap": gcwrap_main, "gcshadow": gcshadow_main}
 # What a command line may read from its environment: stripped for the parse, so only what the docs set counts.
@@ -536,6 +538,46 @@ def test_quick_start_and_the_seeds_variables_work_as_written() -> None:
     assert r[5]["rc"] == 0, r[5]["output"]
     assert r[6]["output"] == "step 1\nstep 2\nstep 3\ndone after 3 steps\n", r[6]
     assert "job " in r[7]["output"] and "refused" not in r[7]["output"], r[7]["output"]
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_tour_works_as_written() -> None:
+    """The README's five-minute tour, its commands unchanged: a job whose
+    output `tail -f` follows to its end and `gcshadow jobs` lists; then a
+    longer job, the shadow stopped under it (`gcwrap status` shows the output
+    waiting) and started again with the same command: every tick arrives once."""
+    need_sandbox()
+    (serve,) = session("tour-serve", "gcshadow").lines
+    (job,) = session("tour-job", "--job-id tour-1").lines
+    follow, jobs = session("tour-watch", "gcshadow tail").lines
+    long_job, status = session("tour-outage", "--job-id tour-2").lines
+    assert status == "gcwrap status", status
+    r = sandbox_run([
+        {"serve": serve, "name": "shadow", "port": 50000},
+        {"start": job, "name": "job"},
+        {"sh": "until gcshadow jobs --root /tmp/tour/results --no-header | grep -q ^tour-1; do sleep 0.1; done",
+         "timeout": 30},  # (the tour's reader comes once the job is running)
+        {"sh": follow, "timeout": 60},
+        {"sh": jobs},
+        {"wait": "job", "timeout": 60},
+        {"start": long_job, "name": "long"},
+        {"sh": "until [ -s /tmp/tour/results/tour/long.txt ]; do sleep 0.1; done", "timeout": 30},
+        {"stop": "shadow"},
+        {"sh": "until gcwrap status | grep -q 'not connected'; do sleep 0.1; done", "timeout": 30},
+        {"sh": status},
+        {"serve": serve, "name": "shadow2", "port": 50000},
+        {"wait": "long", "timeout": 120},
+        {"sh": "cat /tmp/tour/results/tour/long.txt /tmp/tour/results/tour/err.txt"},
+        {"stop": "shadow2"},
+    ])
+    assert all("error" not in x for x in r), r
+    assert r[3]["rc"] == 0 and r[3]["output"] == "".join(f"step {i}\n" for i in range(1, 6)), r[3]
+    assert re.search(r"^tour-1\t.*\tfinished with status 0\t", r[4]["output"], re.M), r[4]["output"]
+    assert r[5]["rc"] == 0, r[5]["output"]
+    assert re.search(r"tour-2 .*running .*tour/long\.txt", r[10]["output"]) and "not connected" in r[10]["output"], \
+        r[10]["output"]
+    assert r[12]["rc"] == 0 and "2 connection(s), 1 reconnect(s)" in r[12]["output"], r[12]["output"]
+    assert r[13]["output"] == "".join(f"tick {i}\n" for i in range(1, 31)) + "done\n", r[13]
 
 
 @pytest.mark.timeout(300)
