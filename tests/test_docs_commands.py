@@ -1,7 +1,8 @@
 """Every command the documentation shows works as written.
 
-1. Every gcwrap and gcshadow command line in README.md (code blocks, and
-   inline code that is a whole command), in the man pages' examples (every
+1. Every gcwrap and gcshadow command line in README.md and in every page
+   of the documentation (docs/**/*.md: code blocks, and inline code that is
+   a whole command), in the man pages' examples (every
    `.nf` block), in examples/ (the scripts, their comments, the HTCondor
    `arguments`) and in each command's --help examples is parsed by the real
    click parser, with the environment variables its block exports: every
@@ -10,13 +11,16 @@
    TLS with client certificates) or says --insecure; an agent that talks to a
    shadow beyond loopback carries the token or TLS (such a shadow refuses
    anyone else).
-3. The README's own sessions run for real, unchanged, in a sandbox of their
-   own (tests/sandbox.py: its own loopback, /tmp, /etc/hosts and HOME, so
-   port 50000, /tmp/rd/results and home.example.org are the documented
+3. The documentation's sessions run for real, unchanged, in a sandbox of
+   their own (tests/sandbox.py: its own loopback, /tmp, /etc/hosts and HOME,
+   so port 50000, /tmp/rd/results and home.example.org are the documented
    ones): the quick start, the session transcript, the demo, the outage, the
-   retry limit and resume, the token set-up and the seed's variables. Each
+   retry limit and resume, the token set-up, the seed's variables, and the
+   README's five-minute tour. Each
    transcript's lines must be what the commands print, up to the figures
-   that change from run to run (times, ports, instance ids).
+   that change from run to run (times, ports, instance ids). A page marks a
+   session with a comment on the line before its code block,
+   `<!-- session: NAME -->`: the tests find it by NAME, wherever it lies.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ from gcwrap.shadow_cli import main as gcshadow_main
 from gcwrap.wire.auth import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+# The session markers the tests run (see the module's docstring), each on one code block of one page.
+SESSIONS = {"quick-start-serve", "quick-start-wrap", "quick-start-log", "quick-start-session", "seed-variables",
+            "token-setup", "demo", "outage", "outage-status", "retry-limit", "resume",
+            "tour-serve", "tour-job", "tour-watch", "tour-outage"}
+SESSION_MARK = re.compile(r"^<!-- session: ([\w-]+) -->$")
 PROGRAMS: dict[str, click.Group] = {"gcwrap": gcwrap_main, "gcshadow": gcshadow_main}
 # What a command line may read from its environment: stripped for the parse, so only what the docs set counts.
 ENV_PREFIXES = ("GCWRAP_", "GCSHADOW_", "GRID_CONSOLE_", "BYPASS_SHADOW_")
@@ -118,8 +126,20 @@ def _block_lines(where: str, lines: list[tuple[int, str]], kind: str = "sh") -> 
     return out
 
 
-def readme_lines() -> list[Line]:
-    text = README.read_text(encoding="utf-8").splitlines()
+def doc_pages(root: Path = ROOT) -> list[Path]:
+    """README.md and every page of the documentation (docs/**/*.md, not a build's output)."""
+    pages = sorted(p for p in (root / "docs").rglob("*.md") if "_build" not in p.relative_to(root).parts)
+    return [root / "README.md", *pages]
+
+
+def doc_lines(root: Path = ROOT) -> list[Line]:
+    return [line for page in doc_pages(root) for line in page_lines(page, root)]
+
+
+def page_lines(page: Path, root: Path = ROOT) -> list[Line]:
+    """The shell lines of one Markdown page: its code blocks, and inline code that is a whole command."""
+    name = page.relative_to(root).as_posix()
+    text = page.read_text(encoding="utf-8").splitlines()
     out: list[Line] = []
     block: list[tuple[int, str]] | None = None
     lang = ""
@@ -129,13 +149,13 @@ def readme_lines() -> list[Line]:
             if block is None:
                 block, lang = [], fence.group(1)
             else:
-                out += _block_lines("README.md", block, "console" if lang == "console" else "text" if lang == "text" else "sh")
+                out += _block_lines(name, block, "console" if lang == "console" else "text" if lang == "text" else "sh")
                 block = None
             continue
         if block is not None:
             block.append((n, line.strip() if lang != "console" else line))
             continue
-        out += [Line(f"README.md:{n}", span, {}, inline=True) for span in _inline_commands(line)]
+        out += [Line(f"{name}:{n}", span, {}, inline=True) for span in _inline_commands(line)]
     return out
 
 
@@ -192,7 +212,7 @@ def help_lines() -> list[Line]:
 
 
 def all_lines() -> list[Line]:
-    return readme_lines() + man_lines() + example_lines() + help_lines()
+    return doc_lines() + man_lines() + example_lines() + help_lines()
 
 
 def invocations(line: Line) -> list[Invocation]:
@@ -272,7 +292,11 @@ def parse(inv: Invocation) -> tuple[str, dict[str, Any]]:
 
 def test_the_documentation_has_commands_from_every_source() -> None:
     wheres = Counter(inv.where.split(":")[0].split(" ")[0] for inv in all_invocations())
-    assert wheres["README.md"] >= 30 and wheres["man/gcwrap.1"] >= 5 and wheres["man/gcshadow.1"] >= 5, wheres
+    pages = sum(n for where, n in wheres.items() if where.startswith("docs/"))
+    assert wheres["README.md"] >= 5 and pages >= 60, wheres
+    assert wheres["man/gcwrap.1"] >= 5 and wheres["man/gcshadow.1"] >= 5, wheres
+    for kind in ("tutorial", "howto"):  # the pages that show commands at all
+        assert sum(n for where, n in wheres.items() if where.startswith(f"docs/{kind}/")) >= 10, (kind, wheres)
     assert all(wheres[f"examples/{p.name}"] >= 1 for p in (ROOT / "examples").iterdir()), wheres
     assert wheres["gcwrap"] >= 4 and wheres["gcshadow"] >= 4, wheres  # --help examples
 
@@ -342,13 +366,40 @@ def test_the_checks_catch_what_they_are_for() -> None:
     assert [security_problems(inv) for inv in invocations(good)] == [[], []]
 
 
-# -- 3. the README's sessions, run for real ------------------------------------------------------------
+def test_a_wrong_command_line_on_any_page_fails(tmp_path: Path) -> None:
+    """A page under docs/ is read like README.md: its wrong command lines,
+    in a code block, a console transcript or inline, are found and fail;
+    and a session marker that marks no code block is an error."""
+    (tmp_path / "README.md").write_text("# x\n\n```sh\ngcwrap --shadow 127.0.0.1:1 -- true\n```\n")
+    page = tmp_path / "docs" / "howto" / "deep" / "bad.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# Bad\n\nRun `gcshadow --port abc` first.\n\n<!-- session: demo -->\n```console\n"
+                    "$ gcwrap --shadow h:1 --no-such-option -- true\nprinted\n```\n\n```sh\n"
+                    "gcshadow --host 0.0.0.0 --root ~/r\n```\n")
+    (tmp_path / "docs" / "_build").mkdir()
+    (tmp_path / "docs" / "_build" / "copy.md").write_text("`gcwrap --nope`\n")  # a build's output: not a page
+    lines = doc_lines(tmp_path)
+    assert [line.where for line in lines] == ["README.md:4", "docs/howto/deep/bad.md:3", "docs/howto/deep/bad.md:7",
+                                              "docs/howto/deep/bad.md:12"], lines
+    invs = [inv for line in lines for inv in invocations(line)]
+    for inv in invs[1:3]:
+        with pytest.raises(AssertionError, match=r"docs/howto/deep/bad\.md"):
+            parse(inv)
+    assert security_problems(invs[3]) and not security_problems(invs[0])
+    (block,) = [b for b in page_blocks(page, tmp_path) if b.session]
+    assert (block.session, block.where, block.transcript()[0][1]) == ("demo", "docs/howto/deep/bad.md:6", ["printed"])
+    page.write_text("# Bad\n\n<!-- session: demo -->\n\nA paragraph, not a block.\n")
+    with pytest.raises(AssertionError, match="not followed by a code block"):
+        page_blocks(page, tmp_path)
+
+
+# -- 3. the documentation's sessions, run for real ------------------------------------------------------
 
 
 @dataclass
 class Block:
-    heading: str  # the nearest heading above it
-    line: int
+    session: str  # its marker, `<!-- session: NAME -->` on the line before it ("" for none)
+    where: str  # page:line of its opening fence
     lang: str
     lines: list[str]
 
@@ -363,28 +414,53 @@ class Block:
         return out
 
 
-def readme_blocks() -> list[Block]:
+def page_blocks(page: Path, root: Path = ROOT) -> list[Block]:
+    """The code blocks of one page, each with the session marker on the line before it, if any.
+    A marker not followed by a code block is an error: a session the tests would not find."""
+    name = page.relative_to(root).as_posix()
     out = []
-    heading = ""
+    mark, mark_line = "", 0
     block: Block | None = None
-    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
-        if block is None and line.startswith("#") and not line.startswith("#!"):
-            heading = line.lstrip("# ").strip()
+    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
         fence = re.match(r"^\s*```(\w*)", line)
         if fence and block is None:
-            block = Block(heading, n, fence.group(1), [])
+            block = Block(mark if mark_line == n - 1 else "", f"{name}:{n}", fence.group(1), [])
+            mark = ""
         elif fence and block is not None:
             out.append(block)
             block = None
         elif block is not None:
             block.lines.append(line.strip() if block.lang == "sh" else line)
+        else:
+            found = SESSION_MARK.match(line.strip())
+            if line.strip().startswith("<!-- session") and not found:
+                raise AssertionError(f"{name}:{n}: not a session marker (`<!-- session: NAME -->`): {line}")
+            if mark:
+                raise AssertionError(f"{name}:{mark_line}: the session marker {mark!r} is not followed by a code block")
+            if found:
+                mark, mark_line = found.group(1), n
+    if mark:
+        raise AssertionError(f"{name}:{mark_line}: the session marker {mark!r} is not followed by a code block")
     return out
 
 
-def block(heading: str, containing: str) -> Block:
-    found = [b for b in readme_blocks() if b.heading == heading and any(containing in x for x in b.lines)]
-    assert len(found) == 1, f"README.md: no single block under {heading!r} with {containing!r}"
+def doc_blocks(root: Path = ROOT) -> list[Block]:
+    return [b for page in doc_pages(root) for b in page_blocks(page, root)]
+
+
+def session(name: str, containing: str = "") -> Block:
+    """The one code block of the documentation marked as session NAME (holding `containing`)."""
+    assert name in SESSIONS, f"{name!r} is not in SESSIONS"
+    found = [b for b in doc_blocks() if b.session == name]
+    assert len(found) == 1, (f"the documentation needs one code block marked `<!-- session: {name} -->`, "
+                             f"found {[b.where for b in found]}")
+    assert any(containing in x for x in found[0].lines), f"{found[0].where}: session {name!r} lacks {containing!r}"
     return found[0]
+
+
+def test_every_session_is_marked_once_and_every_marker_is_known() -> None:
+    marked = Counter(b.session for b in doc_blocks() if b.session)
+    assert set(marked) == SESSIONS and set(marked.values()) == {1}, marked
 
 
 def shape(line: str) -> str:
@@ -409,8 +485,8 @@ def same_lines(where: str, expected: list[str], printed: str) -> None:
     got = Counter(shape(x) for x in printed.splitlines() if x.strip())
     missing, extra = want - got, got - want
     assert not missing and not extra, (
-        f"{where}: the README's transcript is not what the commands print now\n"
-        f"in the README only: {sorted(missing)}\nprinted only: {sorted(extra)}\nprinted:\n{printed}"
+        f"{where}: the documented transcript is not what the commands print now\n"
+        f"in the documentation only: {sorted(missing)}\nprinted only: {sorted(extra)}\nprinted:\n{printed}"
     )
 
 
@@ -440,9 +516,10 @@ def test_quick_start_and_the_seeds_variables_work_as_written() -> None:
     """The quick start's commands, unchanged, on one machine whose /etc/hosts
     names it home.example.org; then the seed's variables against the same shadow."""
     need_sandbox()
-    serve, wrap = [b for b in readme_blocks() if b.heading == "Quick start on two machines" and b.lang == "sh"]
+    serve, wrap = session("quick-start-serve", "gcshadow"), session("quick-start-wrap", "gcwrap")
+    assert len(serve.lines) == 2 and len(wrap.lines) == 1, (serve, wrap)
     token, shadow = serve.lines[0], serve.lines[1]
-    seed = block("Environment variables", "export BYPASS_SHADOW_HOST")
+    seed = session("seed-variables", "export BYPASS_SHADOW_HOST")
     steps: list[dict[str, Any]] = [
         {"file": "app", "text": APP, "mode": "755"},
         {"sh": token},
@@ -464,9 +541,49 @@ def test_quick_start_and_the_seeds_variables_work_as_written() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_the_readme_tour_works_as_written() -> None:
+    """The README's five-minute tour, its commands unchanged: a job whose
+    output `tail -f` follows to its end and `gcshadow jobs` lists; then a
+    longer job, the shadow stopped under it (`gcwrap status` shows the output
+    waiting) and started again with the same command: every tick arrives once."""
+    need_sandbox()
+    (serve,) = session("tour-serve", "gcshadow").lines
+    (job,) = session("tour-job", "--job-id tour-1").lines
+    follow, jobs = session("tour-watch", "gcshadow tail").lines
+    long_job, status = session("tour-outage", "--job-id tour-2").lines
+    assert status == "gcwrap status", status
+    r = sandbox_run([
+        {"serve": serve, "name": "shadow", "port": 50000},
+        {"start": job, "name": "job"},
+        {"sh": "until gcshadow jobs --root /tmp/tour/results --no-header | grep -q ^tour-1; do sleep 0.1; done",
+         "timeout": 30},  # (the tour's reader comes once the job is running)
+        {"sh": follow, "timeout": 60},
+        {"sh": jobs},
+        {"wait": "job", "timeout": 60},
+        {"start": long_job, "name": "long"},
+        {"sh": "until [ -s /tmp/tour/results/tour/long.txt ]; do sleep 0.1; done", "timeout": 30},
+        {"stop": "shadow"},
+        {"sh": "until gcwrap status | grep -q 'not connected'; do sleep 0.1; done", "timeout": 30},
+        {"sh": status},
+        {"serve": serve, "name": "shadow2", "port": 50000},
+        {"wait": "long", "timeout": 120},
+        {"sh": "cat /tmp/tour/results/tour/long.txt /tmp/tour/results/tour/err.txt"},
+        {"stop": "shadow2"},
+    ])
+    assert all("error" not in x for x in r), r
+    assert r[3]["rc"] == 0 and r[3]["output"] == "".join(f"step {i}\n" for i in range(1, 6)), r[3]
+    assert re.search(r"^tour-1\t.*\tfinished with status 0\t", r[4]["output"], re.M), r[4]["output"]
+    assert r[5]["rc"] == 0, r[5]["output"]
+    assert re.search(r"tour-2 .*running .*tour/long\.txt", r[10]["output"]) and "not connected" in r[10]["output"], \
+        r[10]["output"]
+    assert r[12]["rc"] == 0 and "2 connection(s), 1 reconnect(s)" in r[12]["output"], r[12]["output"]
+    assert r[13]["output"] == "".join(f"tick {i}\n" for i in range(1, 31)) + "done\n", r[13]
+
+
+@pytest.mark.timeout(300)
 def test_the_token_setup_in_security_works_as_written() -> None:
     need_sandbox()
-    lines = block("Security", "openssl rand").lines
+    lines = session("token-setup", "openssl rand").lines
     assert len(lines) == 3 and lines[1].startswith("gcshadow") and lines[2].startswith("gcwrap")
     r = sandbox_run([
         {"file": "app", "text": APP, "mode": "755"},
@@ -482,27 +599,27 @@ def test_the_token_setup_in_security_works_as_written() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_the_readme_sessions_print_what_the_readme_shows() -> None:
+def test_the_documented_sessions_print_what_the_documentation_shows() -> None:
     """The session of the quick start, the demo, and the failures (an outage,
-    the retry limit, resume, `gcwrap status` during each), run in README order
+    the retry limit, resume, `gcwrap status` during each), run in this order
     against one shadow on 127.0.0.1:50000 that the test stops and starts
     where the text says so. Every line printed must be in the transcript, and
     every line of the transcript printed."""
     need_sandbox()
-    log_block, session = [b for b in readme_blocks() if b.heading == "Quick start on two machines"
-                          and b.lang == "console"]
+    log_block, transcript = session("quick-start-log", "$ gcshadow"), session("quick-start-session", "$ gcwrap")
     ((serve, log_lines),) = log_block.transcript()
-    demo = block("The demo", "$ gcwrap demo").transcript()
-    (outage,) = block("When things fail", "--job-id example-4").transcript()
-    (outage_status,) = next(b for b in readme_blocks() if b.heading == "When things fail" and b.lang == "console"
-                            and b.lines[0] == "$ gcwrap status" and any("example-4" in x for x in b.lines)).transcript()
-    late = block("When things fail", "--job-id example-5").transcript()
-    resume = block("When things fail", "$ gcwrap resume").transcript()
-    # Each step, and the README's lines for what it prints (None: not shown there).
+    demo = session("demo", "$ gcwrap demo").transcript()
+    (outage,) = session("outage", "--job-id example-4").transcript()
+    (outage_status,) = session("outage-status", "example-4").transcript()
+    assert outage_status[0] == "gcwrap status", outage_status
+    late = session("retry-limit", "--job-id example-5").transcript()
+    resume = session("resume", "$ gcwrap resume").transcript()
+    # Each step, and the documentation's lines for what it prints (None: not shown there).
     plan: list[tuple[dict[str, Any], tuple[str, list[str]] | None]] = [
         ({"serve": serve, "name": "shadow", "port": 50000}, None)]
-    plan += [({"sh": cmd, "timeout": 120}, (f"README.md:{session.line} `{cmd}`", lines))
-             for cmd, lines in session.transcript() + demo]
+    plan += [({"sh": cmd, "timeout": 120}, (f"{transcript.where} `{cmd}`", lines))
+             for cmd, lines in transcript.transcript()]
+    plan += [({"sh": cmd, "timeout": 120}, (f"{session('demo').where} `{cmd}`", lines)) for cmd, lines in demo]
     # "the shadow was stopped while a job ran, and started again three seconds later"
     plan += [({"start": outage[0], "name": "outage"}, None), ({"sleep": 1.2}, None),
              ({"stop": "shadow"}, None), ({"sleep": 1.5}, None),
@@ -515,7 +632,7 @@ def test_the_readme_sessions_print_what_the_readme_shows() -> None:
     plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in resume]
     plan += [({"stop": "shadow3"}, None)]
     r = sandbox_run([step for step, _ in plan])
-    if os.environ.get("GCWRAP_DOCS_TRANSCRIPTS"):  # for whoever updates the README: what the commands print now
+    if os.environ.get("GCWRAP_DOCS_TRANSCRIPTS"):  # for whoever updates the pages: what the commands print now
         Path(os.environ["GCWRAP_DOCS_TRANSCRIPTS"]).write_text("\n".join(
             f"$ {x['step'].get('sh') or x['step'].get('start') or x['step'].get('stop') or x['step'].get('wait') or ''}"
             f"\n{x.get('output', '')}" for x in r))
@@ -527,10 +644,10 @@ def test_the_readme_sessions_print_what_the_readme_shows() -> None:
                 same_lines(check[0], check[1], result["output"])
             except AssertionError as e:
                 failures.append(str(e))
-    # The shadow's log up to the outage is the README's (the outage job's own session comes after).
+    # The shadow's log up to the outage is the page's (the outage job's own session comes after).
     (log,) = [x["output"] for x in r if x["step"].get("stop") == "shadow"]
     try:
-        same_lines(f"README.md:{log_block.line} the shadow's log", log_lines,
+        same_lines(f"{log_block.where} the shadow's log", log_lines,
                    "\n".join(log.splitlines()[: len([x for x in log_lines if x.strip()])]))
     except AssertionError as e:
         failures.append(str(e))
