@@ -75,7 +75,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
         kinds = getattr(chaos, "CHAOS_KINDS", None)
         if kinds:
-            terminalreporter.write_line("chaos faults by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+            by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+            terminalreporter.write_line("chaos faults by kind: " + by_kind)
 
 
 @pytest.fixture

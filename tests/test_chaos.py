@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -37,7 +38,6 @@ from faults import (
     need_tmpfs,
     shadow_in_ns,
 )
-from statefaults import FailingStateSync, PgRelay
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -49,10 +49,11 @@ from helpers import (
     tool,
     wait_until,
 )
+from statefaults import FailingStateSync, PgRelay
 
 from gcwrap.agent.policy import LAST_TRY, SIGNAL_GRACE
+from gcwrap.units import human_bytes
 from gcwrap.wire.events import ErrorCode
-from gcwrap.render import human_bytes
 
 MB = 1_000_000
 pytestmark = pytest.mark.root
@@ -64,7 +65,7 @@ def stamps(path: Path) -> list[float]:
 
 def max_gap(path: Path) -> float:
     ts = stamps(path)
-    return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -885,10 +886,12 @@ def pg_down(c: Chaos) -> Iterator[None]:
 
 
 FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = {
-    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
+    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset,
+    "loss": loss, "link-down": link_down,
     "spool-disk-full": spool_disk_full, "racing-sessions": racing_sessions, "bytes-vanish": bytes_vanish,
     "stdin-removed": stdin_removed, "state-commit-fails": state_commit_fails,
-    "pg-commit-cut-after": lambda c: pg_commit_cut(c, "after"), "pg-commit-cut-before": lambda c: pg_commit_cut(c, "before"),
+    "pg-commit-cut-after": lambda c: pg_commit_cut(c, "after"),
+    "pg-commit-cut-before": lambda c: pg_commit_cut(c, "before"),
     "pg-down": pg_down,
 }
 

@@ -136,7 +136,7 @@ def test_many_jobs_with_files_stay_within_the_descriptor_budget(home: Path, tmp_
                 a.send(FileData(f, 1, 0, b"a" * f))
                 _file_ack(a, f, f)
                 sh.sample_fds()
-        for k, a in enumerate(agents):  # (each opened again where it was closed)
+        for a in agents:  # (each opened again where it was closed)
             for f in range(1, per_job + 1):
                 a.send(FileData(f, 1, f, b"b"))
                 a.send(FileCommit(f, 1, f + 1, hashlib.sha256(b"a" * f + b"b").hexdigest()))

@@ -114,7 +114,8 @@ def test_metrics_count_the_bytes_landed_and_the_refusals_made(tmp_path: Path, sh
     assert w.wait(60) == 0, w.err
     wrong = job(tmp_path, sh, "wrong", "--token-file", str(token_file(tmp_path / "other", "b" * 64)))
     assert wrong.wait(30) != 0
-    over = job(tmp_path, sh, "over", "--token-file", str(tok), code="import sys; sys.stdout.buffer.write(b'x' * 2000000)")
+    over = job(tmp_path, sh, "over", "--token-file", str(tok),
+               code="import sys; sys.stdout.buffer.write(b'x' * 2000000)")
     assert over.wait(60) != 0
 
     after = scrape(base, "s" * 64)

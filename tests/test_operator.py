@@ -148,8 +148,9 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
             w.proc.terminate()
         for w, spool_at in ((running, spools), (paused, fs.path)):
             job_id = "running" if w is running else "paused"
-            wait_until(lambda: any(s["job_id"] == job_id and str(s["state"]).startswith("killed")
-                                   for s in spool_status(spool_at)), 30, f"{job_id} to end")
+            wait_until(lambda job_id=job_id, spool_at=spool_at: any(
+                s["job_id"] == job_id and str(s["state"]).startswith("killed") for s in spool_status(spool_at)),
+                30, f"{job_id} to end")
             w.proc.terminate()
             # (the paused job's output, held in memory, is lost: 121 comes first)
             assert w.wait(30) == (122 if w is running else 121), w.err.decode()
@@ -196,7 +197,8 @@ def test_tail_all_prefixes_each_job(shadow: ShadowProc, home: Path, spool_dir: P
                      "--stdout", f"j{i}.out", "--stderr", f"j{i}.err", "--", "sh", "-c",
                      f"echo out {i}; echo err {i} >&2"])
         assert w.wait(30) == 0
-    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30, check=False)
+    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30,
+                         check=False)
     lines = set(res.stdout.decode().splitlines())
     assert {f"[j{i} stdout] out {i}" for i in range(3)} <= lines
     assert {f"[j{i} stderr] err {i}" for i in range(3)} <= lines
@@ -319,7 +321,8 @@ def test_status_and_resume_of_spools_that_cannot_be_read(tmp_path: Path) -> None
 
 NOW = 1_800_000_000.0
 SPOOLS = [
-    {"job_id": "slurm-4242_17", "state": "wrapper gone", "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+    {"job_id": "slurm-4242_17", "state": "wrapper gone",
+     "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
      "shadow": "home.example.org:50000", "connected": False, "retries": 12, "spool_bytes": 123 << 20,
      "disk_free": 40 << 30, "last_error": "connection refused by the shadow home.example.org:50000",
      "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "appended": 123456789, "acked": 12345678,
@@ -349,7 +352,8 @@ JOBS = [
 # Fields that must each stay whole on one line, whatever the width.
 STATUS_FIELDS = ["slurm-4242_17", "wrapper gone", "results/cased2/out.txt", "117.7 MiB", "106.0 MiB", "11.8 MiB",
                  "gave-up, job exited 0", "late/out.5", "33s", "home.example.org:50000",
-                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool", "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
+                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+                 "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
 JOBS_FIELDS = ["slurm-4242_17", "finished with status 0", "results/cased2/out.txt", "117.7 MiB", "1.2 MiB/s",
                "killed by retry limit (signal 15)", "node017.cluster", "disconnected since 30s ago",
                "a/very/long/directory/name/for/the/output/of/this/job.out", "5s ago", "2.0 MiB"]
@@ -545,8 +549,8 @@ def test_every_command_refuses_a_state_it_cannot_use(home: Path, command: str, u
         res = subprocess.run([*tool("gcshadow"), command, "--root", str(home), *args, *state], capture_output=True,
                              text=True, timeout=60, env=env)
         shown = url.replace(":s3cret", "")
-        assert res.stderr.splitlines() == [f"Error: --state {shown}: not a state this shadow knows "
-                                           "(postgresql://HOST/DATABASE, or sqlite for the root's own)"], res.stderr
+        assert res.stderr.splitlines() == [(f"Error: --state {shown}: not a state this shadow knows "
+                                            "(postgresql://HOST/DATABASE, or sqlite for the root's own)")], res.stderr
         assert res.returncode == 1 and res.stdout == "", (how, res.stdout)
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import ShadowProc, file_size, wait_until
@@ -68,7 +68,7 @@ class RawAgent:
     def until(self, cls: type, limit: int = 1000) -> Event:
         for _ in range(limit):
             ev = self.next()
-            if isinstance(ev, cls) or isinstance(ev, (Error, ConnectionClosed)):
+            if isinstance(ev, (cls, Error, ConnectionClosed)):
                 return ev
         raise AssertionError(f"no {cls.__name__}")
 
@@ -380,19 +380,21 @@ def test_jobs_per_identity_cap_holds_for_hellos_at_once(home: Path, tmp_path: Pa
     sh = ShadowProc(home, logs, extra=["--max-jobs-per-identity", "1"])
     sh.start()
     decided = 0
+
+    # Each thread gets its round's objects: a thread still waiting past its
+    # join never reads the next round's agents.
+    def one(start: threading.Barrier, agent: RawAgent, frame: bytes, answers: list[Event | None], i: int) -> None:
+        start.wait(10)
+        agent.sock.sendall(frame)
+        answers[i] = agent.next()
+
     try:
         for round_ in range(20):
             agents = [RawAgent(sh.port), RawAgent(sh.port)]
             frames = [a.conn.send(hello(f"cap{round_}-{i}", out=f"cap{round_}-{i}.out")) for i, a in enumerate(agents)]
             start = threading.Barrier(2)
             answers: list[Event | None] = [None, None]
-
-            def one(i: int) -> None:
-                start.wait(10)
-                agents[i].sock.sendall(frames[i])
-                answers[i] = agents[i].next()
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            threads = [threading.Thread(target=one, args=(start, agents[i], frames[i], answers, i)) for i in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
