@@ -92,13 +92,9 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
 
 
 @pytest.mark.timeout(120)
-def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
+def test_status_in_every_state(home: Path, shadow_down: ShadowProc, tmp_path: Path) -> None:
     need_tmpfs()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()  # home is down for the whole test
+    port = shadow_down.port  # home is down for the whole test
     spools = tmp_path / "spools"
     # exited with pending bytes (gave up at the end)
     ended = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spools), "--job-id", "ended",
@@ -613,12 +609,8 @@ def test_verbose_shows_connections_offsets_and_commits(shadow: ShadowProc, spool
 
 
 @pytest.mark.timeout(60)
-def test_verbose_says_why_it_reconnects(home: Path, spool_dir: Path, tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+def test_verbose_says_why_it_reconnects(home: Path, shadow_down: ShadowProc, spool_dir: Path, tmp_path: Path) -> None:
+    sh, port = shadow_down, shadow_down.port
     w = Wrapper(["-v", "--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "why",
                  "--retry-timeout", "0.3", "--stdout", "w.out", "--", "sh", "-c", "echo a; sleep 1.5; echo b"])
     time.sleep(1)
@@ -664,16 +656,12 @@ def test_jobs_watch_one_job(shadow: ShadowProc, home: Path, spool_dir: Path) -> 
 
 
 @pytest.mark.timeout(90)
-def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> None:
+def test_resume_shows_a_bar_on_a_terminal_only(home: Path, shadow_down: ShadowProc, tmp_path: Path) -> None:
     """Through a pipe: no bar, no "?" rate, just the outcome (before: a bar
     with rate "?" in every log). On a terminal: the bar."""
     import pty
 
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+    sh, port = shadow_down, shadow_down.port
     outputs = []
     for terminal in (False, True):
         spool = tmp_path / f"spool-{terminal}"

@@ -41,14 +41,6 @@ def start_shadow(home: Path, tmp_path: Path, *extra: str) -> ShadowProc:
     return sh
 
 
-@pytest.fixture
-def shadows() -> Iterator[list[ShadowProc]]:
-    started: list[ShadowProc] = []
-    yield started
-    for sh in started:
-        sh.stop()
-
-
 def run(shadow: ShadowProc, tmp_path: Path, job_id: str, *extra: str, job: list[str] | None = None,
         name: str | None = None) -> Wrapper:
     w = Wrapper(["--shadow", shadow.address, "--spool", str(tmp_path / "spool"), "--job-id", job_id,
