@@ -57,6 +57,8 @@ class BundleError(Exception):
 
 @dataclass(frozen=True)
 class Built:
+    """A bundle written: where, its size in bytes, and how many modules it holds."""
+
     path: Path
     size: int
     modules: int

@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from .agent.records import loss_text
 from .logs import setup_logging as setup_logging  # (re-exported: where it was)
-from .units import human_bytes as human_bytes  # (re-exported: where it was)
+from .units import ago, human_bytes
 
 if TYPE_CHECKING:  # rich is imported where tables are drawn: `gcwrap run` never needs it
     from pathlib import Path
@@ -35,17 +35,6 @@ def say_on_stderr(text: str, program: str = "gcshadow") -> None:
     """One line on stderr, beside what a command prints on stdout (`gcshadow tail`'s notices)."""
     sys.stderr.write(f"{program}: {text}\n")
     sys.stderr.flush()
-
-
-def ago(t: float | None, now: float | None = None) -> str:
-    if not t:
-        return "-"
-    s = max(0.0, (now or time.time()) - t)
-    if s < 60:
-        return f"{s:.0f}s ago"
-    if s < 3600:
-        return f"{s / 60:.0f}m ago"
-    return f"{s / 3600:.1f}h ago"
 
 
 # -- tables that fit ----------------------------------------------------------

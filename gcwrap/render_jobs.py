@@ -20,10 +20,8 @@ from .render import (
     Column,
     _group,
     _lines,
-    ago,
     file_text,
     fit_table,
-    human_bytes,
     job_bytes,
     job_duration,
     job_figures,
@@ -33,6 +31,7 @@ from .render import (
     wrap_fields,
 )
 from .shadow.why import clock, status
+from .units import ago, human_bytes
 
 Rates = dict[str, float] | None
 

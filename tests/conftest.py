@@ -10,6 +10,7 @@ import stages
 from faults import kill_ns_shadows
 from helpers import ShadowProc, Wrapper
 from pgserver import pg_url, postgres, postgres_url  # noqa: F401 - fixtures
+from rawagent import close_all
 from statefaults import failsync  # noqa: F401 - a fixture
 
 
@@ -39,6 +40,7 @@ def _no_leftover_wrappers() -> Iterator[None]:
     yield
     Wrapper.kill_leftovers()
     kill_ns_shadows()
+    close_all()  # (the sockets of scripted agents: rawagent.py)
 
 
 @pytest.fixture
@@ -61,8 +63,33 @@ def shadow(home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
 
 
 @pytest.fixture
+def shadow_down(home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
+    """A shadow that is down: it listened once, so its port is known (`port`,
+    `address`), and nothing listens there until the test starts it again
+    (`start()`: the same port). Stopped when the test ends."""
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    sh = ShadowProc(home, logs)
+    sh.start()
+    sh.stop()
+    try:
+        yield sh
+    finally:
+        sh.stop()
+
+
+@pytest.fixture
 def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
+
+
+@pytest.fixture
+def shadows() -> Iterator[list[ShadowProc]]:
+    """Shadows a test starts itself (each its own root, options...): each stopped when it ends."""
+    started: list[ShadowProc] = []
+    yield started
+    for sh in started:
+        sh.stop()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -86,4 +113,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
         kinds = stages.WORKER_TOTALS.get("chaos kinds")
         if kinds:
-            terminalreporter.write_line("chaos faults by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+            by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+            terminalreporter.write_line("chaos faults by kind: " + by_kind)
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's working directory (gcwrap's: its --file PATHs are relative to it)."""
+    d = tmp_path / "work"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d

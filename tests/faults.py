@@ -477,14 +477,13 @@ def shadow_in_ns(ns: NetNS, root: Path, logdir: Path, port: int = 0, extra: Sequ
     gcshadow = shutil.which("gcshadow")
     assert gcshadow
     port_file = logdir / f"ns-port-{time.monotonic_ns()}"
-    log = open(logdir / "ns-shadow.log", "ab")
-    proc = subprocess.Popen(
-        # --insecure: a test host inside a namespace this test made, reachable from nowhere else.
-        [*ns.prefix(), gcshadow, "serve", "--host", NS_IP, "--port", str(port), "--root", str(root),
-         "--port-file", str(port_file), "--insecure", *extra],
-        stdout=log, stderr=log, start_new_session=True, env=env,
-    )
-    log.close()
+    with open(logdir / "ns-shadow.log", "ab") as log:  # (the child keeps its own copy)
+        proc = subprocess.Popen(
+            # --insecure: a test host inside a namespace this test made, reachable from nowhere else.
+            [*ns.prefix(), gcshadow, "serve", "--host", NS_IP, "--port", str(port), "--root", str(root),
+             "--port-file", str(port_file), "--insecure", *extra],
+            stdout=log, stderr=log, start_new_session=True, env=env,
+        )
     NS_SHADOWS.append(proc)
     deadline = time.monotonic() + 30
     while not port_file.exists():

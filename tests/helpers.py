@@ -15,8 +15,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, ClassVar
 
 HERE = Path(__file__).parent
 GENJOB = [sys.executable, str(HERE / "jobs" / "genjob.py")]
@@ -82,14 +83,13 @@ class ShadowProc:
     def start(self, port: int | None = None, timeout: float = 30) -> int:
         port_file = self.logdir / f"shadow-port-{self.starts}"
         port_file.unlink(missing_ok=True)
-        log = open(self.logdir / f"shadow-{self.starts}.log", "wb")
         want = self.port if port is None else port
-        self.proc = subprocess.Popen(
-            [*tool("gcshadow"), "serve", "--port", str(want), "--root", str(self.root),
-             "--port-file", str(port_file), *self.extra],
-            stdout=log, stderr=log, start_new_session=True, env=self.env,
-        )
-        log.close()
+        with open(self.logdir / f"shadow-{self.starts}.log", "wb") as log:  # (the child keeps its own copy)
+            self.proc = subprocess.Popen(
+                [*tool("gcshadow"), "serve", "--port", str(want), "--root", str(self.root),
+                 "--port-file", str(port_file), *self.extra],
+                stdout=log, stderr=log, start_new_session=True, env=self.env,
+            )
         self.starts += 1
         proc = self.proc
 
@@ -123,7 +123,7 @@ class Wrapper:
     """A gcwrap process running a job. Every one still alive when its test
     ends is killed, with its job (see `kill_leftovers`)."""
 
-    started: list[Wrapper] = []
+    started: ClassVar[list[Wrapper]] = []
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, stdin: int | None = None,
                  err_file: Path | None = None) -> None:
@@ -170,12 +170,13 @@ class Wrapper:
     def wait(self, timeout: float) -> int:
         try:
             self.out, self.err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             Wrapper.kill_leftovers()
             self.out, self.err = self.proc.communicate()
             if self.err_file is not None:
                 self.err = self.err_file.read_bytes()
-            raise AssertionError(f"gcwrap did not finish in {timeout} s; stderr: {self.err.decode(errors='replace')}")
+            raise AssertionError(
+                f"gcwrap did not finish in {timeout} s; stderr: {self.err.decode(errors='replace')}") from e
         if self.err_file is not None:
             self.err = self.err_file.read_bytes()
         return self.proc.returncode

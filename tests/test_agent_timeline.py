@@ -335,7 +335,8 @@ def test_why_compression_turned_is_said_in_words() -> None:
     assert compression_why(auto) == "a new connection starts uncompressed"
     auto.active, auto.link_rate, auto.ratio = True, 250_000.0, 0.2
     auto.history.append((1.0, True))
-    assert compression_why(auto) == "the link is the bottleneck (0.25 MB/s) and the output compresses to 20% of its size"
+    assert compression_why(auto) == ("the link is the bottleneck (0.25 MB/s) "
+                                     "and the output compresses to 20% of its size")
     auto.active, auto.ratio = False, 0.95
     assert compression_why(auto) == "the output no longer compresses well (to 95% of its size)"
     auto.ratio = 0.2

@@ -342,14 +342,11 @@ def test_concurrent_attempts_never_share_a_file(shadow: ShadowProc, home: Path, 
 
 
 @pytest.mark.timeout(90)
-def test_batch_system_sigterm_after_the_job_died_still_delivers(home: Path, tmp_path: Path) -> None:
+def test_batch_system_sigterm_after_the_job_died_still_delivers(home: Path, shadow_down: ShadowProc,
+                                                                tmp_path: Path) -> None:
     """scancel/condor_rm/qdel signal every process of the job at once. Here the job dies of SIGTERM first
     (with its output still spooled: the shadow is down), then gcwrap gets its own, first, SIGTERM."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+    sh, port = shadow_down, shadow_down.port
     spool = tmp_path / "spool"
     w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool), "--job-id", "slurm-88", "--retry-timeout",
                  "1", "--retry-limit", "0", "--stdout", "sig.out", "--", *genjob(500_000, 0, seed=50,

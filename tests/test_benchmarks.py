@@ -130,7 +130,7 @@ def test_lines_diagnosis_names_what_is_wrong(tmp_path: Path) -> None:
     landed = tmp_path / "landed"
     landed.write_bytes(b"".join(rows))
     assert lines.diagnose(landed, src, 40, 50)[0]
-    swapped = rows[:10] + [rows[11], rows[10]] + rows[12:]
+    swapped = [*rows[:10], rows[11], rows[10], *rows[12:]]
     landed.write_bytes(b"".join(swapped))
     complete, text = lines.diagnose(landed, src, 40, 50)
     assert complete and text.startswith("0 missing, 0 duplicated, 0 altered") and "3 out of order" in text
@@ -162,8 +162,8 @@ class _Probes:
     def run(self, n: int, path: str, index: int) -> fanin.Result:
         self.asked.append(n)
         p99 = 100.0 if n <= self.limit else 400.0
-        notes = {k: 0.0 for k in ("connect_p50_ms", "connect_p99_ms", "connect_max_ms", "lag_p99_ms",
-                                  "load_cpu_s", "offered_mb_s", "acked_bytes")}
+        notes = dict.fromkeys(("connect_p50_ms", "connect_p99_ms", "connect_max_ms", "lag_p99_ms", "load_cpu_s",
+                               "offered_mb_s", "acked_bytes"), 0.0)
         return fanin.Result("sim", path, index, n, n, 1, 1.0, 1.0, 0.0, 0.0, 0, latencies_ms=[p99] * 100,
                             notes=notes)
 
@@ -251,7 +251,7 @@ def test_files_benchmark_smoke(tmp_path: Path) -> None:
 
     args = argparse.Namespace(scattered_size="2MiB", blocks=6, steps=2, extend="100000", size="8MiB", runs=1,
                               timeout=120.0)
-    rows = dict((r[0], r[1]) for r in files.scattered(args, tmp_path))
+    rows = {r[0]: r[1] for r in files.scattered(args, tmp_path)}
     sent = int(rows["gcwrap sent for them (files_sent less the first version)"].replace(",", ""))
     assert 0 < sent <= 6 * (64 << 10) + 100000, rows
     assert float(rows["sent / baseline"]) < 0.25, rows

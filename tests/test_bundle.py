@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from helpers import ShadowProc, expected, genjob, sha256_file, tool, wait_until
 
 MB = 1 << 20

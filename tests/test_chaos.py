@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -37,7 +38,6 @@ from faults import (
     need_tmpfs,
     shadow_in_ns,
 )
-from statefaults import FailingStateSync, PgRelay
 from helpers import (
     ShadowProc,
     Wrapper,
@@ -46,13 +46,15 @@ from helpers import (
     genjob,
     sha256_file,
     spool_status,
+    stop_process,
     tool,
     wait_until,
 )
+from statefaults import FailingStateSync, PgRelay
 
 from gcwrap.agent.policy import LAST_TRY, SIGNAL_GRACE
+from gcwrap.units import human_bytes
 from gcwrap.wire.events import ErrorCode
-from gcwrap.render import human_bytes
 
 MB = 1_000_000
 pytestmark = pytest.mark.root
@@ -64,17 +66,7 @@ def stamps(path: Path) -> list[float]:
 
 def max_gap(path: Path) -> float:
     ts = stamps(path)
-    return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
 
 
 def check_landed(home: Path, name: str, n: int, seed: int) -> None:
@@ -179,7 +171,7 @@ def test_partition(netns: NetNS, home: Path, spool_dir: Path, tmp_path: Path, ki
         netns.heal()
         assert w.wait(120) == 0, w.err.decode()
     finally:
-        stop(proc)
+        stop_process(proc)
     assert during - before < MB, "nothing should cross a partition"
     check_landed(home, "p.out", out, 71)
     check_landed(home, "p.err", 200_000, 72)
@@ -202,7 +194,7 @@ def test_loss_and_delay_whole_run(netns: NetNS, home: Path, spool_dir: Path, tmp
                          *genjob(4 * MB, 400_000, seed=81, rate=1 * MB)])
             assert w.wait(200) == 0, w.err.decode()
     finally:
-        stop(proc)
+        stop_process(proc)
     check_landed(home, "l.out", 4 * MB, 81)
     check_landed(home, "l.err", 400_000, 82)
 
@@ -230,13 +222,10 @@ def test_spool_disk_full_network_up_job_never_pauses(shadow: ShadowProc, home: P
 
 
 @pytest.mark.timeout(120)
-def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_path: Path) -> None:
+def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, shadow_down: ShadowProc,
+                                                              tmp_path: Path) -> None:
     need_tmpfs()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()  # the network is "down": nothing listens
+    sh, port = shadow_down, shadow_down.port  # the network is "down": nothing listens
     with Tmpfs(tmp_path / "small", "4m") as fs:
         fs.fill(leave=64 << 10)
         ts = tmp_path / "stamps"
@@ -264,17 +253,13 @@ def test_spool_disk_full_and_network_down_pauses_then_resumes(home: Path, tmp_pa
 
 
 @pytest.mark.timeout(120)
-def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
+def test_retry_limit_kills_a_blocked_job(home: Path, shadow_down: ShadowProc, tmp_path: Path) -> None:
     """The spool stops at --min-free, the job is paused with output in
     memory, and the retry limit ends it. Then the job no longer needs the
     space kept for it: what memory held (and its pipe) is spooled there,
     nothing is lost (exit 124, not 121), and resume delivers all of it."""
     need_tmpfs()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+    sh, port = shadow_down, shadow_down.port
     report = tmp_path / "written"
     with Tmpfs(tmp_path / "small", "16m") as fs:
         fs.fill(leave=10 << 20)  # room for the spool to start and take some output, then the reserve
@@ -307,7 +292,8 @@ def test_retry_limit_kills_a_blocked_job(home: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, tmp_path: Path) -> None:
+def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, shadow_down: ShadowProc,
+                                                                    tmp_path: Path) -> None:
     """A 2 MiB spool disk and home down, with the default --memory-limit
     (32 MiB): the retry limit ends the job with up to 32 MiB held only in
     memory. What the disk can still take is kept; the rest, the tail of
@@ -316,11 +302,7 @@ def test_retry_limit_loses_only_the_tail_held_in_memory_and_says_so(home: Path, 
     the spool for `gcwrap status`, and `gcwrap resume` delivers the rest
     and tells home."""
     need_tmpfs()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+    sh, port = shadow_down, shadow_down.port
     report = tmp_path / "written"
     out_n, err_n = 60 * MB, 6 * MB
     with Tmpfs(tmp_path / "small", "2m") as fs:
@@ -885,10 +867,12 @@ def pg_down(c: Chaos) -> Iterator[None]:
 
 
 FAULTS: dict[str, Callable[[Chaos], contextlib.AbstractContextManager[None]]] = {
-    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset, "loss": loss, "link-down": link_down,
+    "shadow-kill9": shadow_kill9, "shadow-frozen": shadow_frozen, "black-hole": black_hole, "reset": reset,
+    "loss": loss, "link-down": link_down,
     "spool-disk-full": spool_disk_full, "racing-sessions": racing_sessions, "bytes-vanish": bytes_vanish,
     "stdin-removed": stdin_removed, "state-commit-fails": state_commit_fails,
-    "pg-commit-cut-after": lambda c: pg_commit_cut(c, "after"), "pg-commit-cut-before": lambda c: pg_commit_cut(c, "before"),
+    "pg-commit-cut-after": lambda c: pg_commit_cut(c, "after"),
+    "pg-commit-cut-before": lambda c: pg_commit_cut(c, "before"),
     "pg-down": pg_down,
 }
 
@@ -1241,7 +1225,7 @@ def test_slow_shadow_is_not_dead(netns: NetNS, home: Path, spool_dir: Path, tmp_
         assert w.wait(90) == 0, w.err.decode()
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", VETH_HOST, "root"], timeout=10)
-        stop(proc)
+        stop_process(proc)
     check_landed(home, "s.out", int(1.5 * MB), 17)
     assert b"no answer from the shadow" not in w.err, w.err.decode()
     assert b"stalled" not in w.err, w.err.decode()

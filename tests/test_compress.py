@@ -221,13 +221,13 @@ async def test_incompressible_output_is_only_probed(autojump_clock: trio.testing
 
 
 async def test_output_that_stops_compressing_turns_it_off(autojump_clock: trio.testing.MockClock) -> None:
-    run, policy = await simulate(Mode.AUTO, 2e6, 20e6, 20, ratio=[(0.0, 0.18), (8.0, 1.0)])
+    _, policy = await simulate(Mode.AUTO, 2e6, 20e6, 20, ratio=[(0.0, 0.18), (8.0, 1.0)])
     assert [on for _, on in policy.history] == [True, False]
 
 
 async def test_a_job_that_quiets_down_turns_it_off(autojump_clock: trio.testing.MockClock) -> None:
     # 30 MB at 20 MB/s, then nothing: once the backlog is gone, the link is idle.
-    run, policy = await simulate(Mode.AUTO, 2e6, 20e6, 1.5)
+    _, policy = await simulate(Mode.AUTO, 2e6, 20e6, 1.5)
     assert policy.active
     for _ in range(int(QUIET_OFF * 100) + 200):
         policy.tick(trio.current_time(), 0)

@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from faults import NS_IP, VETH_HOST, NetNS, need_netns, sh, shadow_in_ns
@@ -158,7 +159,8 @@ def test_auto_compresses_log_output_on_a_slow_link(slow_link: tuple[NetNS, str, 
     data = tmp_path / "slow.txt"
     write_log_text(data, 16 << 20, seed=3)  # 8 s at 2 MB/s as it is
     started = time.monotonic()
-    w = Wrapper(["--shadow", address, "--stdout", "slow.out", "--spool", str(tmp_path / "spool"), "--", "cat", str(data)])
+    w = Wrapper(["--shadow", address, "--stdout", "slow.out", "--spool", str(tmp_path / "spool"), "--",
+                 "cat", str(data)])
     assert w.wait(120) == 0, w.err.decode(errors="replace")[-3000:]
     took = time.monotonic() - started
     assert sha256_file(root / "slow.out") == sha256_file(data)
@@ -243,17 +245,16 @@ def _older_revision(tmp_path: Path) -> Path:
 
 
 def _older(dest: Path, program: str) -> list[str]:
-    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(dest)!r}); "
-            f"from gcwrap.{program} import main; sys.argv[0] = {program!r}; main()"]
+    return [sys.executable, "-c", (f"import sys; sys.path.insert(0, {str(dest)!r}); "
+                                   f"from gcwrap.{program} import main; sys.argv[0] = {program!r}; main()")]
 
 
 def test_a_new_agent_and_an_older_shadow(tmp_path: Path, home: Path, text: Path) -> None:
     dest = _older_revision(tmp_path)
     port_file = tmp_path / "older-port"
-    log = open(tmp_path / "older-shadow.log", "wb")
-    proc = subprocess.Popen([*_older(dest, "shadow_cli"), "serve", "--port", "0", "--root", str(home),
-                             "--port-file", str(port_file)], stdout=log, stderr=log, start_new_session=True)
-    log.close()
+    with open(tmp_path / "older-shadow.log", "wb") as log:  # (the child keeps its own copy)
+        proc = subprocess.Popen([*_older(dest, "shadow_cli"), "serve", "--port", "0", "--root", str(home),
+                                 "--port-file", str(port_file)], stdout=log, stderr=log, start_new_session=True)
     try:
         wait_until(lambda: port_file.exists() or proc.poll() is not None, 30, "the older shadow to listen")
         assert proc.poll() is None, (tmp_path / "older-shadow.log").read_text()

@@ -82,10 +82,7 @@ def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
     out: list[tuple[int, str]] = []
     pending: tuple[int, str] | None = None
     for n, line in lines:
-        if pending is not None:
-            pending = (pending[0], pending[1] + " " + line.strip())
-        else:
-            pending = (n, line)
+        pending = (n, line) if pending is None else (pending[0], pending[1] + " " + line.strip())
         if pending[1].rstrip().endswith("\\"):
             pending = (pending[0], pending[1].rstrip()[:-1])
             continue
@@ -149,7 +146,8 @@ def page_lines(page: Path, root: Path = ROOT) -> list[Line]:
             if block is None:
                 block, lang = [], fence.group(1)
             else:
-                out += _block_lines(name, block, "console" if lang == "console" else "text" if lang == "text" else "sh")
+                kind = lang if lang in ("console", "text") else "sh"
+                out += _block_lines(name, block, kind)
                 block = None
             continue
         if block is not None:
@@ -240,7 +238,8 @@ def invocations(line: Line) -> list[Invocation]:
                 continue
             words = words[1:]
         bundle = r"gcwrap\S*\.pyz"  # the one-file gcwrap (`gcwrap bundle`)
-        if len(words) > 1 and re.fullmatch(r"(\S*/)?python3(\.\d+)?", words[0]) and re.fullmatch(bundle, Path(words[1]).name):
+        if (len(words) > 1 and re.fullmatch(r"(\S*/)?python3(\.\d+)?", words[0])
+                and re.fullmatch(bundle, Path(words[1]).name)):
             words = words[1:]
         if words and re.fullmatch(bundle, Path(words[0]).name):
             out.append(Invocation(line.where, "gcwrap", words[1:], env, line.inline))
@@ -637,7 +636,7 @@ def test_the_documented_sessions_print_what_the_documentation_shows() -> None:
             f"$ {x['step'].get('sh') or x['step'].get('start') or x['step'].get('stop') or x['step'].get('wait') or ''}"
             f"\n{x.get('output', '')}" for x in r))
     failures = []
-    for (step, check), result in zip(plan, r):
+    for (_, check), result in zip(plan, r):
         assert "error" not in result, result
         if check is not None:
             try:

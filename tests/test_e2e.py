@@ -78,7 +78,7 @@ def test_fifty_jobs_at_once(shadow: ShadowProc, home: Path, spool_dir: Path) -> 
         job = genjob(400_000 + i * 1000, 50_000 + i, seed=100 + 2 * i)
         wrappers.append(Wrapper([*wrap_args(shadow, spool_dir, f"many-{i}"), "--stdout", f"many/{i}.out",
                                  "--stderr", f"many/{i}.err", "--", *job]))
-    for i, w in enumerate(wrappers):
+    for w in wrappers:
         assert w.wait(240) == 0, w.err.decode()
     for i in range(50):
         assert sha256_file(home / f"many/{i}.out") == expected(400_000 + i * 1000, 100 + 2 * i), i
@@ -93,7 +93,7 @@ def test_shadow_killed_twice_mid_stream(shadow: ShadowProc, home: Path, spool_di
                  "--stderr", "crash.err", "--", *job])
     out = home / "crash.out"
     for threshold in (15 * MB, 50 * MB):
-        wait_until(lambda: file_size(out) > threshold, 120, f"{threshold} bytes at home")
+        wait_until(lambda threshold=threshold: file_size(out) > threshold, 120, f"{threshold} bytes at home")
         shadow.kill9()
         shadow.start()  # same port
     assert w.wait(200) == 0, w.err.decode() + shadow.log()
@@ -251,7 +251,8 @@ def test_resume_after_wrapper_killed(home: Path, spool_dir: Path, tmp_path: Path
     w = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "orphan",
                  "--retry-timeout", "1", "--stdout", "orphan.out", "--stderr", "orphan.err", "--", *job])
     wait_until(done.exists, 60, "the job to finish")
-    wait_until(lambda: str(spool_status(spool_dir)[0]["state"]).startswith("exited"), 30, "the spool to record the exit")
+    wait_until(lambda: str(spool_status(spool_dir)[0]["state"]).startswith("exited"), 30,
+               "the spool to record the exit")
     w.kill9()
     (st,) = spool_status(spool_dir)
     assert st["state"] == "exited 0" and not st["active"]

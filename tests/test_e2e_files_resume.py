@@ -199,7 +199,7 @@ def test_resume_where_home_holds_an_older_version_committed_and_a_newer_in_progr
     older one committed (1). The resume builds the file's content on version 1, by its block digests
     the spool kept, whether the spool still keeps version 2 or dropped it for a version 3 whose
     FILE_OPEN home never read (gcwrap killed just after recording it)."""
-    from test_shadow_protocol import RawAgent
+    from rawagent import RawAgent
 
     from gcwrap.agent.filedelta import BLOCK_SIZE, Scan, digests_of
     from gcwrap.agent.filespecs import FileSpec

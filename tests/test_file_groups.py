@@ -10,15 +10,13 @@ a short descriptor limit a real RLIMIT_NOFILE.
 from __future__ import annotations
 
 import hashlib
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fusefs import SlowFS, available
 from helpers import ShadowProc, wait_until
+from rawagent import RawAgent
 from test_shadow_perf import NOFILE, LimitedShadow, budget
-from test_shadow_protocol import RawAgent
 
 from gcwrap.wire.events import (
     FILES_FEATURE,
@@ -34,19 +32,9 @@ from gcwrap.wire.events import (
     Welcome,
 )
 
-_SOCKETS: list[socket.socket] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_sockets() -> Iterator[None]:
-    yield
-    while _SOCKETS:
-        _SOCKETS.pop().close()
-
 
 def _agent(port: int, job: str) -> RawAgent:
     a = RawAgent(port)
-    _SOCKETS.append(a.sock)
     a.send(Hello(job_id=job, instance="i1", streams=(), host="test", features=(FILES_FEATURE,)))
     w = a.next()
     assert isinstance(w, Welcome) and FILES_FEATURE in w.features, w
@@ -136,7 +124,7 @@ def test_many_jobs_with_files_stay_within_the_descriptor_budget(home: Path, tmp_
                 a.send(FileData(f, 1, 0, b"a" * f))
                 _file_ack(a, f, f)
                 sh.sample_fds()
-        for k, a in enumerate(agents):  # (each opened again where it was closed)
+        for a in agents:  # (each opened again where it was closed)
             for f in range(1, per_job + 1):
                 a.send(FileData(f, 1, f, b"b"))
                 a.send(FileCommit(f, 1, f + 1, hashlib.sha256(b"a" * f + b"b").hexdigest()))

@@ -9,6 +9,7 @@ clear line.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -123,7 +124,7 @@ def test_two_identities_each_get_their_own_file_under_the_same_name(
             with open("bob/note.txt", "w") as f:
                 f.write("written by {who}\\n")
         """)])
-    for who, w in runs.items():
+    for w in runs.values():
         assert w.wait(60) == 0, w.err.decode()
     for who in ("alice", "bob"):
         work = tmp_path / f"work-{who}"
@@ -374,8 +375,9 @@ def test_home_disk_full_while_a_file_streams(spool_dir: Path, tmp_path: Path, mo
         assert (fs.path / "full.out").read_bytes() == b"".join(f"step {i}\n".encode() for i in range(80))
         assert _staging(fs.path) == []
         runs = [[float(x) for x in run.split()] for run in (work / "stamps").read_text().split("gate\n")]
-        gaps = [b - a for stamps in runs for a, b in zip(stamps, stamps[1:])]
-        assert max(gaps) < 1.0, ("the job does not wait for home's disk", [(i, g) for i, g in enumerate(gaps) if g > 0.2])
+        gaps = [b - a for stamps in runs for a, b in itertools.pairwise(stamps)]
+        assert max(gaps) < 1.0, ("the job does not wait for home's disk",
+                                 [(i, g) for i, g in enumerate(gaps) if g > 0.2])
         assert b"No space left" in w.err or b"disk is full" in w.err, w.err.decode()
 
 
@@ -471,8 +473,8 @@ def test_the_shadow_killed_mid_file_three_times(shadow: ShadowProc, home: Path, 
     kill_when(lambda: any(file_size(p) > 0 for p in home.glob(".model.bin.gcwrap-*")),
               "a rewrite of model.bin on its way home")
     (work / "go2").touch()
-    kill_when(lambda: file_size(home / "data.bin") >= 16 << 20 and (work / "data.bin").stat().st_mtime > 0
-              and any(home.glob(".data.bin.gcwrap-*")) or w.proc.poll() is not None, "data.bin's writes in place")
+    kill_when(lambda: (file_size(home / "data.bin") >= 16 << 20 and (work / "data.bin").stat().st_mtime > 0
+              and any(home.glob(".data.bin.gcwrap-*"))) or w.proc.poll() is not None, "data.bin's writes in place")
     assert w.wait(120) == 0, w.err.decode()
     _same(home, work, "big.log", "model.bin", "data.bin")
     assert _staging(home) == []

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc
 from pgserver import PgServer
+from rawagent import RawAgent
 from statefaults import PgRelay
-from test_shadow_protocol import RawAgent
 
 from gcwrap.shadow.filestore import OPEN_PER_SESSION
 from gcwrap.shadow.fileversions import VersionRecord, held
@@ -137,16 +136,6 @@ def test_versions_survive_reopening_the_state(tmp_path: Path) -> None:
 # -- a real gcshadow, spoken to by a scripted agent over a real socket ----------------------------
 
 
-@pytest.fixture(autouse=True)
-def _close_sockets() -> Iterator[None]:
-    yield
-    while _SOCKETS:
-        _SOCKETS.pop().close()
-
-
-_SOCKETS: list[socket.socket] = []
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def either(request: pytest.FixtureRequest, home: Path, tmp_path: Path) -> Iterator[ShadowProc]:
     """A gcshadow with each kind of state."""
@@ -164,7 +153,6 @@ def either(request: pytest.FixtureRequest, home: Path, tmp_path: Path) -> Iterat
 def _agent(shadow: ShadowProc, job: str = "fj", instance: str = "i1",
            streams: tuple[StreamSpec, ...] | None = None) -> tuple[RawAgent, Welcome]:
     a = RawAgent(shadow.port)
-    _SOCKETS.append(a.sock)
     streams = (StreamSpec(1, "stdout", f"{job}.out"),) if streams is None else streams
     a.send(Hello(job_id=job, instance=instance, streams=streams, host="test", features=(FILES_FEATURE,)))
     w = a.next()
@@ -190,6 +178,19 @@ def _error(a: RawAgent) -> ErrorCode:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _commit(a: RawAgent, file: int, version: int, content: bytes) -> None:
+    """FILE_COMMIT of a version whose whole content is `content`, and home's committed FILE_ACK."""
+    a.send(FileCommit(file, version, len(content), _sha(content)))
+    _file_ack(a, file, version, len(content), committed=True)
+
+
+def _land(a: RawAgent, file: int, name: str, version: int, data: bytes) -> None:
+    """A first version written whole and committed: FILE_OPEN, FILE_DATA, FILE_COMMIT, and its ACK."""
+    a.send(FileOpen(file, name, version))
+    a.send(FileData(file, version, 0, data))
+    _commit(a, file, version, data)
 
 
 def _staging(home: Path) -> list[str]:
@@ -221,10 +222,7 @@ def test_a_rewrite_is_a_new_version_built_from_the_committed_one(either: ShadowP
     old = bytes(range(256)) * 1024  # 256 KiB
     new = old[:65536] + b"X" * 65536 + old[131072:] + b"tail"
     a, _ = _agent(shadow)
-    a.send(FileOpen(1, "data.bin", 1))
-    a.send(FileData(1, 1, 0, old))
-    a.send(FileCommit(1, 1, len(old), _sha(old)))
-    _file_ack(a, 1, 1, len(old), committed=True)
+    _land(a, 1, "data.bin", 1, old)
     a.send(FileOpen(1, "data.bin", 2, base=1))
     a.send(FileCopy(1, 2, 0, 0, 65536))
     a.send(FileData(1, 2, 65536, b"X" * 65536))
@@ -256,10 +254,7 @@ def test_a_commit_with_a_wrong_digest_is_refused(shadow: ShadowProc, home: Path)
 def test_a_reconnection_mid_version_resumes_from_welcome(shadow: ShadowProc, home: Path) -> None:
     a, w = _agent(shadow)
     assert w.files == ()
-    a.send(FileOpen(1, "v.txt", 1))
-    a.send(FileData(1, 1, 0, b"one"))
-    a.send(FileCommit(1, 1, 3, _sha(b"one")))
-    _file_ack(a, 1, 1, 3, committed=True)
+    _land(a, 1, "v.txt", 1, b"one")
     a.send(FileOpen(1, "v.txt", 2, base=1))
     a.send(FileData(1, 2, 0, b"two, and "))
     _file_ack(a, 1, 2, 9)
@@ -268,8 +263,7 @@ def test_a_reconnection_mid_version_resumes_from_welcome(shadow: ShadowProc, hom
     assert w.files == (FileHeld(1, 2, 9, -1),)
     b.send(FileOpen(1, "v.txt", 2, base=1))  # (the version in progress, opened again: legal)
     b.send(FileData(1, 2, 9, b"more"))
-    b.send(FileCommit(1, 2, 13, _sha(b"two, and more")))
-    _file_ack(b, 1, 2, 13, committed=True)
+    _commit(b, 1, 2, b"two, and more")
     assert (home / "v.txt").read_bytes() == b"two, and more"
     b.send(FileOpen(1, "other.txt", 3, base=2))  # another NAME for the handle
     assert _error(b) is ErrorCode.UNEXPECTED
@@ -281,10 +275,7 @@ def test_a_reconnection_mid_version_resumes_from_welcome(shadow: ShadowProc, hom
 @pytest.mark.timeout(60)
 def test_exit_lists_the_files_each_committed_at_its_size(shadow: ShadowProc, home: Path) -> None:
     a, _ = _agent(shadow)
-    a.send(FileOpen(1, "a.txt", 1))
-    a.send(FileData(1, 1, 0, b"aaaa"))
-    a.send(FileCommit(1, 1, 4, _sha(b"aaaa")))
-    _file_ack(a, 1, 1, 4, committed=True)
+    _land(a, 1, "a.txt", 1, b"aaaa")
     a.send(FileOpen(2, "b.txt", 1))
     a.send(FileData(2, 1, 0, b"bb"))
     _file_ack(a, 2, 1, 2)
@@ -292,8 +283,7 @@ def test_exit_lists_the_files_each_committed_at_its_size(shadow: ShadowProc, hom
     assert _error(a) is ErrorCode.LENGTH_MISMATCH  # b.txt is not committed
     b, w = _agent(shadow)
     assert w.files == (FileHeld(1, 1, 4, 4), FileHeld(2, 1, 2, -1))
-    b.send(FileCommit(2, 1, 2, _sha(b"bb")))
-    _file_ack(b, 2, 1, 2, committed=True)
+    _commit(b, 2, 1, b"bb")
     b.send(Exit(0, None, ((1, 0),), files=((1, 1, 4), (2, 1, 2))))
     assert isinstance(b.until(Done), Done)
 
@@ -313,10 +303,7 @@ def test_a_name_escaping_the_root_is_refused_as_a_streams_would_be(shadow: Shado
 def test_kill_9_mid_version_loses_nothing_acknowledged(either: ShadowProc, home: Path) -> None:
     shadow = either
     a, _ = _agent(shadow)
-    a.send(FileOpen(1, "k.txt", 1))
-    a.send(FileData(1, 1, 0, b"committed"))
-    a.send(FileCommit(1, 1, 9, _sha(b"committed")))
-    _file_ack(a, 1, 1, 9, committed=True)
+    _land(a, 1, "k.txt", 1, b"committed")
     a.send(FileOpen(1, "k.txt", 2, base=1))
     a.send(FileData(1, 2, 0, b"acknowledged"))
     _file_ack(a, 1, 2, 12)
@@ -336,8 +323,7 @@ def test_kill_9_mid_version_loses_nothing_acknowledged(either: ShadowProc, home:
     assert (home / ".k.txt.gcwrap-1-3").read_bytes() == b"version three"
     b.send(FileOpen(1, "k.txt", 3, base=1))
     b.send(FileCopy(1, 3, 13, 0, 9))
-    b.send(FileCommit(1, 3, 22, _sha(b"version threecommitted")))
-    _file_ack(b, 1, 3, 22, committed=True)
+    _commit(b, 1, 3, b"version threecommitted")
     assert (home / "k.txt").read_bytes() == b"version threecommitted"
     assert _staging(home) == []
 
@@ -386,10 +372,7 @@ def test_a_fenced_session_writes_and_acknowledges_no_more_of_a_file(shadow: Shad
 def test_a_commit_recorded_but_not_renamed_is_completed_at_the_next_session(shadow: ShadowProc,
                                                                             home: Path) -> None:
     a, _ = _agent(shadow)
-    a.send(FileOpen(1, "r.txt", 1))
-    a.send(FileData(1, 1, 0, b"old"))
-    a.send(FileCommit(1, 1, 3, _sha(b"old")))
-    _file_ack(a, 1, 1, 3, committed=True)
+    _land(a, 1, "r.txt", 1, b"old")
     a.send(FileOpen(1, "r.txt", 2, base=1))
     a.send(FileData(1, 2, 0, b"new content"))
     _file_ack(a, 1, 2, 11)
@@ -416,14 +399,8 @@ def test_a_name_home_would_take_for_a_staging_file_is_refused(shadow: ShadowProc
 @pytest.mark.timeout(60)
 def test_a_staged_version_never_committed_goes_when_the_job_ends(shadow: ShadowProc, home: Path) -> None:
     a, _ = _agent(shadow)
-    a.send(FileOpen(1, "s.txt", 1))
-    a.send(FileData(1, 1, 0, b"kept"))
-    a.send(FileCommit(1, 1, 4, _sha(b"kept")))
-    _file_ack(a, 1, 1, 4, committed=True)
-    a.send(FileOpen(2, "t.txt", 1))
-    a.send(FileData(2, 1, 0, b"t"))
-    a.send(FileCommit(2, 1, 1, _sha(b"t")))
-    _file_ack(a, 2, 1, 1, committed=True)
+    _land(a, 1, "s.txt", 1, b"kept")
+    _land(a, 2, "t.txt", 1, b"t")
     a.send(FileOpen(2, "t.txt", 2, base=1))
     a.send(FileData(2, 2, 0, b"half"))
     _file_ack(a, 2, 2, 4)
@@ -448,7 +425,6 @@ def test_a_name_another_active_job_writes_is_refused_both_ways(shadow: ShadowPro
     c.send(FileOpen(1, "ja.out", 1))  # another job's stream
     assert _error(c) is ErrorCode.PATH_OWNED
     d = RawAgent(shadow.port)
-    _SOCKETS.append(d.sock)
     d.send(Hello(job_id="jd", instance="i1", streams=(StreamSpec(1, "stdout", "shared.txt"),), host="test"))
     assert _error(d) is ErrorCode.PATH_OWNED  # a stream named as another job's file
     assert (home / "shared.txt").read_bytes() == b"a's"
@@ -472,7 +448,6 @@ def test_a_state_lost_acknowledges_nothing_and_the_next_session_resumes(home: Pa
             relay.up()
             for _ in range(100):  # (told BUSY while the state comes back)
                 b = RawAgent(sh.port)
-                _SOCKETS.append(b.sock)
                 b.send(Hello(job_id="fj", instance="i1", streams=(StreamSpec(1, "stdout", "fj.out"),), host="test",
                              features=(FILES_FEATURE,)))
                 w = b.next()
@@ -484,8 +459,7 @@ def test_a_state_lost_acknowledges_nothing_and_the_next_session_resumes(home: Pa
             assert w.files == (FileHeld(1, 1, 4, -1),)
             assert (home / "lost.txt").read_bytes() == b"kept"
             b.send(FileData(1, 1, 4, b", again"))
-            b.send(FileCommit(1, 1, 11, _sha(b"kept, again")))
-            _file_ack(b, 1, 1, 11, committed=True)
+            _commit(b, 1, 1, b"kept, again")
             assert (home / "lost.txt").read_bytes() == b"kept, again"
         finally:
             sh.stop()
@@ -526,7 +500,6 @@ def test_a_file_another_shadows_session_has_open_is_not_touched(home: Path, tmp_
         os.kill(first.proc.pid, signal.SIGSTOP)  # frozen with the file open
         try:
             b = RawAgent(second.port)
-            _SOCKETS.append(b.sock)
             b.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
                          features=(FILES_FEATURE,)))
             ev = b.next()
@@ -536,7 +509,6 @@ def test_a_file_another_shadows_session_has_open_is_not_touched(home: Path, tmp_
             os.kill(first.proc.pid, signal.SIGCONT)
         for _ in range(100):  # the frozen one learns it was taken over, and lets go
             c = RawAgent(second.port)
-            _SOCKETS.append(c.sock)
             c.send(Hello(job_id="fj", instance="i1", streams=(), host="test",
                          features=(FILES_FEATURE,)))
             w = c.next()
@@ -565,8 +537,7 @@ def test_a_job_writing_many_files_holds_few_descriptors(shadow: ShadowProc, home
     assert held_open <= OPEN_PER_SESSION + 1, held_open
     for f in range(1, 41):  # (each opened again to be written to)
         a.send(FileData(f, 1, f, b"y"))
-        a.send(FileCommit(f, 1, f + 1, _sha(b"x" * f + b"y")))
-        _file_ack(a, f, 1, f + 1, committed=True)
+        _commit(a, f, 1, b"x" * f + b"y")
     assert (home / "many/40.txt").read_bytes() == b"x" * 40 + b"y"
 
 
@@ -581,7 +552,6 @@ def test_an_identitys_files_land_in_its_part_of_the_root(home: Path, tmp_path: P
     sh.start()
     try:
         a = RawAgent(sh.port)
-        _SOCKETS.append(a.sock)
         nonce = new_nonce()
         a.send(Hello(job_id="tj", instance="i1", streams=(StreamSpec(1, "stdout", "tj.out"),), host="test",
                      features=(FILES_FEATURE,), nonce=nonce))
@@ -589,10 +559,7 @@ def test_an_identitys_files_land_in_its_part_of_the_root(home: Path, tmp_path: P
         assert isinstance(challenge, Challenge), challenge
         a.send(Auth(agent_mac(token, nonce, challenge.nonce, "tj", "i1")))
         assert isinstance(a.next(), Welcome)
-        a.send(FileOpen(1, "res/r.txt", 1))
-        a.send(FileData(1, 1, 0, b"alice's"))
-        a.send(FileCommit(1, 1, 7, _sha(b"alice's")))
-        _file_ack(a, 1, 1, 7, committed=True)
+        _land(a, 1, "res/r.txt", 1, b"alice's")
         assert (home / "alice" / "res" / "r.txt").read_bytes() == b"alice's"
         assert not (home / "res").exists()
     finally:

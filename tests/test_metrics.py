@@ -6,12 +6,12 @@ is short of space or the state database is stopped, and 200 again after."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import textwrap
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +22,6 @@ from pgserver import PgServer
 parser = pytest.importorskip("prometheus_client.parser", reason="needs the metrics extra: pip install -e '.[metrics]'")
 
 OUT, ERR, FILE = 300_000, 20_000, 50_000
-
-
-@pytest.fixture
-def shadows() -> Iterator[list[ShadowProc]]:
-    started: list[ShadowProc] = []
-    yield started
-    for sh in started:
-        sh.stop()
 
 
 def start(shadows: list[ShadowProc], root: Path, logs: Path, *extra: str) -> tuple[ShadowProc, str]:
@@ -114,7 +106,8 @@ def test_metrics_count_the_bytes_landed_and_the_refusals_made(tmp_path: Path, sh
     assert w.wait(60) == 0, w.err
     wrong = job(tmp_path, sh, "wrong", "--token-file", str(token_file(tmp_path / "other", "b" * 64)))
     assert wrong.wait(30) != 0
-    over = job(tmp_path, sh, "over", "--token-file", str(tok), code="import sys; sys.stdout.buffer.write(b'x' * 2000000)")
+    over = job(tmp_path, sh, "over", "--token-file", str(tok),
+               code="import sys; sys.stdout.buffer.write(b'x' * 2000000)")
     assert over.wait(60) != 0
 
     after = scrape(base, "s" * 64)
@@ -218,3 +211,28 @@ def test_healthz_turns_503_once_the_root_is_gone(tmp_path: Path, shadows: list[S
     wait_until(lambda: get(base + "/healthz")[0] == 503, 10, "/healthz to say 503")
     status, said = get(base + "/healthz")
     assert status == 503 and f"the root {home} is gone" in said, said
+
+
+def _exchange(port: int, request: bytes) -> bytes:
+    """What the listener answers one raw request with, until it closes (bounded)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got
+
+
+def test_the_metrics_listener_answers_as_the_web_view_does(tmp_path: Path, shadows: list[ShadowProc]) -> None:
+    # One HTTP base serves both (gcwrap.shadow.httpserve): a request h11 cannot parse is told 400 and why,
+    # a body past the limit 413, and a kept-alive connection answers each request in turn.
+    _, base = start(shadows, tmp_path, tmp_path / "logs")
+    port = int(base.rpartition(":")[2])
+    garbage = _exchange(port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert garbage.startswith(b"HTTP/1.1 400 Bad Request\r\n"), garbage
+    big = _exchange(port, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000)
+    assert big.startswith(b"HTTP/1.1 413 "), big
+    two = _exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                          b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert two.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\nok\n" in two, two
+    assert b"HTTP/1.1 404 Not Found\r\n" in two and two.endswith(b"/metrics and /healthz are here\n"), two

@@ -92,13 +92,9 @@ def test_status_tells_the_final_state_when_the_disk_refused_the_last_commit(home
 
 
 @pytest.mark.timeout(120)
-def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
+def test_status_in_every_state(home: Path, shadow_down: ShadowProc, tmp_path: Path) -> None:
     need_tmpfs()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()  # home is down for the whole test
+    port = shadow_down.port  # home is down for the whole test
     spools = tmp_path / "spools"
     # exited with pending bytes (gave up at the end)
     ended = Wrapper(["--shadow", f"127.0.0.1:{port}", "--spool", str(spools), "--job-id", "ended",
@@ -148,8 +144,9 @@ def test_status_in_every_state(home: Path, tmp_path: Path) -> None:
             w.proc.terminate()
         for w, spool_at in ((running, spools), (paused, fs.path)):
             job_id = "running" if w is running else "paused"
-            wait_until(lambda: any(s["job_id"] == job_id and str(s["state"]).startswith("killed")
-                                   for s in spool_status(spool_at)), 30, f"{job_id} to end")
+            wait_until(lambda job_id=job_id, spool_at=spool_at: any(
+                s["job_id"] == job_id and str(s["state"]).startswith("killed") for s in spool_status(spool_at)),
+                30, f"{job_id} to end")
             w.proc.terminate()
             # (the paused job's output, held in memory, is lost: 121 comes first)
             assert w.wait(30) == (122 if w is running else 121), w.err.decode()
@@ -196,7 +193,8 @@ def test_tail_all_prefixes_each_job(shadow: ShadowProc, home: Path, spool_dir: P
                      "--stdout", f"j{i}.out", "--stderr", f"j{i}.err", "--", "sh", "-c",
                      f"echo out {i}; echo err {i} >&2"])
         assert w.wait(30) == 0
-    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30, check=False)
+    res = subprocess.run([*tool("gcshadow"), "tail", "--all", "--root", str(home)], capture_output=True, timeout=30,
+                         check=False)
     lines = set(res.stdout.decode().splitlines())
     assert {f"[j{i} stdout] out {i}" for i in range(3)} <= lines
     assert {f"[j{i} stderr] err {i}" for i in range(3)} <= lines
@@ -319,7 +317,8 @@ def test_status_and_resume_of_spools_that_cannot_be_read(tmp_path: Path) -> None
 
 NOW = 1_800_000_000.0
 SPOOLS = [
-    {"job_id": "slurm-4242_17", "state": "wrapper gone", "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+    {"job_id": "slurm-4242_17", "state": "wrapper gone",
+     "spool": "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
      "shadow": "home.example.org:50000", "connected": False, "retries": 12, "spool_bytes": 123 << 20,
      "disk_free": 40 << 30, "last_error": "connection refused by the shadow home.example.org:50000",
      "streams": [{"kind": "stdout", "name": "results/cased2/out.txt", "appended": 123456789, "acked": 12345678,
@@ -349,7 +348,8 @@ JOBS = [
 # Fields that must each stay whole on one line, whatever the width.
 STATUS_FIELDS = ["slurm-4242_17", "wrapper gone", "results/cased2/out.txt", "117.7 MiB", "106.0 MiB", "11.8 MiB",
                  "gave-up, job exited 0", "late/out.5", "33s", "home.example.org:50000",
-                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool", "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
+                 "/var/tmp/gcwrap/slurm-4242_17-0123456789abcdef.spool",
+                 "/tmp/gcwrap-0/example-5-8bbff00b7be44662.spool"]
 JOBS_FIELDS = ["slurm-4242_17", "finished with status 0", "results/cased2/out.txt", "117.7 MiB", "1.2 MiB/s",
                "killed by retry limit (signal 15)", "node017.cluster", "disconnected since 30s ago",
                "a/very/long/directory/name/for/the/output/of/this/job.out", "5s ago", "2.0 MiB"]
@@ -545,8 +545,8 @@ def test_every_command_refuses_a_state_it_cannot_use(home: Path, command: str, u
         res = subprocess.run([*tool("gcshadow"), command, "--root", str(home), *args, *state], capture_output=True,
                              text=True, timeout=60, env=env)
         shown = url.replace(":s3cret", "")
-        assert res.stderr.splitlines() == [f"Error: --state {shown}: not a state this shadow knows "
-                                           "(postgresql://HOST/DATABASE, or sqlite for the root's own)"], res.stderr
+        assert res.stderr.splitlines() == [(f"Error: --state {shown}: not a state this shadow knows "
+                                            "(postgresql://HOST/DATABASE, or sqlite for the root's own)")], res.stderr
         assert res.returncode == 1 and res.stdout == "", (how, res.stdout)
 
 
@@ -609,12 +609,8 @@ def test_verbose_shows_connections_offsets_and_commits(shadow: ShadowProc, spool
 
 
 @pytest.mark.timeout(60)
-def test_verbose_says_why_it_reconnects(home: Path, spool_dir: Path, tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+def test_verbose_says_why_it_reconnects(home: Path, shadow_down: ShadowProc, spool_dir: Path, tmp_path: Path) -> None:
+    sh, port = shadow_down, shadow_down.port
     w = Wrapper(["-v", "--shadow", f"127.0.0.1:{port}", "--spool", str(spool_dir), "--job-id", "why",
                  "--retry-timeout", "0.3", "--stdout", "w.out", "--", "sh", "-c", "echo a; sleep 1.5; echo b"])
     time.sleep(1)
@@ -660,16 +656,12 @@ def test_jobs_watch_one_job(shadow: ShadowProc, home: Path, spool_dir: Path) -> 
 
 
 @pytest.mark.timeout(90)
-def test_resume_shows_a_bar_on_a_terminal_only(home: Path, tmp_path: Path) -> None:
+def test_resume_shows_a_bar_on_a_terminal_only(home: Path, shadow_down: ShadowProc, tmp_path: Path) -> None:
     """Through a pipe: no bar, no "?" rate, just the outcome (before: a bar
     with rate "?" in every log). On a terminal: the bar."""
     import pty
 
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    sh = ShadowProc(home, logs)
-    port = sh.start()
-    sh.stop()
+    sh, port = shadow_down, shadow_down.port
     outputs = []
     for terminal in (False, True):
         spool = tmp_path / f"spool-{terminal}"

@@ -218,7 +218,7 @@ class RawShadow:
             try:
                 with sock:
                     self._connection(sock, len(self.received))
-            except Exception as e:  # (the test reports it)
+            except Exception as e:  # noqa: BLE001 - any failure of the fake shadow, reported by the test
                 self.errors.append(e)
 
     def _send(self, sock: socket.socket, n: int, proto: Connection, event: Event) -> None:

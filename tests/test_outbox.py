@@ -323,7 +323,7 @@ def test_coalesce_joins_only_contiguous_runs_within_the_limit(chunks: list[Chunk
         runs.append(run)
     assert i == len(chunks), "chunks were dropped"
     # Greedy: a chunk that could have joined the previous output chunk did.
-    for prev, (o, run) in zip(out, zip(out[1:], runs[1:])):
+    for prev, run in zip(out, runs[1:]):
         first = run[0]
         assert not (first.stream == prev.stream and first.start == prev.end
                     and len(prev.data) + len(first.data) <= limit)

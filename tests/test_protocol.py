@@ -743,7 +743,7 @@ def conversations(draw: st.DrawFn) -> list[tuple[Role, Event]]:
     script.append((S, Done()))
     if draw(st.booleans()):
         cut = draw(st.integers(0, len(script) - 1))
-        script = script[:cut] + [(draw(st.sampled_from([A, S])), draw(errors))]
+        script = [*script[:cut], (draw(st.sampled_from([A, S])), draw(errors))]
     return script
 
 
@@ -1262,7 +1262,7 @@ def test_garbage_json_fields(ftype: FrameType, make: Callable[..., dict[str, Any
     keys = sorted(make())
 
     @budget(GARBAGE_EXAMPLES // 5)
-    @given(key=st.sampled_from(keys + ["unknown"]), value=json_values, drop=st.booleans())
+    @given(key=st.sampled_from([*keys, "unknown"]), value=json_values, drop=st.booleans())
     def run(key: str, value: Any, drop: bool) -> None:
         nonlocal tried
         tried += 1

@@ -13,8 +13,8 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool, wait_until
@@ -39,14 +39,6 @@ def start_shadow(home: Path, tmp_path: Path, *extra: str) -> ShadowProc:
     sh = ShadowProc(home, logs, extra=list(extra))
     sh.start()
     return sh
-
-
-@pytest.fixture
-def shadows() -> Iterator[list[ShadowProc]]:
-    started: list[ShadowProc] = []
-    yield started
-    for sh in started:
-        sh.stop()
 
 
 def run(shadow: ShadowProc, tmp_path: Path, job_id: str, *extra: str, job: list[str] | None = None,
@@ -233,7 +225,7 @@ def pki(tmp_path: Path) -> dict[str, Path]:
     ca.issue_cert("alice@grid", common_name="alice").private_key_and_cert_chain_pem.write_to_path(str(d / "alice.pem"))
     other_ca.issue_cert("mallory@grid", common_name="mallory").private_key_and_cert_chain_pem.write_to_path(
         str(d / "mallory.pem"))
-    past = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+    past = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
     ca.issue_cert("old@grid", common_name="old", not_before=past,
                   not_after=past + datetime.timedelta(days=1)).private_key_and_cert_chain_pem.write_to_path(
         str(d / "expired.pem"))

@@ -27,9 +27,9 @@ from helpers import Wrapper, drop_cap_sys_resource, tool, wait_until
 
 from gcwrap.shadow import syncer as shadow_files
 from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, open_confined
-from gcwrap.shadow.syncer import Syncer
 from gcwrap.shadow.receive import Buffers
 from gcwrap.shadow.state import Store
+from gcwrap.shadow.syncer import Syncer
 from gcwrap.wire.events import Ack, Data, Done, Error, ErrorCode, Exit, Hello, StreamSpec, Welcome
 from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, Role, encode
 

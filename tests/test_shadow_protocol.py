@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import ShadowProc, file_size, wait_until
+from rawagent import RawAgent, connect
 
 from gcwrap.wire.events import (
     Ack,
@@ -35,45 +34,7 @@ from gcwrap.wire.events import (
     Welcome,
     ZData,
 )
-from gcwrap.wire.protocol import MAGIC, NEED_DATA, Connection, Role, encode
-
-_OPEN: list[socket.socket] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_sockets() -> Iterator[None]:
-    yield
-    while _OPEN:
-        _OPEN.pop().close()
-
-
-class RawAgent:
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        _OPEN.append(self.sock)
-        self.conn = Connection(Role.AGENT)
-
-    def send(self, event: Event) -> None:
-        self.sock.sendall(self.conn.send(event))
-
-    def next(self) -> Event:
-        while True:
-            ev = self.conn.next_event()
-            if ev is not NEED_DATA:
-                assert isinstance(ev, Event)
-                return ev
-            data = self.sock.recv(65536)
-            self.conn.receive_data(data)
-
-    def until(self, cls: type, limit: int = 1000) -> Event:
-        for _ in range(limit):
-            ev = self.next()
-            if isinstance(ev, cls) or isinstance(ev, (Error, ConnectionClosed)):
-                return ev
-        raise AssertionError(f"no {cls.__name__}")
-
-    def close(self) -> None:
-        self.sock.close()
+from gcwrap.wire.protocol import MAGIC, Connection, Role, encode
 
 
 def hello(job: str, instance: str = "i1", out: str = "o", **kw: str) -> Hello:
@@ -140,8 +101,7 @@ def test_gap_refused_trim_and_ack(shadow: ShadowProc, home: Path) -> None:
 def test_garbage_gets_an_error_and_the_shadow_lives(shadow: ShadowProc) -> None:
     for junk in (b"GET / HTTP/1.1\r\n\r\n", MAGIC + b"\x00\x00\x00\x05\x01{{{{", MAGIC + b"\xff\xff\xff\xff\x03",
                  os.urandom(4096)):
-        s = socket.create_connection(("127.0.0.1", shadow.port), timeout=10)
-        _OPEN.append(s)
+        s = connect(shadow.port)
         s.sendall(junk)
         got = b""
         while chunk := s.recv(65536):
@@ -380,19 +340,21 @@ def test_jobs_per_identity_cap_holds_for_hellos_at_once(home: Path, tmp_path: Pa
     sh = ShadowProc(home, logs, extra=["--max-jobs-per-identity", "1"])
     sh.start()
     decided = 0
+
+    # Each thread gets its round's objects: a thread still waiting past its
+    # join never reads the next round's agents.
+    def one(start: threading.Barrier, agent: RawAgent, frame: bytes, answers: list[Event | None], i: int) -> None:
+        start.wait(10)
+        agent.sock.sendall(frame)
+        answers[i] = agent.next()
+
     try:
         for round_ in range(20):
             agents = [RawAgent(sh.port), RawAgent(sh.port)]
             frames = [a.conn.send(hello(f"cap{round_}-{i}", out=f"cap{round_}-{i}.out")) for i, a in enumerate(agents)]
             start = threading.Barrier(2)
             answers: list[Event | None] = [None, None]
-
-            def one(i: int) -> None:
-                start.wait(10)
-                agents[i].sock.sendall(frames[i])
-                answers[i] = agents[i].next()
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            threads = [threading.Thread(target=one, args=(start, agents[i], frames[i], answers, i)) for i in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -466,8 +428,7 @@ def test_a_zdata_bomb_is_refused_and_nothing_of_it_written(shadow: ShadowProc, h
 
 @pytest.mark.timeout(60)
 def test_an_agent_that_offers_nothing_gets_the_welcome_older_agents_know(shadow: ShadowProc) -> None:
-    sock = socket.create_connection(("127.0.0.1", shadow.port), timeout=10)
-    _OPEN.append(sock)
+    sock = connect(shadow.port)
     sock.sendall(MAGIC + encode(hello("plain", out="plain.out")))
     conn = Connection(Role.SHADOW)  # only to cut the reply into frames
     raw = b""

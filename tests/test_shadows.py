@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool, wait_until
 from pgserver import PgServer
-from test_shadow_protocol import RawAgent, hello
+from rawagent import RawAgent
+from test_shadow_protocol import hello
 
 from gcwrap.wire.events import Ack, ConnectionClosed, Data, Done, Error, ErrorCode, Event, Exit, Welcome
 

@@ -201,8 +201,8 @@ def test_resume_obeys_a_signal_within_the_grace(spool_dir: Path, sig: signal.Sig
     assert took < SIGNAL_GRACE + MARGIN, took
     (spool,) = spool_dir.glob("*.spool")
     text = err.decode()
-    assert f"{sig.name} received: delivery stopped after the {SIGNAL_GRACE:g} s grace; not yet home: 6 bytes of " \
-           f"stdout (s.out), 5 bytes of stderr (s.err) (spool {spool})" in text, text
+    assert (f"{sig.name} received: delivery stopped after the {SIGNAL_GRACE:g} s grace; not yet home: 6 bytes of "
+            f"stdout (s.out), 5 bytes of stderr (s.err) (spool {spool})") in text, text
     (st,) = spool_status(spool_dir)
     assert {s["kind"]: s["pending"] for s in st["streams"]} == {"stdout": 6, "stderr": 5}  # type: ignore[index]
 
@@ -270,7 +270,7 @@ def test_a_hangup_is_ignored_under_nohup(shadow: object, home: Path, spool_dir: 
          "--job-id", "nohup", "--retry-timeout", "1", "--stdout", "n.out", "--",
          "sh", "-c", f"echo hi; touch {started_file}; sleep 2; echo bye"],
         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # noqa: PLW1509 - as nohup does
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup does
     try:
         wait_until(started_file.exists, 30, "the job to start")
         os.killpg(w.pid, signal.SIGHUP)  # (the hangup reaches the whole session: gcwrap and its job)

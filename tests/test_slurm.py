@@ -33,9 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from helpers import GENJOB, ShadowProc, file_size, sha256_bytes, sha256_file, tool, wait_until
@@ -200,7 +200,7 @@ def test_array_job_streams_each_task_under_its_templated_name(
         for task in range(3):
             if task not in early:
                 size = file_size(home / f"slurm/{job}.{task}.out")
-                if 0 < size and not (tmp_path / f"done.{task}").exists():
+                if size > 0 and not (tmp_path / f"done.{task}").exists():
                     early.add(task)  # read before the done-file: these bytes were home while the job wrote
         if spool_dir.is_dir():
             spooled.update(p.name for p in spool_dir.glob("*.spool"))

@@ -41,7 +41,8 @@ BIG = 1 << 40
 
 
 def job(**changes: object) -> JobRecord:
-    record = JobRecord(job_id="job 42/α", instance="0123456789abcdef", command=["python3", "-c", "print('hi')"])
+    record = JobRecord(job_id="job 42/\N{GREEK SMALL LETTER ALPHA}", instance="0123456789abcdef",
+                       command=["python3", "-c", "print('hi')"])
     for key, value in changes.items():
         setattr(record, key, value)
     return record
@@ -150,7 +151,7 @@ def test_a_failed_commit_changes_nothing(spool: Spool) -> None:
     assert (spool.streams(), list(spool.iter_all()), spool.job(), seqs(spool)) == before
     # The same (stream, start) twice is refused as a whole, as a SpoolError
     # (on disk before a byte is written: there a byte's place is its offset).
-    with pytest.raises(SpoolError, match="UNIQUE|already spooled"):
+    with pytest.raises(SpoolError, match=r"UNIQUE|already spooled"):
         spool.commit([Chunk(OUT, 4, b"new"), Chunk(ERR, 0, b"e"), Chunk(OUT, 0, b"dup")])
     assert (spool.streams(), list(spool.iter_all()), spool.job(), seqs(spool)) == before
     assert not spool.db.conn.in_transaction
@@ -218,8 +219,8 @@ def test_job_record_round_trips() -> None:
     )
     s = Spool.create(None, record, [])
     assert s.job() == record
-    s.commit(job=dict(ended=1700000100.5, exit_code=None, exit_signal=9, reason="killed", retries=3, delivered=True,
-                             last_error="connection refused", command=["x", "y"]))
+    s.commit(job={"ended": 1700000100.5, "exit_code": None, "exit_signal": 9, "reason": "killed", "retries": 3,
+                  "delivered": True, "last_error": "connection refused", "command": ["x", "y"]})
     got = s.job()
     assert (got.ended, got.exit_code, got.exit_signal, got.reason, got.retries, got.delivered) == (
         1700000100.5, None, 9, "killed", 3, True)
@@ -307,7 +308,7 @@ def test_remove_deletes_every_file(tmp_path: Path) -> None:
 
 
 def test_safe_filename() -> None:
-    assert safe_filename("job 42/α") == "job_42__"
+    assert safe_filename("job 42/\N{GREEK SMALL LETTER ALPHA}") == "job_42__"
     assert safe_filename("") == "job"
     assert safe_filename("a" * 200) == "a" * 96
     assert safe_filename("ok-1.2_3") == "ok-1.2_3"

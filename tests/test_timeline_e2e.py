@@ -15,20 +15,19 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from faults import Relay
 from helpers import ShadowProc, Wrapper, tool, wait_until
+from rawagent import RawAgent
 
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import (
     NOTES_FEATURE,
     Data,
     Done,
-    Error,
     Exit,
     Hello,
     Note,
@@ -36,7 +35,6 @@ from gcwrap.wire.events import (
     StreamSpec,
     Welcome,
 )
-from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 
 # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -45,14 +43,6 @@ from gcwrap.wire.protocol import NEED_DATA, Connection, Role
 def state(request: pytest.FixtureRequest) -> str:
     """The --state of a test's shadow and readers ("" for the root's own)."""
     return "" if request.param == "sqlite" else str(request.getfixturevalue("pg_url"))
-
-
-@pytest.fixture
-def shadows() -> Iterator[list[ShadowProc]]:
-    started: list[ShadowProc] = []
-    yield started
-    for sh in started:
-        sh.stop()
 
 
 def start_shadow(home: Path, tmp_path: Path, shadows: list[ShadowProc], state: str, *extra: str) -> ShadowProc:
@@ -84,31 +74,6 @@ def token_file(path: Path) -> Path:
     path.write_text(os.urandom(32).hex() + "\n")
     path.chmod(0o600)
     return path
-
-
-class RawAgent:
-    """An agent speaking the protocol itself, over a real socket."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
-        self.conn = Connection(Role.AGENT)
-
-    def send(self, event: Any) -> None:
-        self.sock.sendall(self.conn.send(event))
-
-    def receive(self, kind: type) -> Any:
-        while True:
-            ev = self.conn.next_event()
-            if ev is NEED_DATA:
-                self.conn.receive_data(self.sock.recv(65536))
-                continue
-            if isinstance(ev, kind):
-                return ev
-            if isinstance(ev, Error):
-                raise AssertionError(f"the shadow said {ev.code.name}: {ev.message}")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 # -- the timeline --------------------------------------------------------------------------------------
@@ -163,7 +128,7 @@ def test_notes_an_agent_sends_twice_are_kept_once(home: Path, tmp_path: Path, st
     lost = Note(t - 30, "connection_lost", (("reason", "reset by peer"), ("worked_at", t - 31.5),
                                             ("shadow", "home:50000")))
     back = Note(t - 10, "reconnected", (("after_s", 21.5), ("shadow", "home:50000"), ("attempts", 4)))
-    agent = RawAgent(sh.port)
+    agent = RawAgent(sh.port, timeout=20)
     try:
         agent.send(Hello("noted-1", "0123456789abcdef", (StreamSpec(1, "stdout", "noted.out"),), host="node7",
                          user="alice", features=(NOTES_FEATURE,)))
@@ -239,7 +204,7 @@ def test_home_short_of_disk_is_said_at_start_in_jobs_and_in_refusals(home: Path,
     listed with why. Before: it started without a word and told every job BUSY."""
     sh = start_shadow(home, tmp_path, shadows, "", "--min-free", "1000TiB")
     assert "every job is told to come back later (BUSY) until the root has room" in sh.log()
-    agent = RawAgent(sh.port)
+    agent = RawAgent(sh.port, timeout=20)
     try:
         agent.send(Hello("busy-1", "0123456789abcdef", (StreamSpec(1, "stdout", "busy.out"),)))
         with pytest.raises(AssertionError, match="said BUSY: disk low at home"):

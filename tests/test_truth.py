@@ -35,7 +35,7 @@ import pytest
 from faults import NS_IP, NetNS, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import Wrapper, file_size, spool_status_both, tool, wait_until
 
-from gcwrap.render import human_bytes
+from gcwrap.units import human_bytes
 
 # The job: writes known amounts, and says how it went in a JSON file of its own
 # (rewritten atomically): its start, bytes written per stream, and the time it
@@ -113,7 +113,8 @@ def sessions(log: Path, job: str) -> list[float]:
     """When the shadow began each session of `job` (its log lines' timestamps)."""
     out = []
     for line in log.read_text().splitlines():
-        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) gcshadow: \S+(?: \[[^]]*\])?: job (\S+) session \d+", line)
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) gcshadow: \S+(?: \[[^]]*\])?: "
+                     r"job (\S+) session \d+", line)
         if m and m.group(3) == job:
             out.append(time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000)
     return out
@@ -241,9 +242,9 @@ def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
         assert abs(st["spool_bytes"] - size) <= 64 << 10, (st["spool_bytes"], size)  # (the live file, WAL growth)
         assert abs(st["disk_free"] - free) <= 256 << 10, (st["disk_free"], free)
         cells = row(text, "paused-job")
-        assert cells[1:7] == ["paused", "stdout p.out", human_bytes(by_kind["stdout"]["appended"]), "0 B",
-                              human_bytes(by_kind["stdout"]["pending"]), f"{by_kind['stdout']['oldest_pending_s']:.0f}s"] \
-            or cells[1] == "paused", (cells, st)
+        want = ["paused", "stdout p.out", human_bytes(by_kind["stdout"]["appended"]), "0 B",
+                human_bytes(by_kind["stdout"]["pending"]), f"{by_kind['stdout']['oldest_pending_s']:.0f}s"]
+        assert cells[1:7] == want or cells[1] == "paused", (cells, st)
         # Home comes back `down` seconds after the job started.
         time.sleep(max(0.0, spawned + down - time.time()))
         back = time.time()
@@ -288,7 +289,7 @@ def test_every_figure_of_a_paused_job(tmp_path: Path) -> None:
     (connected,) = [x for x in said if "connected to the shadow" in x]
     assert "for the first time" in connected and "connected to the shadow again" not in err, err
     # gcshadow jobs, text and JSON.
-    rec, text, taken, window = jobs(home, "paused-job")
+    rec, text, _, window = jobs(home, "paused-job")
     assert rec["state"] == "finished" and rec["exit_code"] == 3 and rec["bytes"] == 2 * n
     assert rec["host"] == socket.gethostname().split(".")[0] or rec["host"]
     # The job's run time: its gcwrap's start to the job's end (its times come with the summary).

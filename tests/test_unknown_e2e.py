@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,10 +20,10 @@ from pathlib import Path
 import pytest
 from helpers import ShadowProc, Wrapper, expected, file_size, genjob, sha256_file, tool, wait_until
 from pgserver import PgServer
+from rawagent import RawAgent
 from statefaults import FailingStateSync, PgRelay
 
-from gcwrap.wire.events import Data, Error, ErrorCode, Event, Hello, Ping, Pong, StreamSpec, Welcome
-from gcwrap.wire.protocol import NEED_DATA, Connection, Role
+from gcwrap.wire.events import Data, Error, ErrorCode, Ping, Pong, Welcome
 
 MB = 1_000_000
 
@@ -32,30 +31,6 @@ MB = 1_000_000
 def refused_for_good(err: str) -> list[str]:
     """The permanent codes gcwrap said it was refused with ("[LENGTH_MISMATCH]"...)."""
     return [c for c in re.findall(r"\[([A-Z_]+)\]", err) if c in ErrorCode.__members__ and ErrorCode[c].permanent]
-
-
-class Agent:
-    """A bare agent on a socket: HELLO, DATA, PING by hand."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.conn = Connection(Role.AGENT)
-
-    def send(self, event: Event) -> None:
-        self.sock.sendall(self.conn.send(event))
-
-    def next(self) -> Event:
-        while (ev := self.conn.next_event()) is NEED_DATA:
-            self.conn.receive_data(self.sock.recv(65536))
-        assert isinstance(ev, Event)
-        return ev
-
-    def hello(self, job: str, instance: str, name: str = "o.txt") -> Event:
-        self.send(Hello(job_id=job, instance=instance, streams=(StreamSpec(1, "stdout", name),), host="test"))
-        return self.next()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
@@ -111,7 +86,7 @@ def _lost_then_back(shadow: ShadowProc, relay: PgRelay, lost: float, n: int) -> 
     relay.down()
     until = time.monotonic() + lost
     while time.monotonic() < until:
-        a = Agent(shadow.port)
+        a = RawAgent(shadow.port)
         ev = a.hello("back", f"i{n}-lost")
         a.close()
         assert isinstance(ev, Error) and ev.code is ErrorCode.BUSY, ev
@@ -119,7 +94,7 @@ def _lost_then_back(shadow: ShadowProc, relay: PgRelay, lost: float, n: int) -> 
     relay.up()
     back = time.monotonic()
     while time.monotonic() - back < 15:
-        a = Agent(shadow.port)
+        a = RawAgent(shadow.port)
         ev = a.hello("back", f"i{n}")
         a.close()
         if isinstance(ev, Welcome):
@@ -192,18 +167,18 @@ def test_a_replaced_attempt_after_a_restart_fences_nobody(tmp_path: Path) -> Non
     shadow = ShadowProc(home, logs)
     shadow.start()
     try:
-        old = Agent(shadow.port)
+        old = RawAgent(shadow.port)
         assert isinstance(old.hello("att", "a1"), Welcome)
         old.close()
-        new = Agent(shadow.port)
+        new = RawAgent(shadow.port)
         assert isinstance(new.hello("att", "a2"), Welcome)
         new.close()
         shadow.kill9()
         shadow.start()
-        new = Agent(shadow.port)
+        new = RawAgent(shadow.port)
         assert isinstance(new.hello("att", "a2"), Welcome)
         new.send(Data(1, 0, b"the newer attempt's output\n"))
-        stale = Agent(shadow.port)
+        stale = RawAgent(shadow.port)
         ev = stale.hello("att", "a1")
         stale.close()
         assert isinstance(ev, Error) and ev.code is ErrorCode.STALE_ATTEMPT, ev

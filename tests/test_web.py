@@ -284,7 +284,7 @@ def test_event_stream_resumes_at_last_event_id_and_shows_only_the_tail(web: WebP
     landed = (home / "out/big-1.txt").read_bytes()
     events = list(web.events("/api/jobs/big-1/events?tail=16", until="end"))
     skips = [d for n, d, _ in events if n == "skip" and d["stream"] == "stdout"]
-    assert len(skips) == 1 and skips[0]["from"] == 0 and 200_000 - 16 * 1024 - 4096 <= skips[0]["to"]
+    assert len(skips) == 1 and skips[0]["from"] == 0 and skips[0]["to"] >= 200_000 - 16 * 1024 - 4096
     got = [d for n, d, _ in events if n == "data" and d["stream"] == "stdout"]
     assert got[0]["offset"] == skips[0]["to"] and got[-1]["end"] == 200_000
     # A reconnecting EventSource sends the id of the last event it saw: the stream goes on from there, byte-exact.
@@ -389,7 +389,8 @@ def test_lines_are_numbered_as_in_the_file_and_a_page_may_start_at_a_line(web: W
     assert status == 400 and b"whole numbers" in body
 
 
-def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -722,7 +723,8 @@ def test_a_job_is_shown_the_same_from_either_state(tmp_path: Path) -> None:
                                                                                   "job_ended": "103.0"}}, wall=200.0)
     assert as_text == decoded
     assert decoded["command"] == ["python3", "x.py"] and decoded["duration_s"] == 2.5  # the job's own start and end
-    running = reader.job_view({**base, "state": "streaming", "ended": None, "command": None, "summary": "{"}, wall=130.0)
+    running = reader.job_view({**base, "state": "streaming", "ended": None, "command": None, "summary": "{"},
+                              wall=130.0)
     assert running["command"] == [] and running["summary"] == {} and running["duration_s"] == 30.0
 
 

@@ -19,8 +19,18 @@ from typing import Any
 
 import pytest
 from helpers import ShadowProc, Wrapper, wait_until
-from test_web import (REFUSALS, InProcessWeb, WebClient, WebProc, _timeline, job_state, line_job, record_timeline,
-                      run_job, step_job)
+from test_web import (
+    REFUSALS,
+    InProcessWeb,
+    WebClient,
+    WebProc,
+    _timeline,
+    job_state,
+    line_job,
+    record_timeline,
+    run_job,
+    step_job,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -291,24 +301,28 @@ def test_the_timeline_why_and_refusals_are_shown(browser: Any, home: Path, shado
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     run_job(shadow, spool_dir, "timed-2", out=2000)
     t0 = time.time() - 600
-    record_timeline(monkeypatch, {"timed-2": _timeline(t0)}, {"timed-2": "disconnected since 14:02:03 (connection reset)"},
-                    REFUSALS)
+    record_timeline(monkeypatch, {"timed-2": _timeline(t0)},
+                    {"timed-2": "disconnected since 14:02:03 (connection reset)"}, REFUSALS)
     web = InProcessWeb(home)
     try:
         wait_until(lambda: (job_state(web, "timed-2") or {}).get("why"), 20, "the why")
         browser.get(web.base + "/")
         row = 'tr[data-job="timed-2"]'
-        wait_for(browser, lambda d: "disconnected since 14:02:03" in text_of(d, row + " .why-line"), "the why in the list")
+        wait_for(browser, lambda d: "disconnected since 14:02:03" in text_of(d, row + " .why-line"),
+                 "the why in the list")
         wait_for(browser, lambda d: text_of(d, "#refusals-count") == "(2)", "two refused connections")
         refused = text_of(browser, "#refusals")
-        assert "wrong-token-job" in refused and "AUTH_FAILED" in refused and "authentication failed: wrong token" in refused
+        assert "wrong-token-job" in refused and "AUTH_FAILED" in refused
+        assert "authentication failed: wrong token" in refused
         assert "cn=alice" in refused and "10.9.8.6:5001" in refused
         assert "2 refused connections" in text_of(browser, "#counts")
         browser.get(web.base + "/jobs/timed-2")
         wait_for(browser, lambda d: text_of(d, "#why") == "disconnected since 14:02:03 (connection reset)", "the why")
-        assert "3 events" in text_of(browser, "#timeline summary") and "connection lost" in text_of(browser, "#timeline summary")
+        summary = text_of(browser, "#timeline summary")
+        assert "3 events" in summary and "connection lost" in summary
         browser.find_element("css selector", "#timeline summary").click()
-        kinds = browser.execute_script("return Array.from(document.querySelectorAll('#events li'), e => e.dataset.kind)")
+        kinds = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#events li'), e => e.dataset.kind)")
         assert kinds == ["session_opened", "stalled", "connection_lost"]  # oldest first
         lost = text_of(browser, '#events li[data-kind="connection_lost"]')
         assert "connection reset" in lost and "agent" in lost and "home:50000" in lost
@@ -354,8 +368,8 @@ def sweep(home: Path, shadow: ShadowProc, spool_dir: Path, monkeypatch: pytest.M
     job = Wrapper(["--shadow", shadow.address, "--stdout", "results/a-long-directory-of-the-sweep/task-0042.log",
                    "--stderr", "results/a-long-directory-of-the-sweep/task-0042.err", "--job-id", LONG_ID,
                    "--spool", str(spool_dir), "--", sys.executable, "-c",
-                   "import sys\nfor i in range(300): print(f'step {i:5d}  loss 0.{i:04d}  ' + 'x' * 150)\n"
-                   "print('Traceback: a very long line ' + 'y' * 400, file=sys.stderr)\nsys.exit(3)"])
+                   ("import sys\nfor i in range(300): print(f'step {i:5d}  loss 0.{i:04d}  ' + 'x' * 150)\n"
+                    "print('Traceback: a very long line ' + 'y' * 400, file=sys.stderr)\nsys.exit(3)")])
     assert job.wait(60) == 3, job.err
     run_job(shadow, spool_dir, "small-1", out=100)
     record_timeline(monkeypatch, {LONG_ID: _timeline(time.time() - 300)}, {LONG_ID: "finished with status 3"},

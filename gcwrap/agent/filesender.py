@@ -150,6 +150,9 @@ class Version:
 
 @dataclass
 class TrackedFile:
+    """One file the job writes, as the sender follows it: its handle on the wire, the version being
+    sent, and what home holds committed."""
+
     handle: int
     path: str
     name: str

@@ -26,6 +26,8 @@ class FileSpecError(ValueError):
 
 @dataclass(frozen=True)
 class FileSpec:
+    """One --file: a path or glob under the working directory, and where its matches land at home."""
+
     pattern: str  # a path or a glob, relative to the working directory, normalised
     name: str | None = None  # where it lands at home; None: under its own path
 

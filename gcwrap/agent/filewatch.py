@@ -43,6 +43,8 @@ SETTLE = 0.05  # at least this long between passes: a job appending fast wakes i
 
 
 class Change(enum.Enum):
+    """What happened to a watched path between two looks."""
+
     APPEARED = "appeared"
     GREW = "grew"
     REPLACED = "replaced"
@@ -52,6 +54,8 @@ class Change(enum.Enum):
 
 @dataclass(frozen=True)
 class FileEvent:
+    """A change to one path that a --file matches, with its stat after the change."""
+
     path: str  # relative to the working directory
     spec: FileSpec
     change: Change

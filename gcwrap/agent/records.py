@@ -26,6 +26,8 @@ class SourceError(Exception):
 
 @dataclass(frozen=True)
 class Chunk:
+    """Stream bytes [start, start + len(data)) held in memory (a row of the spool once committed)."""
+
     stream: int
     start: int
     data: bytes
@@ -56,6 +58,8 @@ class Extent:
 
 @dataclass
 class StreamState:
+    """One stream's counters in the spool: bytes the job wrote, bytes durable at home, its end."""
+
     id: int
     kind: str
     name: str
@@ -86,6 +90,9 @@ def loss_text(losses: Iterable[tuple[str, int, int]]) -> str:
 
 @dataclass
 class JobRecord:
+    """The job as the spool records it: its command, where and when it ran, how it ended, and
+    how its delivery went (`gcwrap status` reads it)."""
+
     job_id: str
     instance: str
     command: list[str]

@@ -24,8 +24,8 @@ from pathlib import Path
 import trio
 
 from .. import exitcodes
-from ..render import human_bytes
 from ..sync import worst_error
+from ..units import human_bytes
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
 from . import fileresume
 from .addresses import show, show_all

@@ -73,6 +73,8 @@ FILE_MIGRATIONS: list[Migration] = [
 
 @dataclass(frozen=True)
 class FileRecord:
+    """A file the job writes, as the spool records it: its handle, path, name at home and --file."""
+
     handle: int  # the file's number on the wire, for this run of the job
     path: str  # relative to the job's working directory
     name: str  # where it lands at home
@@ -83,6 +85,9 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class VersionRecord:
+    """One version of a file, as the spool records it: what was sent of it, what home holds, and
+    its digests once scanned for its commit."""
+
     file: int
     version: int
     base: int | None  # the version it is built from (committed at home), or None

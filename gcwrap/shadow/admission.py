@@ -28,6 +28,8 @@ log = logging.getLogger("gcshadow")
 
 @dataclass
 class ShadowOptions:
+    """Everything `gcshadow serve` is told: where it listens, its root, its limits and who may connect."""
+
     root: Path
     host: str = "127.0.0.1"
     port: int = 50000

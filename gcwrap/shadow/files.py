@@ -428,6 +428,9 @@ def entry_dirs(name: str, made: list[str]) -> tuple[str, ...]:
 
 @dataclass
 class JobFiles:
+    """The open files of one job's session at home: its outputs, its stdin, and the cuts its claim
+    makes once committed."""
+
     job_id: str
     instance: str
     session: int

@@ -9,9 +9,9 @@ private registry of the official client library: nothing is updated on a
 frame's way for them but a few integer additions and, once per durable
 group, the histograms of `tally.Tally`. What needs a system call (the free
 space under the root, the descriptors open) is looked at once per request,
-in a worker thread (a root on NFS may block). HTTP/1.1 is h11 over trio
-streams, one task per connection, as `gcshadow web` serves; TLS from trio
-when asked for. `/metrics` requires the token when there is one (a bearer
+in a worker thread (a root on NFS may block). HTTP/1.1 is served as
+`gcshadow web` serves it (httpserve.py: h11 over trio streams, one task per
+connection, TLS from trio when asked for). `/metrics` requires the token when there is one (a bearer
 header, as Prometheus' `authorization` sends it); `/healthz` does not (a
 balancer's check), and says no more than healthy or why not.
 """
@@ -23,22 +23,23 @@ import logging
 import os
 import ssl
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .admission import disk_busy
 from .descriptors import nofile, open_fds
+from .httpserve import Http, HttpServer, Limits, Request
 
 if TYPE_CHECKING:
     from .server import Shadow
 
 log = logging.getLogger("gcshadow")
 
-FIRST_REQUEST = 10.0  # seconds a connection has to send its request (a TLS handshake included)
-IDLE = 60.0  # seconds a kept-alive connection may wait for its next request
-MAX_CLIENTS = 64  # connections at once (a scraper or two, a balancer's checks); more are closed at once
+# A request within 10 s of connecting (TLS included), the next within 60 s; 64 connections at once
+# (a scraper or two, a balancer's checks), more are closed at once.
+LIMITS = Limits(first_request=10.0, idle=60.0, max_clients=64)
 LOOK_TIMEOUT = 5.0  # seconds a look at the root may take before the answer says it could not be made
 KINDS = {1: "stdout", 2: "stderr"}
 # Why connections were refused, by the code their agents were told.
@@ -47,10 +48,13 @@ REASONS = {"AUTH_FAILED": "authentication", "BUSY": "busy", "QUOTA": "quota", "T
 
 @dataclass
 class MetricsOptions:
+    """Where `--metrics` listens, and the token and TLS it asks of clients."""
+
     host: str
     port: int
     token: bytes | None = None  # required of /metrics (Authorization: Bearer TOKEN)
     tls: ssl.SSLContext | None = None  # HTTPS; client certificates when it requires them
+    limits: Limits = field(default=LIMITS)  # what one client may take
 
 
 @dataclass
@@ -180,18 +184,21 @@ class ShadowCollector:
                                 0 if unhealthy(s, seen) else 1)
 
 
-class Metrics:
+class Metrics(HttpServer):
     """The listener: /metrics and /healthz (see the module's docstring)."""
+
+    name = "metrics"
+    quiet = True  # (a failed accept or handshake here: the shadow's own connections come first in its log)
 
     def __init__(self, shadow: Shadow, opts: MetricsOptions) -> None:
         from prometheus_client import CollectorRegistry
 
+        super().__init__(opts.limits, opts.tls)
         self.shadow = shadow
         self.opts = opts
         self.collector = ShadowCollector(shadow)
         self.registry = CollectorRegistry(auto_describe=False)  # (its own: never the library's global one)
         self.registry.register(self.collector)
-        self.clients = 0
 
     async def look(self) -> Look:
         with trio.move_on_after(LOOK_TIMEOUT):
@@ -213,83 +220,25 @@ class Metrics:
                  port)
         async with trio.open_nursery() as nursery:
             for listener in listeners:
-                nursery.start_soon(self._accept, listener, nursery)
+                nursery.start_soon(self.accept, listener, nursery)
             task_status.started(port)
 
-    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        async with listener:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as e:  # out of descriptors: the shadow's own connections come first
-                    log.debug("metrics: cannot accept connections for now: %s", e.strerror or e)
-                    await trio.sleep(0.5)
-                    continue
-                if self.clients >= MAX_CLIENTS:
-                    stream.socket.close()
-                    continue
-                nursery.start_soon(self._connection, stream)
+    async def handle(self, http: Http, req: Request, body: bytes) -> None:
+        status, answer, content_type, extra = await self._answer(req)
+        await self.respond(http, status, answer, content_type, extra, head=req.method == "HEAD")
 
-    async def _connection(self, tcp: trio.SocketStream) -> None:
-        from .web import Http
-
-        self.clients += 1
-        stream: trio.abc.Stream = tcp
-        try:
-            if self.opts.tls is not None:
-                stream = trio.SSLStream(tcp, self.opts.tls, server_side=True)
-                with trio.fail_after(FIRST_REQUEST):
-                    await stream.do_handshake()
-            await self._requests(Http(stream))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError,
-                ssl.SSLError):
-            pass  # the client went away, stopped reading, or failed its TLS handshake
-        except Exception:  # one bad request must not stop the shadow
-            log.exception("metrics: internal error")
-        finally:
-            self.clients -= 1
-            await trio.aclose_forcefully(stream)
-
-    async def _requests(self, http: Any) -> None:
-        import h11
-
-        wait = FIRST_REQUEST
-        while True:
-            with trio.move_on_after(wait):
-                try:
-                    ev = await http.next_event()
-                except h11.RemoteProtocolError:
-                    return
-            if not isinstance(ev, h11.Request):  # closed, or the wait ran out
-                return
-            with trio.fail_after(FIRST_REQUEST):
-                while not isinstance(await http.next_event(), (h11.EndOfMessage, h11.ConnectionClosed)):
-                    pass  # (a body, which no route reads)
-            status, body, ctype, extra = await self._answer(ev)
-            headers = [(b"Content-Type", ctype.encode()), (b"Cache-Control", b"no-store"),
-                       (b"Content-Length", str(len(body)).encode()), *extra]
-            data = [] if ev.method == b"HEAD" else [h11.Data(data=body)]
-            await http.send(h11.Response(status_code=status, headers=headers), *data, h11.EndOfMessage())
-            if http.conn.our_state is h11.MUST_CLOSE:
-                return
-            try:
-                http.conn.start_next_cycle()
-            except h11.ProtocolError:
-                return
-            wait = IDLE
-
-    async def _answer(self, req: Any) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
+    async def _answer(self, req: Request) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
         """Status, body, its type and more headers for one request."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        path = req.target.split(b"?", 1)[0]
+        path = req.path
         text = "text/plain; charset=utf-8"
-        if req.method not in (b"GET", b"HEAD"):
+        if req.method not in ("GET", "HEAD"):
             return 405, b"only GET and HEAD here\n", text, [(b"Allow", b"GET, HEAD")]
-        if path == b"/healthz":
+        if path == "/healthz":
             why = unhealthy(self.shadow, await self.look())
             return (503, f"{why}\n".encode(), text, []) if why else (200, b"ok\n", text, [])
-        if path != b"/metrics":
+        if path != "/metrics":
             return 404, b"no such page: /metrics and /healthz are here\n", text, []
         if not self._authorized(req):
             return 401, b"authentication required: send 'Authorization: Bearer TOKEN'\n", text, [
@@ -297,14 +246,9 @@ class Metrics:
         self.collector.seen = await self.look()
         return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST, []
 
-    def _authorized(self, req: Any) -> bool:
+    def _authorized(self, req: Request) -> bool:
         """Client certificates were checked by the TLS handshake; a token here."""
-        if self.opts.token is None:
-            return True
-        for name, value in req.headers:
-            if name.lower() == b"authorization" and value[:7].lower() == b"bearer ":
-                return hmac.compare_digest(value[7:].strip(), self.opts.token)
-        return False
+        return self.opts.token is None or hmac.compare_digest(req.bearer(), self.opts.token)
 
 
 async def serve_metrics(shadow: Shadow, opts: MetricsOptions, *,

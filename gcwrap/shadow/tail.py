@@ -34,6 +34,8 @@ STATE_POLL = 0.25
 
 @dataclass
 class Followed:
+    """One output `gcshadow tail` follows: its file, how far it was read, and its unfinished line."""
+
     job_id: str
     kind: str
     path: Path

@@ -37,6 +37,8 @@ HOME_FORGET = 86400.0  # ...and one this old is deleted
 
 @dataclass(frozen=True)
 class JobEvent:
+    """One event of a job's timeline (a connection, a disconnection, a fault...), by who saw it."""
+
     job_id: str
     time: float
     kind: str
@@ -54,6 +56,8 @@ class JobEvent:
 
 @dataclass(frozen=True)
 class Refusal:
+    """A connection the shadow refused: when, from whom, for which job, and why."""
+
     time: float
     peer: str
     identity: str

@@ -10,9 +10,10 @@ Theory of operation:
   When the shadow committed something, it wakes every open job page at once
   (`changed`, an event replaced after each firing).
 - One task per connection reads requests (h11), answers each, and reuses the
-  connection. Pages and static files come from the package (webstatic/); the
-  pages draw everything with textContent, so nothing an agent sent (job ids,
-  names, commands, output) is ever parsed as HTML.
+  connection (httpserve.py, as the metrics' listener does). Pages and
+  static files come from the package (webstatic/); the pages draw
+  everything with textContent, so nothing an agent sent (job ids, names,
+  commands, output) is ever parsed as HTML.
 - A job page holds one server-sent event stream (`/api/jobs/JOB/events`,
   webevents.py): the last `tail` bytes of each output on open (or from the
   line it links to), then the bytes that became durable since, the job's
@@ -33,29 +34,26 @@ import os
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
-from http import HTTPStatus
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, quote
 
 import h11
 import trio
 
 from ..wire.auth import is_loopback
+from .httpserve import Http, HttpError, HttpServer, Limits, Request
 from .webevents import LiveStream, Plan
 from .webstate import StateReader, Unservable, open_served
 
 log = logging.getLogger("gcshadow")
 
 POLL = 0.2  # seconds between looks at the state (one tiny query when nothing changed)
-FIRST_REQUEST = 30.0  # seconds a new connection has to send its request (TLS handshake included)
-IDLE = 60.0  # seconds a kept-alive connection may wait for its next request
-SEND_TIMEOUT = 60.0  # seconds one write to a client may block before the client is dropped
-MAX_BODY = 4096  # bytes of a request body (only the login form has one)
-MAX_CLIENTS = 1024  # connections at once; more are answered 503
-CHUNK = 64 * 1024  # bytes read from a client at once
+# A request within 30 s of connecting (TLS included), the next within 60 s; a body (only the login
+# form has one) of 4 KiB at most; 1024 connections at once, more are answered 503.
+LIMITS = Limits(first_request=30.0, idle=60.0, send_timeout=60.0, max_body=4096, max_clients=1024)
 SESSION_DAYS = 7
 COOKIE = "gcshadow_web"
 
@@ -73,6 +71,9 @@ TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
 
 @dataclass
 class WebOptions:
+    """Everything `gcshadow web` is told: where it listens, the root or state it reads, how clients
+    authenticate."""
+
     root: Path
     host: str = "127.0.0.1"
     port: int = 8080
@@ -83,80 +84,11 @@ class WebOptions:
     insecure: bool = False  # a non-loopback address without authentication, on purpose
     tail: int = 64 * 1024  # bytes of each output a job page shows on open
     state: str = ""  # a shared state to read (--state), instead of the root's own
+    limits: Limits = field(default=LIMITS)  # what one client may take
 
     @property
     def authenticated(self) -> bool:
         return self.token is not None or self.client_certs
-
-
-@dataclass
-class Request:
-    method: str
-    path: str  # as sent (still percent-encoded)
-    parts: list[str]  # path segments, each decoded
-    query: dict[str, str]
-    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
-
-    @classmethod
-    def parse(cls, ev: h11.Request) -> Request:
-        target = ev.target.decode("ascii", "replace")
-        split = urlsplit(target)
-        parts = [unquote(p, errors="strict") for p in split.path.split("/")[1:]]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
-        return cls(ev.method.decode("ascii", "replace"), split.path, parts, dict(parse_qsl(split.query)), headers)
-
-    def cookie(self, name: str) -> str:
-        for item in self.headers.get("cookie", "").split(";"):
-            key, _, value = item.strip().partition("=")
-            if key == name:
-                return value
-        return ""
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or []
-
-
-class Http:
-    """One HTTP/1.1 connection: h11 driven over a trio stream."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
-
-    async def next_event(self) -> Any:
-        while True:
-            ev = self.conn.next_event()
-            if ev is not h11.NEED_DATA:
-                return ev
-            try:
-                data = await self.stream.receive_some(CHUNK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            self.conn.receive_data(bytes(data))
-
-    async def send(self, *events: Any) -> None:
-        data = b"".join(self.conn.send(ev) or b"" for ev in events)
-        with trio.fail_after(SEND_TIMEOUT):
-            await self.stream.send_all(data)
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""
-
-
-def _headers(content_type: str, length: int | None = None, extra: list[tuple[bytes, bytes]] | None = None,
-             cache: bytes = b"no-store") -> list[tuple[bytes, bytes]]:
-    out = [(b"Content-Type", content_type.encode()), (b"Cache-Control", cache), *SECURITY_HEADERS, *(extra or [])]
-    if length is not None:
-        out.append((b"Content-Length", str(length).encode()))
-    return out
 
 
 def _static() -> dict[str, tuple[bytes, str]]:
@@ -169,14 +101,19 @@ def _static() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-class WebView:
+class WebView(HttpServer):
+    """The web view: the state polled, the pages, the JSON API and the live event streams."""
+
+    name = "web"
+    always: ClassVar[list[tuple[bytes, bytes]]] = SECURITY_HEADERS
+
     def __init__(self, opts: WebOptions) -> None:
+        super().__init__(opts.limits, opts.tls)
         self.opts = opts
         self.root_fd = os.open(opts.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.state = StateReader(opts.root, self.root_fd, opts.state)
         self.changed = trio.Event()
         self.static = _static()
-        self.clients = 0
         self.limiter = trio.CapacityLimiter(1)
         self.line_limiter = trio.CapacityLimiter(1)
         self.stats = {"requests": 0, "event_streams": 0, "bytes_streamed": 0}
@@ -193,7 +130,7 @@ class WebView:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
             for listener in listeners:
-                nursery.start_soon(self._accept, listener, nursery)
+                nursery.start_soon(self.accept, listener, nursery)
             port = listeners[0].socket.getsockname()[1]
             host = f"[{self.opts.host}]" if ":" in self.opts.host else self.opts.host
             log.info("web view of %s on %s://%s:%d/", self.opts.root, "https" if self.opts.tls else "http", host,
@@ -220,107 +157,22 @@ class WebView:
         if self.state.extras_due() and await trio.to_thread.run_sync(self.state.read_extras, limiter=self.limiter):
             self._changed()
 
-    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        async with listener:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as e:  # out of descriptors: wait for some to close
-                    log.warning("cannot accept connections for now: %s", e.strerror or e)
-                    await trio.sleep(0.5)
-                    continue
-                nursery.start_soon(self._connection, stream)
+    # -- what the listener says (httpserve.py) -------------------------------------------
 
-    # -- one connection --------------------------------------------------------
+    async def crowded(self, tcp: trio.SocketStream) -> None:
+        http = Http(tcp, self.limits)
+        with trio.move_on_after(2):
+            await http.next_event()
+            await self.error(http, HttpError(503, "too many connections to the web view; try again soon"))
 
-    async def _connection(self, tcp: trio.SocketStream) -> None:
-        self.clients += 1
-        stream: trio.abc.Stream = tcp
-        try:
-            if self.clients > MAX_CLIENTS:
-                http = Http(tcp)
-                with trio.move_on_after(2):
-                    await http.next_event()
-                    await self._error(http, HttpError(503, "too many connections to the web view; try again soon"))
-                return
-            if self.opts.tls is not None:
-                stream = trio.SSLStream(tcp, self.opts.tls, server_side=True)
-                try:
-                    with trio.fail_after(FIRST_REQUEST):
-                        await stream.do_handshake()
-                except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as e:
-                    log.info("web: TLS handshake failed: %s", e.__cause__ or e)
-                    return
-            await self._requests(Http(stream))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ConnectionError):
-            pass  # the client went away, or stopped reading
-        except Exception:  # one bad connection (an I/O error on a file...) must not stop the view
-            log.exception("web: internal error")
-        finally:
-            self.clients -= 1
-            await trio.aclose_forcefully(stream)
-
-    async def _requests(self, http: Http) -> None:
-        wait = FIRST_REQUEST
-        while True:
-            with trio.move_on_after(wait):
-                try:
-                    ev = await http.next_event()
-                except h11.RemoteProtocolError as e:
-                    await self._error(http, HttpError(e.error_status_hint, str(e)))
-                    return
-            if not isinstance(ev, h11.Request):  # ConnectionClosed, or the wait ran out
-                return
-            self.stats["requests"] += 1
-            req: Request | None = None
-            try:
-                req = Request.parse(ev)
-                body = await self._body(http)
-                await self._dispatch(http, req, body)
-            except HttpError as e:
-                await self._error(http, e, req)
-            except (h11.RemoteProtocolError, UnicodeDecodeError) as e:
-                await self._error(http, HttpError(400, f"bad request: {e}"))
-            if http.conn.our_state is h11.MUST_CLOSE:
-                return
-            try:
-                http.conn.start_next_cycle()
-            except h11.ProtocolError:
-                return
-            wait = IDLE
-
-    async def _body(self, http: Http) -> bytes:
-        body = b""
-        with trio.fail_after(FIRST_REQUEST):
-            while True:
-                ev = await http.next_event()
-                if isinstance(ev, h11.EndOfMessage):
-                    return body
-                if isinstance(ev, h11.Data):
-                    body += ev.data
-                    if len(body) > MAX_BODY:
-                        raise HttpError(413, "request body too large")
-                else:
-                    raise HttpError(400, "the request ended early")
-
-    async def _error(self, http: Http, e: HttpError, req: Request | None = None) -> None:
-        if http.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return  # a response is under way: all we can do is close
+    def error_body(self, e: HttpError, req: Request | None) -> tuple[bytes, str]:
         if req is None or req.parts[:1] == ["api"]:
-            body, ctype = json.dumps({"error": str(e), "status": e.status}).encode(), "application/json"
-        else:
-            body, ctype = self._page("error.html", status=str(e.status), message=str(e)), TYPES[".html"]
-        try:
-            await self._respond(http, e.status, body, ctype, e.headers, head=req is not None and req.method == "HEAD")
-        except (h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
-            pass
+            return json.dumps({"error": str(e), "status": e.status}).encode(), "application/json"
+        return self._page("error.html", status=str(e.status), message=str(e)), TYPES[".html"]
 
-    async def _respond(self, http: Http, status: int, body: bytes, content_type: str,
-                       extra: list[tuple[bytes, bytes]] | None = None, head: bool = False,
-                       cache: bytes = b"no-store") -> None:
-        response = h11.Response(status_code=status, headers=_headers(content_type, len(body), extra, cache),
-                                reason=_reason(status))
-        await http.send(response, *([] if head else [h11.Data(data=body)]), h11.EndOfMessage())
+    async def handle(self, http: Http, req: Request, body: bytes) -> None:
+        self.stats["requests"] += 1
+        await self._dispatch(http, req, body)
 
     def _page(self, name: str, **fields: str) -> bytes:
         """A page from the package, its {{field}}s filled in, escaped."""
@@ -338,7 +190,7 @@ class WebView:
             found = self.static.get(parts[1])
             if found is None or parts[1].endswith(".html"):
                 raise HttpError(404, "no such file")
-            await self._respond(http, 200, found[0], found[1], head=head, cache=b"no-cache")
+            await self.respond(http, 200, found[0], found[1], head=head, cache=b"no-cache")
             return
         if parts == ["login"] and self.opts.token is not None:
             await self._login(http, req, body)
@@ -349,17 +201,17 @@ class WebView:
         if parts[:1] == ["api"]:
             await self._fresh()
         if parts in ([""], ["jobs"], ["jobs", ""]):
-            await self._respond(http, 200, self.static["jobs.html"][0], TYPES[".html"], head=head)
+            await self.respond(http, 200, self.static["jobs.html"][0], TYPES[".html"], head=head)
         elif parts[:1] == ["jobs"] and len(parts) == 2:
             self._job(parts[1])
-            await self._respond(http, 200, self.static["job.html"][0], TYPES[".html"], head=head)
+            await self.respond(http, 200, self.static["job.html"][0], TYPES[".html"], head=head)
         elif parts == ["api", "jobs"]:
-            await self._respond(http, 200, self.state.view()[1], "application/json", head=head)
+            await self.respond(http, 200, self.state.view()[1], "application/json", head=head)
         elif parts == ["api", "refusals"]:
-            await self._respond(http, 200, self.state.refusals_json(), "application/json", head=head)
+            await self.respond(http, 200, self.state.refusals_json(), "application/json", head=head)
         elif parts[:2] == ["api", "jobs"] and len(parts) == 3:
             self._job(parts[2])
-            await self._respond(http, 200, self.state.job_json(parts[2]), "application/json", head=head)
+            await self.respond(http, 200, self.state.job_json(parts[2]), "application/json", head=head)
         elif parts[:2] == ["api", "jobs"] and len(parts) == 4 and parts[3] == "events":
             await self._events(http, req, parts[2])
         elif parts[:2] == ["api", "jobs"] and len(parts) == 5 and parts[3] == "files":
@@ -391,8 +243,7 @@ class WebView:
         token = self.opts.token
         if token is None:
             return
-        auth = req.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:].strip().encode(), token):
+        if hmac.compare_digest(req.bearer(), token):
             return
         if _valid_session(token, req.cookie(COOKIE)):
             return
@@ -406,7 +257,7 @@ class WebView:
         target = req.query.get("next", "/")
         if req.method in ("GET", "HEAD"):
             page = self._page("login.html", next=target, message="")
-            await self._respond(http, 200, page, TYPES[".html"], head=req.method == "HEAD")
+            await self.respond(http, 200, page, TYPES[".html"], head=req.method == "HEAD")
             return
         if req.method != "POST":
             raise HttpError(405, "GET or POST here", [(b"Allow", b"GET, HEAD, POST")])
@@ -417,11 +268,11 @@ class WebView:
         if not hmac.compare_digest(form.get("token", "").strip().encode(), self.opts.token):
             await trio.sleep(1)  # slows guessing (a token is at least 16 bytes anyway)
             page = self._page("login.html", next=target, message="That is not the token. Try again.")
-            await self._respond(http, 401, page, TYPES[".html"])
+            await self.respond(http, 401, page, TYPES[".html"])
             return
         cookie = (f"{COOKIE}={_new_session(self.opts.token)}; Path=/; HttpOnly; SameSite=Strict; "
                   f"Max-Age={SESSION_DAYS * 86400}") + ("; Secure" if self.opts.tls else "")
-        await self._respond(http, 303, b"", "text/plain", [(b"Location", target.encode()),
+        await self.respond(http, 303, b"", "text/plain", [(b"Location", target.encode()),
                                                             (b"Set-Cookie", cookie.encode())])
 
     # -- files ------------------------------------------------------------------
@@ -440,7 +291,7 @@ class WebView:
             base = st["name"].rsplit("/", 1)[-1]
             plain = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in base) or "output"
             disposition = f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(base, safe='')}"
-            headers = _headers("application/octet-stream", length, [(b"Content-Disposition", disposition.encode())])
+            headers = self.headers("application/octet-stream", length, [(b"Content-Disposition", disposition.encode())])
             await http.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
             offset = 0
             while offset < length and req.method != "HEAD":
@@ -468,7 +319,7 @@ class WebView:
             plan = Plan.parse(req.query, req.headers.get("last-event-id", ""), self.opts.tail, job["instance"])
         except ValueError:
             raise HttpError(400, "offsets, lines and tail are whole numbers") from None
-        headers = _headers("text/event-stream; charset=utf-8", None, [(b"X-Accel-Buffering", b"no")])
+        headers = self.headers("text/event-stream; charset=utf-8", None, [(b"X-Accel-Buffering", b"no")])
         await http.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
         if req.method == "HEAD":
             await http.send(h11.EndOfMessage())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..units import human_bytes
+from ..units import human_bytes, span
 
 STATUSES = ("streaming", "quiet", "stalled", "disconnected", "refused", "finished", "failed")
 QUIET_AFTER = 5.0  # seconds without new output before a connected job counts as quiet
@@ -95,16 +95,6 @@ def _disconnected(job: dict[str, Any], now: float) -> str:
         words = said["details"].get("reason") or said["details"].get("message") or ""
         text += f"; the agent last said: {said['kind']}" + (f" ({words})" if words else "")
     return text
-
-
-def span(seconds: float) -> str:
-    """A duration as people say it: 12 s, 14 min, 3.2 h."""
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def clock(t: float, now: float) -> str:

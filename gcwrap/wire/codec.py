@@ -30,6 +30,8 @@ HEADER = struct.Struct("!IB")  # length, type: every frame starts so
 
 
 class FrameType(enum.IntEnum):
+    """The type byte of a frame's header."""
+
     HELLO = 1
     WELCOME = 2
     DATA = 3

@@ -315,11 +315,15 @@ class Done(Event):
 
 @dataclass(frozen=True)
 class Ping(Event):
+    """Either side: are you there? The peer answers with a Pong of the same nonce."""
+
     nonce: int
 
 
 @dataclass(frozen=True)
 class Pong(Event):
+    """Either side: the answer to the Ping of the same nonce."""
+
     nonce: int
 
 

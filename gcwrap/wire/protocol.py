@@ -108,11 +108,15 @@ _SMALL = 4096  # received pieces shorter than this are copied together, not kept
 
 
 class Role(enum.Enum):
+    """Which end of a connection a protocol object speaks for."""
+
     AGENT = "agent"
     SHADOW = "shadow"
 
 
 class State(enum.Enum):
+    """Where a connection is in its life: the handshake, streaming, the exit, closed."""
+
     AWAIT_HELLO = "await-hello"
     AWAIT_WELCOME = "await-welcome"
     AWAIT_AUTH = "await-auth"

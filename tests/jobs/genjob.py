@@ -20,6 +20,7 @@ PATH while the job writes, and the job ends only once stdin is at its end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import select
@@ -99,34 +100,32 @@ def main() -> None:
     out = memoryview(random.Random(a.seed).randbytes(a.out))
     err = memoryview(random.Random(a.seed + 1).randbytes(a.err))
     sizes = random.Random(a.seed + 2)
-    stamps = open(a.timestamps, "a") if a.timestamps else None
-    o = e = 0
-    written = 0
-    start = time.monotonic()
-    while o < len(out) or e < len(err):
-        for fd, buf, pos in ((1, out, o), (2, err, e)):
-            if pos >= len(buf):
-                continue
-            n = min(len(buf) - pos, sizes.choice((1, 100, 4096, 65536, 200000)))
-            write_all(fd, buf[pos : pos + n])
-            if fd == 1:
-                o += n
-            else:
-                e += n
-            written += n
-            if stamps:
-                stamps.write(f"{time.time():.6f}\n")
-                stamps.flush()
-        if a.rate:
-            ahead = written / a.rate - (time.monotonic() - start)
-            if ahead > 0:
-                time.sleep(ahead)
-        end_if_terminated()
-    while reader is not None and reader.is_alive():
-        reader.join(0.05)
-        end_if_terminated()
-    if stamps:
-        stamps.close()
+    with open(a.timestamps, "a") if a.timestamps else contextlib.nullcontext() as stamps:
+        o = e = 0
+        written = 0
+        start = time.monotonic()
+        while o < len(out) or e < len(err):
+            for fd, buf, pos in ((1, out, o), (2, err, e)):
+                if pos >= len(buf):
+                    continue
+                n = min(len(buf) - pos, sizes.choice((1, 100, 4096, 65536, 200000)))
+                write_all(fd, buf[pos : pos + n])
+                if fd == 1:
+                    o += n
+                else:
+                    e += n
+                written += n
+                if stamps:
+                    stamps.write(f"{time.time():.6f}\n")
+                    stamps.flush()
+            if a.rate:
+                ahead = written / a.rate - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+            end_if_terminated()
+        while reader is not None and reader.is_alive():
+            reader.join(0.05)
+            end_if_terminated()
     if a.done_file:
         with open(a.done_file, "w") as f:
             f.write("done\n")
