@@ -16,8 +16,9 @@ import stages
 TESTS = Path(__file__).parent
 SPAWNS = re.compile(r"\bsubprocess\b|ShadowProc|Wrapper\b|gcshadow|\"gcwrap\"")
 SYSTEM = re.compile(
-    r"from faults import|import faults|pg_url|postgres|slurm|selenium|systemd|fusefs|sandbox|need_root|unshare|"
-    r"setrlimit|iptables|failsync"
+    r"^from faults import|^import faults|pg_url|postgres|slurm|selenium|systemd|fusefs|sandbox|need_root|unshare|"
+    r"setrlimit|iptables|failsync",
+    re.MULTILINE,
 )
 
 
