@@ -34,8 +34,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, ShadowProc, fmt, guarded, header, install_signal_handlers, render_table
-from throughput import GiB, parse_size, wait_measured
+from benchlib import (
+    BenchError,
+    GiB,
+    ShadowProc,
+    fmt,
+    guarded,
+    header,
+    install_signal_handlers,
+    parse_size,
+    render_table,
+    wait_measured,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = "import sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'gcwrap'; from gcwrap.cli import main; main()"

@@ -49,8 +49,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, ShadowProc, fmt, guarded, header, install_signal_handlers, render_table, summary, tools
-from throughput import GiB, parse_size
+from benchlib import (
+    BenchError,
+    GiB,
+    ShadowProc,
+    fmt,
+    guarded,
+    header,
+    install_signal_handlers,
+    parse_size,
+    render_table,
+    summary,
+    tools,
+)
 
 LOOPS = ("read", "copy", "zero-copy", "zero-copy-reuse", "zero-copy-segments")
 SEGMENT = 16 << 20

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (  # noqa: E402
+from benchlib import (
     BenchError,
     fmt,
     header,
@@ -48,11 +48,11 @@ from benchlib import (  # noqa: E402
     parse_size,
     render_table,
     sha256_file,
+    stop,
     tools,
     wait_for_port_file,
     wait_measured,
 )
-from throughput import stop  # noqa: E402
 
 NET = int(os.environ.get("GCWRAP_BENCH_NET", "7"))
 NS = f"gcwslow{NET}"
