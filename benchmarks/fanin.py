@@ -84,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     MB,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -94,6 +95,7 @@ from benchlib import (
     proc_times,
     raise_nofile,
     render_table,
+    results_option,
     sha256_file,
     signal_tree,
     summary,
@@ -779,7 +781,11 @@ def sim_line(r: Result) -> str:
             + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""))
 
 
-def report(results: list[Result], args: argparse.Namespace) -> bool:
+FANIN_TARGETS = {"ack latency (ms) p99": "<= 250 ms", "shadow peak RSS, VmHWM (MiB)": "<= 200 MB",
+                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)"}
+
+
+def report(results: list[Result], args: argparse.Namespace, record: Results | None = None) -> bool:
     ok_all = True
     scenarios = list(dict.fromkeys(r.scenario for r in results))
     for sc in scenarios:
@@ -789,8 +795,12 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         print(f"\n== {sc}: fan-in vs one agent moving the same bytes ({len([r for r in rs if r.path == 'fan-in'])} runs) ==")
         rows = [["figure", "fan-in median", "min", "max", "baseline median", "min", "max", "fan-in/baseline"]]
 
-        def line(label: str, key: Any, rs: list[Result] = rs, rows: list[list[str]] = rows) -> None:
-            vals = {p: summary(key(r) for r in rs if r.path == p) for p in ("fan-in", "baseline")}
+        def line(label: str, key: Any, rs: list[Result] = rs, rows: list[list[str]] = rows, sc: str = sc) -> None:
+            runs = {p: [float(key(r)) for r in rs if r.path == p] for p in ("fan-in", "baseline")}
+            vals = {p: summary(runs[p]) for p in runs}
+            if record is not None:
+                record.figure(f"fan-in, {sc}: {label}", "", runs["fan-in"], runs["baseline"], "one agent",
+                              FANIN_TARGETS.get(label, "") if sc.startswith("sim") else "")
             f, b = vals["fan-in"], vals["baseline"]
             ratio = f"{f[0] / b[0]:.2f}x" if b[0] and b[0] == b[0] and f[0] == f[0] else "-"
             rows.append([label, fmt(f[0]), fmt(f[1]), fmt(f[2]), fmt(b[0]), fmt(b[1]), fmt(b[2]), ratio])
@@ -950,10 +960,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the search may take (default 1500); a probe that would overrun is not started")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "fanin")
     args = parser.parse_args(argv)
     sims = [int(x) for x in args.sim.split(",") if x.strip()]
     install_signal_handlers()
     soft, hard = raise_nofile()
+    record = Results("fanin", args.json)
     print(header("fanin"), flush=True)
     print(f"RLIMIT_NOFILE of this process and the load processes it starts, raised to the hard limit: "
           f"{soft}/{hard}")
@@ -1002,10 +1014,20 @@ def main(argv: list[str] | None = None) -> int:
         if sims:
             print("  load generator: a process of its own (trio), one TCP connection per simulated agent")
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-        if results and not report(results, args):
+        for name, cmd in commands.items():
+            record.command(name, cmd)
+        for r in results:
+            record.run(scenario=r.scenario, path=r.path, index=r.index, agents=r.agents, ok=r.ok,
+                       mb_s=r.mb_s, total_s=r.total_s, shadow_cpu_s=r.shadow_cpu_s, shadow_hwm_mib=r.shadow_hwm_mib,
+                       ack_p50_ms=percentile(r.latencies_ms, 50), ack_p99_ms=percentile(r.latencies_ms, 99),
+                       errors=r.errors, notes=r.notes)
+        if results and not report(results, args, record):
             outcome.status = 1
         if ceiling_text:
             print("\n" + ceiling_text)
+            record.data["ceiling"] = ceiling_text
+        if outcome.status == 0:
+            record.write()
     return outcome.status
 
 
