@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     MB,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -62,6 +63,7 @@ from benchlib import (
     install_signal_handlers,
     parse_size,
     render_table,
+    results_option,
     signal_tree,
     summary,
     tools,
@@ -330,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: flat (full speed), outage, paced (default: all three)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "spool_size")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     install_signal_handlers()
+    record = Results("spool_size", args.json)
     print(header("spool_size"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-spool-", dir=args.tmpdir))
     free = shutil.disk_usage(workdir).free
@@ -349,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             for scenario in scenarios:
                 res = bench.run(scenario, i)
                 results.append(res)
+                record.run(scenario=scenario, index=i, size=res.size, wall_s=res.wall_s, mb_s=res.mb_s,
+                           events=res.events, spool_max=max(s.spool for s in res.samples),
+                           samples=len(res.samples))
                 sp = [s.spool for s in res.streaming()] or [s.spool for s in res.samples]
                 ev = "".join(f"; {k} at {v:.1f} s" for k, v in res.events.items())
                 print(f"run {i} {scenario:6}  {res.wall_s:7.1f} s  {res.mb_s:6.1f} MB/s  {len(res.samples)} samples  "
@@ -359,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in bench.commands.items():
             print(f"  {name}: {cmd}")
         print(f"  JOB = {JOB.strip()!r}")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        record.command("JOB", JOB.strip())
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
         for scenario in scenarios:
@@ -368,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {scenario} ({len(rs)} runs of {rs[0].size:,} bytes) ==")
             rows = [["figure", "median", "min", "max"]]
 
-            def add(label: str, values: list[float], scale: float = 1.0, rows: list[list[str]] = rows) -> None:
+            def add(label: str, values: list[float], scale: float = 1.0, rows: list[list[str]] = rows,
+                    scenario: str = scenario, size: int = rs[0].size) -> None:
                 m = summary(v / scale for v in values)
+                record.figure(f"spool, {scenario} {size / MB:,.0f} MB: {label.strip()}", "",
+                              [v / scale for v in values])
                 rows.append([label, fmt(m[0]), fmt(m[1]), fmt(m[2])])
 
             add("throughput (MB/s)", [r.mb_s for r in rs])
@@ -392,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             add("spool size in the last sample (MiB)", [r.samples[-1].spool for r in rs], MiB)
             if scenario == "outage":
                 def before(r: Result) -> list[Sample]:
-                    return [s for s in r.samples if 0 < s.landed and s.t < r.events["shadow stopped"]]
+                    return [s for s in r.samples if s.landed > 0 and s.t < r.events["shadow stopped"]]
 
                 def after(r: Result) -> list[Sample]:
                     peak_t = max(r.samples, key=lambda s: s.spool).t
@@ -414,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntimeline of {scenario} run {best.index}"
                   + "".join(f"; {k} at t={v:.1f} s" for k, v in best.events.items()) + ":")
             print(timeline(best))
+        record.write()
     return outcome.status
 
 

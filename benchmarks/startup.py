@@ -53,12 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
     header,
     install_signal_handlers,
     render_table,
+    results_option,
     summary,
     tools,
 )
@@ -166,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--importtime-runs", type=int, default=5, help="runs of -X importtime averaged (default 5)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per command (default 60)")
     parser.add_argument("--tmpdir", type=Path, default=None, help="where the shadow's root and spools go")
+    results_option(parser, "startup")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     install_signal_handlers()
+    record = Results("startup", args.json)
     print(header("startup"), flush=True)
 
     found, _ = tools()
@@ -279,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nspawn -> the job's start, with a live shadow (the job waits this long for gcwrap): median "
               f"{med * 1000:.0f} ms ({lo * 1000:.0f}-{hi * 1000:.0f}); the same job spawned alone: "
               f"{alone * 1000:.1f} ms")
+        record_startup(record, {key: command(key, 1) for key in keys}, walls, job_starts, stamp_key, bare_stamp_key)
 
         if args.importtime_runs > 0:
             env = dict(os.environ)
@@ -300,6 +305,29 @@ def main(argv: list[str] | None = None) -> int:
                     heavy.append(f"{n} ({len(mods)} modules, {sum(r[1] for r in mods):.0f} ms self)")
             print("\nheavy packages imported by `gcwrap -- true`: " + (", ".join(heavy) or "none"))
     return outcome.status
+
+
+def record_startup(record: Results, commands: dict[str, list[str]], walls: dict[str, list[float]],
+                   job_starts: dict[str, list[float]], stamp_key: str, bare_stamp_key: str) -> None:
+    """The walls of every command, and gcwrap's against each baseline, for the JSON."""
+    for key, cmd in commands.items():
+        record.command(key, cmd)
+    for i in range(len(walls["gcwrap -- true"])):
+        record.run(round=i + 1, wall_s={key: values[i] for key, values in walls.items()})
+    mine = [w * 1000 for w in walls["gcwrap -- true"]]
+    for key, target in ((f'python -c "{IMPORT_DEPS}"', "<= 1.3x"), (f'python -c "{IMPORT_TRIO}"', ""),
+                        ("python -c pass", "")):
+        record.figure(f"start-up: `gcwrap -- true`, wall (ms), vs `{key}`", "ms", mine,
+                      [w * 1000 for w in walls[key]], key, target)
+    shadow_key = next(k for k in walls if k.endswith("(live shadow)") and "date" not in k)
+    record.figure("start-up: `gcwrap --shadow ... -- true` with a live shadow, wall (ms), vs `gcwrap -- true`", "ms",
+                  [w * 1000 for w in walls[shadow_key]], mine, "gcwrap -- true")
+    record.figure("start-up: the bundle `python gcwrap.pyz -- true`, wall (ms), vs `gcwrap -- true`", "ms",
+                  [w * 1000 for w in walls[BUNDLE_KEY]], mine, "gcwrap -- true", "<= 1.10x")
+    record.figure("start-up: spawn -> the job's start with a live shadow (ms), vs the job spawned alone", "ms",
+                  [w * 1000 for w in job_starts[stamp_key]], [w * 1000 for w in job_starts[bare_stamp_key]],
+                  "the job alone")
+    record.write()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
     BenchError,
+    Results,
     ShadowProc,
     guarded,
     header,
@@ -51,6 +52,7 @@ from benchlib import (
     proc_times,
     raise_nofile,
     render_table,
+    results_option,
     signal_tree,
     stop,
     summary,
@@ -244,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=100, help="open job pages (event streams; default 100)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "web_load")
     args = parser.parse_args(argv)
     install_signal_handlers()
     raise_nofile()
+    record = Results("web_load", args.json)
     print(header("web_load"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-web-", dir=args.tmpdir))
     bench = Bench(args, workdir)
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = bench.run(run, with_web)
                 key = "with" if with_web else "without"
                 results[key].append(r)
+                record.run(run=run, condition=key, **r)
                 extra = (f"; clients got {r['client_events']:.0f} output events, {r['client_bytes'] / 1e6:.1f} MB"
                          if with_web else "")
                 print(f"run {run} {key:>7} web: ack p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms, "
@@ -288,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         higher = sum(1 for r in pairs if r > 1)
         print(f"p99 with/without within each run: median {summary(pairs)[0]:.2f}x (min {min(pairs):.2f}x, "
               f"max {max(pairs):.2f}x); higher with the web view in {higher} of {len(pairs)} runs")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        for q in ("p50", "p99"):
+            record.figure(f"web view: the shadow's ack latency {q} (ms) with {args.clients} open job pages, "
+                          f"{args.rate:g} lines/s", "ms", [r[q] for r in results["with"]],
+                          [r[q] for r in results["without"]], "no web view")
+        record.write()
     return outcome.status
 
 
