@@ -454,7 +454,8 @@ class Results:
             "commit": head,
             "dirty": not clean,
             "machine": machine(),
-            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))},
+            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))
+                         and not k.startswith(("GCWRAP_TEST_", "GCWRAP_BENCH_"))},
             "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
             "load_before": list(os.getloadavg()),
             "commands": {},
