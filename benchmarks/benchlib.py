@@ -476,9 +476,10 @@ class Results:
         runs.append(values)
 
     def figure(self, name: str, unit: str, gcwrap: Sequence[float], baseline: Sequence[float] = (),
-               baseline_name: str = "", target: str = "") -> None:
+               baseline_name: str = "", target: str = "", key: bool = False) -> None:
         """One figure: gcwrap's per-run values, the baseline's of the same invocation, the ratio of the medians
-        (gcwrap / baseline), and the target an issue set for it, if any ("<= 1.05x", ">= 0.35x")."""
+        (gcwrap / baseline), and the target an issue set for it, if any ("<= 1.05x", ">= 0.35x"). `key`
+        figures go in the README's table; the others stay in the JSON."""
         ours, theirs = _stats(gcwrap), _stats(baseline)
         ratio = None
         if isinstance(ours["median"], float) and isinstance(theirs["median"], float) and theirs["median"]:
@@ -487,7 +488,7 @@ class Results:
         assert isinstance(figures, list)
         figures.append({"name": name, "unit": unit, "gcwrap": ours,
                         "baseline": {"name": baseline_name, **theirs} if baseline else None,
-                        "ratio": ratio, "target": target})
+                        "ratio": ratio, "target": target, "key": key or bool(target)})
 
     def write(self) -> Path | None:
         """Write the JSON (unless --no-json); returns where."""

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"--spool SPOOL -- head -c {args.size} /dev/zero")
             for rev, values in zip(args.rev[1:], cpu[1:]):
                 results.figure(f"gcwrap CPU-s/GiB, bulk {args.size / GiB:.2f} GiB: {rev} against {args.rev[0]}",
-                               "CPU-s/GiB", values, cpu[0], args.rev[0])
+                               "CPU-s/GiB", values, cpu[0], args.rev[0], key=True)
             results.write()
         finally:
             for tree in trees:

@@ -785,6 +785,9 @@ FANIN_TARGETS = {"ack latency (ms) p99": "<= 250 ms", "shadow peak RSS, VmHWM (M
                  "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)"}
 
 
+FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)"}
+
+
 def report(results: list[Result], args: argparse.Namespace, record: Results | None = None) -> bool:
     ok_all = True
     scenarios = list(dict.fromkeys(r.scenario for r in results))
@@ -800,7 +803,7 @@ def report(results: list[Result], args: argparse.Namespace, record: Results | No
             vals = {p: summary(runs[p]) for p in runs}
             if record is not None:
                 record.figure(f"fan-in, {sc}: {label}", "", runs["fan-in"], runs["baseline"], "one agent",
-                              FANIN_TARGETS.get(label, "") if sc.startswith("sim") else "")
+                              FANIN_TARGETS.get(label, "") if sc.startswith("sim") else "", key=label in FANIN_KEY)
             f, b = vals["fan-in"], vals["baseline"]
             ratio = f"{f[0] / b[0]:.2f}x" if b[0] and b[0] == b[0] and f[0] == f[0] else "-"
             rows.append([label, fmt(f[0]), fmt(f[1]), fmt(f[2]), fmt(b[0]), fmt(b[1]), fmt(b[2]), ratio])

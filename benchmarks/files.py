@@ -200,7 +200,7 @@ def scattered(args: argparse.Namespace, work: Path, record: Results | None = Non
                    changed=changed, whole=whole)
         record.figure(f"files: bytes sent for {blocks} scattered 4 KiB blocks and +{extend:,} B of a "
                       f"{size / (1 << 20):g} MiB file, vs each version sent whole", "bytes", [later], [whole],
-                      "each version whole")
+                      "each version whole", key=True)
     return [
         ["scattered writes", "bytes"],
         ["file size (first version, sent whole)", f"{size:,}"],

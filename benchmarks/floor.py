@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         results.command("start-up", "gcwrap --shadow 127.0.0.1:PORT --stdout NAME -- true")
         results.command("bare import", "python -c 'import trio'")
         for name in LOOPS:
-            results.figure(f"floor: bare `{name}` loop, CPU-s/GiB (no gcwrap in it)", "CPU-s/GiB", cpu[name])
+            results.figure(f"floor: bare `{name}` loop, CPU-s/GiB (no gcwrap in it)", "CPU-s/GiB", cpu[name],
+                           key=name in ("zero-copy", "zero-copy-reuse"))
         results.figure("floor: `gcwrap -- true` with a shadow, CPU-s per job, vs `python -c 'import trio'`", "CPU-s",
-                       start, trio_cpu, "import trio")
+                       start, trio_cpu, "import trio", key=True)
         results.write()
     return outcome.status
 

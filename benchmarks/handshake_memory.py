@@ -152,7 +152,7 @@ def run_code(label: str, pythonpath: str | None, args: argparse.Namespace, work:
                            after_mib=after)
             record.figure(f"memory before authentication ({label}): peak RSS (MiB) while {args.connections:,} "
                           f"unauthenticated connections send {kind} frames, vs RSS before", "MiB",
-                          [v[1] for v in values], [v[0] for v in values], "RSS before")
+                          [v[1] for v in values], [v[0] for v in values], "RSS before", key=True)
             record.figure(f"memory before authentication ({label}): RSS after the {kind} connections close (MiB), "
                           "vs RSS before", "MiB", [v[2] for v in values], [v[0] for v in values], "RSS before")
     return rows

@@ -620,6 +620,7 @@ class Bench:
 
 
 LINES_TARGETS = {"lines": ">= 1.0x", "blocks": ">= 0.8x"}
+LINES_KEY = {"lines/s, spawn -> end", "sender CPU-s per M lines", "receiver CPU-s per M lines"}
 
 
 def report(runs: list[Run], variant: str, lines: int, record: Results | None = None) -> list[str]:
@@ -661,7 +662,7 @@ def report(runs: list[Run], variant: str, lines: int, record: Results | None = N
                     target = LINES_TARGETS.get(variant, "") if (base, label) == ("socat", figures[0][0]) else ""
                     record.figure(f"line output, {variant} ({lines:,} lines): {label}", "",
                                   [key(r) for r in rs if r.path == "gcwrap"], [key(r) for r in rs if r.path == base],
-                                  base, target)
+                                  base, target, key=label in LINES_KEY and (base == "socat" or variant == "lines"))
         for p in paths:
             if p != "socat":
                 ok = "socat" in meds and meds["socat"] and meds["socat"] == meds["socat"] and meds[p] == meds[p]

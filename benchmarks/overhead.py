@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         record.figure(f"overhead, CPU-bound job writing {mb}: the job's own run time (s)", "s",
                       vals("wrapped", "job_s"), vals("unwrapped", "job_s"), "unwrapped")
         record.figure(f"overhead, CPU-bound job writing {mb}: gcwrap's own CPU-s per GiB", "CPU-s/GiB",
-                      [c / (bench.size / GiB) for c in vals("wrapped", "wrapper_cpu_s")])
+                      [c / (bench.size / GiB) for c in vals("wrapped", "wrapper_cpu_s")], key=True)
         record.write()
     return outcome.status
 

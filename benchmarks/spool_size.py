@@ -315,6 +315,10 @@ def timeline(result: Result, rows: int = 24) -> str:
     return render_table(table)
 
 
+SPOOL_KEY = {"throughput (MB/s)", "spool size: max over the run (MiB)", "spool - backlog: max over samples (MiB)",
+             "min spool after the peak (MiB)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     scenario: str = scenario, size: int = rs[0].size) -> None:
                 m = summary(v / scale for v in values)
                 record.figure(f"spool, {scenario} {size / MB:,.0f} MB: {label.strip()}", "",
-                              [v / scale for v in values])
+                              [v / scale for v in values], key=label in SPOOL_KEY)
                 rows.append([label, fmt(m[0]), fmt(m[1]), fmt(m[2])])
 
             add("throughput (MB/s)", [r.mb_s for r in rs])
