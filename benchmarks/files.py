@@ -288,7 +288,8 @@ def appended(args: argparse.Namespace, work: Path, record: Results | None = None
                   f"{r.gcwrap_cpu:.2f} s, shadow CPU {r.shadow_cpu:.2f} s", flush=True)
     rows = [[f"appended {size:,} B ({args.runs} pairs)", "--file median", "min", "max", "--stdout median", "min",
              "max", "file/stdout"]]
-    for label, key in (("wall time (s)", "seconds"), ("gcwrap CPU (s)", "gcwrap_cpu"), ("shadow CPU (s)", "shadow_cpu")):
+    for label, key in (("wall time (s)", "seconds"), ("gcwrap CPU (s)", "gcwrap_cpu"),
+                       ("shadow CPU (s)", "shadow_cpu")):
         f = [getattr(r, key) for r in runs["file"]]
         s = [getattr(r, key) for r in runs["stdout"]]
         rows.append([label, fmt(statistics.median(f)), fmt(min(f)), fmt(max(f)), fmt(statistics.median(s)),

@@ -655,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                              ("protocol ack", "fsync floor")):
                 if (rate, num) not in per_run or (rate, den) not in per_run:
                     continue
-                parts.append(f"{num} / {den}: p50 {med(num, 0) / med(den, 0):.1f}x, p99 {med(num, 1) / med(den, 1):.1f}x")
+                parts.append(f"{num} / {den}: p50 {med(num, 0) / med(den, 0):.1f}x, "
+                             f"p99 {med(num, 1) / med(den, 1):.1f}x")
             if parts:
                 print(f"  {rate:>6g}/s  " + ";  ".join(parts))
         if bench.capture_check:

@@ -110,7 +110,9 @@ JOB_C = r"""
 #include <unistd.h>
 /* lines-job SOURCE BLOCK OUT|- TIMES: write SOURCE to OUT (stdout for -), BLOCK bytes per write(2);
    TIMES gets "FIRST_NS LAST_NS" (CLOCK_MONOTONIC before the first write, after the last). */
-static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
+static long long now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 int main(int argc, char **argv) {
     if (argc != 5) { fprintf(stderr, "usage: lines-job SOURCE BLOCK OUT|- TIMES\n"); return 2; }
     int in = open(argv[1], O_RDONLY);
@@ -270,7 +272,8 @@ class Bench:
         self.job_kind = ""
         self.commands: dict[str, str] = {}
         self.rss = PeakRss()
-        self.rsyslogd = shutil.which("rsyslogd") or (os.path.exists("/usr/sbin/rsyslogd") and "/usr/sbin/rsyslogd") or ""
+        sbin = "/usr/sbin/rsyslogd"
+        self.rsyslogd = shutil.which("rsyslogd") or (os.path.exists(sbin) and sbin) or ""
         self.rsyslog_skip = ""
 
     def prepare(self) -> None:
@@ -493,7 +496,8 @@ class Bench:
         job_cmd = self.job(self.block(variant), "-", times)
         self.commands.setdefault("socat receiver", shlex.join(recv_cmd))
         self.commands.setdefault(f"socat sender ({variant})",
-                                 shlex.join(job_cmd).replace(shlex.quote(JOB_PY), "JOB_PY") + " | " + shlex.join(send_cmd))
+                                 shlex.join(job_cmd).replace(shlex.quote(JOB_PY), "JOB_PY") + " | "
+                                 + shlex.join(send_cmd))
         procs: list[subprocess.Popen[bytes]] = []
         try:
             recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, label in (("wall_s", "wall time (s)"), ("job_s", "job's own run time (s)"),
                            ("job_cpu_s", "job CPU (s)")):
             u, w = summary(vals("unwrapped", key)), summary(vals("wrapped", key))
-            rows.append([label, fmt(u[0]), fmt(u[1]), fmt(u[2]), fmt(w[0]), fmt(w[1]), fmt(w[2]), f"{w[0] / u[0]:.3f}x"])
+            rows.append([label, fmt(u[0]), fmt(u[1]), fmt(u[2]), fmt(w[0]), fmt(w[1]), fmt(w[2]),
+                         f"{w[0] / u[0]:.3f}x"])
         for key, label in (("wrapper_cpu_s", "gcwrap's own CPU (s)"), ("shadow_cpu_s", "gcshadow CPU (s)")):
             w = summary(vals("wrapped", key))
             rows.append([label, "-", "-", "-", fmt(w[0]), fmt(w[1]), fmt(w[2]),
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = list(zip(vals_runs(runs, "unwrapped"), vals_runs(runs, "wrapped")))
         p = summary(w.wall_s / u.wall_s for u, w in pairs)
         rows.append(["wall ratio of each pair (run i)", "", "", "", fmt(p[0]), fmt(p[1]), fmt(p[2]), ""])
-        for label, first in (("... pairs run unwrapped first", "unwrapped"), ("... pairs run wrapped first", "wrapped")):
+        for label, first in (("... pairs run unwrapped first", "unwrapped"),
+                             ("... pairs run wrapped first", "wrapped")):
             sel = [w.wall_s / u.wall_s for u, w in pairs if (u.first if first == "unwrapped" else w.first)]
             q = summary(sel)
             rows.append([f"{label} ({len(sel)})", "", "", "", fmt(q[0]), fmt(q[1]), fmt(q[2]), ""])

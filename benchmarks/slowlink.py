@@ -99,7 +99,8 @@ def log_text(path: Path, size: int, seed: int = 1) -> None:
         written, i = 0, 0
         while written < size:
             block = "".join(
-                f"2026-11-23T{(i + k) // 3600 % 24:02d}:{(i + k) // 60 % 60:02d}:{(i + k) % 60:02d}.{rnd.randrange(10**6):06d} "
+                f"2026-11-23T{(i + k) // 3600 % 24:02d}:{(i + k) // 60 % 60:02d}:{(i + k) % 60:02d}."
+                f"{rnd.randrange(10**6):06d} "
                 f"{levels[(i + k) % 5]} worker[{(i + k) % 16}] step {i + k} loss={rnd.random():.6f} lr=0.0003 "
                 f"grad_norm={rnd.random() * 10:.4f} tokens/s={rnd.randrange(10000, 99999)}\n"
                 for k in range(1000)
@@ -132,7 +133,8 @@ def summary_of(log: Path) -> dict[str, str]:
     return out
 
 
-def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag: str, timeout: float) -> dict[str, float]:
+def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag: str,
+            timeout: float) -> dict[str, float]:
     gcwrap, _ = tools()
     out = f"{tag}.out"
     spool = work / f"spool-{tag}"
@@ -152,7 +154,8 @@ def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag
         raise BenchError(f"{landed} differs from what the job wrote")
     s = summary_of(log)
     wire = float(s.get("wire_bytes", "nan"))
-    result = {"seconds": r.end - start, "cpu": r.own_cpu or 0.0, "ratio": data.stat().st_size / wire if wire else float("nan")}
+    result = {"seconds": r.end - start, "cpu": r.own_cpu or 0.0,
+              "ratio": data.stat().st_size / wire if wire else float("nan")}
     landed.unlink()
     shutil.rmtree(spool, ignore_errors=True)
     return result
@@ -263,8 +266,10 @@ def main() -> int:
             data.unlink()
         print()
         print(render_table(rows))
-        record.command("gcshadow", "gcshadow serve --host 10.201.N.2 --port 0 --root HOME --min-free 0 (in the namespace)")
-        record.command("gcwrap", "gcwrap --shadow 10.201.N.2:PORT --compress MODE --stdout OUT --spool SPOOL -- cat DATA")
+        record.command("gcshadow", "gcshadow serve --host 10.201.N.2 --port 0 --root HOME --min-free 0 "
+                       "(in the namespace)")
+        record.command("gcwrap", "gcwrap --shadow 10.201.N.2:PORT --compress MODE --stdout OUT --spool SPOOL "
+                       "-- cat DATA")
         record.command("link", "tc qdisc add dev VETH root tbf rate R burst max(32KiB, R/100) latency 400ms")
         record.write()
         return 0

@@ -392,13 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             add("throughput (MB/s)", [r.mb_s for r in rs])
             add("wall time (s)", [r.wall_s for r in rs])
             add("samples per run", [len(r.samples) for r in rs])
-            add("spool size while streaming: min (MiB)", [min(s.spool for s in r.streaming() or r.samples) for r in rs], MiB)
+            add("spool size while streaming: min (MiB)", [min(s.spool for s in r.streaming() or r.samples) for r in rs],
+                MiB)
             add("spool size while streaming: median (MiB)",
                 [statistics.median(s.spool for s in r.streaming() or r.samples) for r in rs], MiB)
             add("spool size: max over the run (MiB)", [max(s.spool for s in r.samples) for r in rs], MiB)
             add("  of which WAL at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).wal for r in rs], MiB)
-            add("  of which segment files at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).seg for r in rs],
-                MiB)
+            add("  of which segment files at that moment (MiB)",
+                [max(r.samples, key=lambda s: s.spool).seg for r in rs], MiB)
             add("max spool size / bytes streamed (%)", [100 * max(s.spool for s in r.samples) / r.size for r in rs])
             add("other spool-dir files: max (KiB)", [max(s.other for s in r.samples) for r in rs], 1024)
             add("backlog (written - acked): max (MiB)",

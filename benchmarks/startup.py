@@ -115,14 +115,15 @@ def timed(cmd: list[str], timeout: float, stamp: Path | None = None,
     epoch = time.time()
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              timeout=timeout, start_new_session=True)
+        proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=timeout, start_new_session=True)
     except subprocess.TimeoutExpired:
         raise BenchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{proc.stderr.decode(errors='replace')[-2000:]}")
+        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n"
+                         f"{proc.stderr.decode(errors='replace')[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if stamp is not None and started is not None:
         try:
@@ -132,7 +133,8 @@ def timed(cmd: list[str], timeout: float, stamp: Path | None = None,
     return wall, cpu
 
 
-def importtime(python: str, runs: int, timeout: float, env: dict[str, str]) -> tuple[list[tuple[str, float, float]], float]:
+def importtime(python: str, runs: int, timeout: float,
+               env: dict[str, str]) -> tuple[list[tuple[str, float, float]], float]:
     """Modules by mean self and cumulative import time (ms), and the mean total, over `runs` runs."""
     selfs: dict[str, float] = defaultdict(float)
     cums: dict[str, float] = defaultdict(float)

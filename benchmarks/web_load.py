@@ -282,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             p50, p99, mx = (summary(r[f] for r in rs) for f in ("p50", "p99", "max"))
             rows.append([f"{key} web view", f"{p50[0]:.2f}", f"{p50[1]:.2f}-{p50[2]:.2f}", f"{p99[0]:.2f}",
                          f"{p99[1]:.2f}-{p99[2]:.2f}", f"{mx[0]:.1f}",
-                         f"{summary(r['cpu_shadow'] for r in rs)[0]:.2f}", f"{summary(r['cpu_web'] for r in rs)[0]:.2f}"])
+                         f"{summary(r['cpu_shadow'] for r in rs)[0]:.2f}",
+                         f"{summary(r['cpu_web'] for r in rs)[0]:.2f}"])
         print(render_table(rows))
         p99 = {k: summary(r["p99"] for r in results[k])[0] for k in results}
         p50 = {k: summary(r["p50"] for r in results[k])[0] for k in results}
-        print(f"\nratio with/without web view (medians over {args.runs} runs): p99 {p99['with'] / p99['without']:.2f}x, "
+        print(f"\nratio with/without web view (medians over {args.runs} runs): "
+              f"p99 {p99['with'] / p99['without']:.2f}x, "
               f"p50 {p50['with'] / p50['without']:.2f}x")
         # Each run measures both conditions back to back: its own ratio cancels most of the machine's drift.
         pairs = [w["p99"] / b["p99"] for w, b in zip(results["with"], results["without"], strict=True)]
