@@ -198,8 +198,8 @@ def scattered(args: argparse.Namespace, work: Path, record: Results | None = Non
         record.command("scattered", " ".join(cmd[:cmd.index("-c") + 1]) + " SCATTERED_JOB " + " ".join(cmd[-5:]))
         record.run(part="scattered", seconds=r.end - start, files_sent=sent, files_copied=copied, size=size,
                    changed=changed, whole=whole)
-        record.figure(f"files: bytes sent for {blocks} scattered 4 KiB blocks and +{extend:,} B of a "
-                      f"{size / (1 << 20):g} MiB file, vs each version sent whole", "bytes", [later], [whole],
+        record.figure(f"files: bytes sent for {blocks} scattered 4 KiB blocks in {steps} steps and +{extend:,} B "
+                      f"of a {size / (1 << 20):g} MiB file", "bytes", [later], [whole],
                       "each version whole", key=True)
     return [
         ["scattered writes", "bytes"],

@@ -150,11 +150,11 @@ def run_code(label: str, pythonpath: str | None, args: argparse.Namespace, work:
             for before, peak, after in values:
                 record.run(code=label, round=kind, connections=args.connections, before_mib=before, peak_mib=peak,
                            after_mib=after)
-            record.figure(f"memory before authentication ({label}): peak RSS (MiB) while {args.connections:,} "
-                          f"unauthenticated connections send {kind} frames, vs RSS before", "MiB",
+            record.figure(f"before authentication ({label}): peak RSS (MiB), {args.connections:,} connections "
+                          f"sending {kind} frames", "MiB",
                           [v[1] for v in values], [v[0] for v in values], "RSS before", key=True)
-            record.figure(f"memory before authentication ({label}): RSS after the {kind} connections close (MiB), "
-                          "vs RSS before", "MiB", [v[2] for v in values], [v[0] for v in values], "RSS before")
+            record.figure(f"before authentication ({label}): RSS after the {kind} connections close (MiB)", "MiB",
+                          [v[2] for v in values], [v[0] for v in values], "RSS before")
     return rows
 
 

@@ -132,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {pooled['scraped'][1] / pooled['plain'][1]:.3f}")
     record.command("scraper", f"GET http://127.0.0.1:PORT/metrics every {args.interval:g} s, a new connection each")
     for i, q in enumerate(("p50", "p99")):
-        record.figure(f"metrics: the shadow's ack latency {q} (ms), scraped every {args.interval:g} s, "
-                      f"{args.rate:g} lines/s", "ms", [r[i] for r in per_run["scraped"]],
-                      [r[i] for r in per_run["plain"]], "not scraped", key=True)
+        record.figure(f"metrics: ack latency {q} (ms), scraped every {args.interval:g} s, {args.rate:g} lines/s", "ms",
+                      [r[i] for r in per_run["scraped"]], [r[i] for r in per_run["plain"]], "not scraped", key=True)
     record.write()
     return 0
 

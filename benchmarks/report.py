@@ -82,7 +82,7 @@ def rows_of(data: dict[str, Any]) -> list[list[str]]:
     load = f"{data['load_before'][0]:.1f} -> {data['load_after'][0]:.1f}"
     rows = []
     for fig in data["figures"]:
-        if not (fig.get("key") or fig["target"]):
+        if not fig["key"]:
             continue
         base = fig["baseline"]
         ratio = "-" if fig["ratio"] is None else f"{fig['ratio']:.2f}x"

@@ -298,7 +298,7 @@ def record_all(record: Results, results: list[Result], acks: dict[str, list[floa
                       [r.shadow_cpu_s_per_gb for r in mine], [r.shadow_cpu_s_per_gb for r in base], "sqlite-1")
         record.figure(f"several shadows, {name}: small jobs/s", "jobs/s", [r.small_jobs_s for r in mine],
                       [r.small_jobs_s for r in base], "sqlite-1", key=name == "pg-3")
-    record.figure("durable group, 100 B DATA -> ACK (ms), PostgreSQL state (median = p50)", "ms",
+    record.figure("durable group, 100 B DATA -> ACK (ms, median = p50), PostgreSQL state", "ms",
                   [1000 * v for v in acks["PostgreSQL state"]], [1000 * v for v in acks["SQLite state"]],
                   "SQLite state", key=True)
     record.figure("bare PostgreSQL UPDATE + COMMIT from psycopg (ms, median = p50)", "ms",

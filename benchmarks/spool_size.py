@@ -315,7 +315,7 @@ def timeline(result: Result, rows: int = 24) -> str:
     return render_table(table)
 
 
-SPOOL_KEY = {"throughput (MB/s)", "spool size: max over the run (MiB)", "spool - backlog: max over samples (MiB)",
+SPOOL_KEY = {"spool size: max over the run (MiB)", "spool - backlog: max over samples (MiB)",
              "min spool after the peak (MiB)"}
 
 

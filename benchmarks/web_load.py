@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in bench.commands.items():
             record.command(name, cmd)
         for q in ("p50", "p99"):
-            record.figure(f"web view: the shadow's ack latency {q} (ms) with {args.clients} open job pages, "
-                          f"{args.rate:g} lines/s", "ms", [r[q] for r in results["with"]],
+            record.figure(f"web view: ack latency {q} (ms), {args.clients} open job pages, {args.rate:g} lines/s",
+                          "ms", [r[q] for r in results["with"]],
                           [r[q] for r in results["without"]], "no web view", key=True)
         record.write()
     return outcome.status
