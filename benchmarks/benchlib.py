@@ -1,15 +1,20 @@
 """Shared helpers of the benchmarks in this directory (not a benchmark itself).
 
-The process helpers (timeouts, CPU and RSS readings from /proc, stopping by
-pid) are throughput.py's, imported from it so that every script measures the
-same way. This module adds what the other scripts share: the output header,
-a gcshadow started in its own session and stopped by pid, and percentiles.
+Every script measures the same way through it: the process helpers
+(timeouts, CPU and RSS readings from /proc, stopping by pid), the output
+header, a gcshadow started in its own session and stopped by pid,
+percentiles, profiles, and the results each script writes as JSON for
+report.py. It imports no benchmark script: they import it.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import contextlib
 import ctypes
+import hashlib
+import json
 import math
 import os
 import platform
@@ -24,39 +29,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput import (
-    CLK_TCK,
-    MB,
-    BenchError,
-    GiB,
-    Outcome,
-    PeakRss,
-    Reaped,
-    compile_bytecode,
-    free_port,
-    guarded,
-    listening,
-    parse_size,
-    proc_times,
-    settings_line,
-    sha256_file,
-    signal_tree,
-    stop,
-    vm_hwm_kib,
-    wait_measured,
-)
-
 __all__ = [
-    "AckSniffer",
     "CLK_TCK",
     "MB",
     "REPO",
+    "AckSniffer",
     "BenchError",
     "GiB",
     "Outcome",
@@ -64,7 +46,10 @@ __all__ = [
     "PerfRecord",
     "PySpy",
     "Reaped",
+    "Results",
     "ShadowProc",
+    "child_pid",
+    "compile_bytecode",
     "fmt",
     "free_port",
     "guarded",
@@ -72,16 +57,15 @@ __all__ = [
     "install_signal_handlers",
     "listening",
     "parse_size",
-    "child_pid",
     "percentile",
     "perf_summary",
+    "proc_times",
     "profiled_run",
     "pyspy_summary",
-    "compile_bytecode",
-    "settings_line",
-    "proc_times",
     "raise_nofile",
     "render_table",
+    "results_option",
+    "settings_line",
     "sha256_file",
     "signal_tree",
     "stop",
@@ -95,6 +79,266 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+
+GiB = 1 << 30
+MB = 10**6
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": MB, "mb": MB, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": GiB}
+
+
+class BenchError(Exception):
+    """A run failed: wrong bytes, a bad exit status, a timeout."""
+
+
+@dataclass
+class Outcome:
+    status: int = 0  # the script's exit status
+
+
+@contextlib.contextmanager
+def guarded(name: str, workdir: Path, keep: bool = False,
+            cleanup: Callable[[], object] | None = None) -> Iterator[Outcome]:
+    """A benchmark's body: a BenchError (exit status 1) or Ctrl-C (130) is
+    reported in one line; then `cleanup`, and the work directory is deleted
+    (kept with --keep)."""
+    outcome = Outcome()
+    try:
+        yield outcome
+    except BenchError as e:
+        print(f"{name}: FAILED: {e}", file=sys.stderr)
+        outcome.status = 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        outcome.status = 130
+    finally:
+        if cleanup is not None:
+            cleanup()
+        if keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def compile_bytecode() -> str:
+    """Byte-compile the gcwrap package under test, as `pip install` does for a
+    regular install. An editable install under PYTHONDONTWRITEBYTECODE (set
+    on some machines) would otherwise compile every module from source at
+    each start of gcwrap and gcshadow: some 80 ms of CPU per process that no
+    installed copy pays."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("gcwrap")
+    if spec is None or not spec.submodule_search_locations:
+        return "gcwrap not importable here: bytecode left as it is"
+    package = next(iter(spec.submodule_search_locations))
+    try:
+        ok = compileall.compile_dir(package, quiet=1, workers=1)
+    except OSError as e:
+        return f"could not byte-compile {package}: {e}"
+    return f"byte-compiled {package} (as a regular install is)" if ok else f"byte-compiling {package} failed"
+
+
+def settings_line() -> str:
+    """The GCWRAP_* variables in the environment: they reach every gcwrap the
+    benchmark runs (GCWRAP_WRITE_BEHIND=0.05 measures the relaxed mode)."""
+    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))}
+    shown = " ".join(f"{k}={v}" for k, v in found.items())
+    return "settings: " + (shown or "defaults (no GCWRAP_* variables)")
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1GB, 300MB or 64MiB")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return n
+
+
+# -- /proc and wait helpers ------------------------------------------------
+
+
+def proc_times(pid: int) -> tuple[float, float]:
+    """(own user+sys of all threads, user+sys of waited-for children) in seconds, from /proc/PID/stat.
+
+    Readable for a zombie too: its counters are final until it is reaped.
+    """
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2:].split()  # fields[0] is field 3 (state)
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime) / CLK_TCK, (cutime + cstime) / CLK_TCK
+
+
+def vm_hwm_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class Reaped:
+    returncode: int
+    end: float  # time.monotonic() when the process was seen to exit
+    own_cpu: float | None  # own user+sys from the zombie's /proc/PID/stat (None if unreadable)
+    children_cpu: float | None  # user+sys of its waited-for descendants, same source
+    rusage_cpu: float  # wait4: own + waited-for descendants
+    peak_rss_kib: int  # VmHWM polled by a PeakRss (0 if not watched)
+    timed_out: bool
+
+
+def signal_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal a process started with start_new_session=True, and its process group, by id."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_measured(proc: subprocess.Popen[bytes], deadline: float, rss: PeakRss | None = None,
+                  grace: float = 5.0) -> Reaped:
+    """Wait for `proc` (never waited by anyone else) until `deadline`, then SIGTERM, then SIGKILL.
+
+    The exit is observed with waitid(WNOWAIT) in a thread, so the zombie's
+    /proc/PID/stat can be read (own CPU vs children's CPU) before wait4 reaps
+    it and returns its rusage.
+    """
+    exited: dict[str, float] = {}
+
+    def waiter() -> None:
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        exited["t"] = time.monotonic()
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    timed_out = False
+    kill_at = None
+    while thread.is_alive():
+        thread.join(0.2)
+        now = time.monotonic()
+        if thread.is_alive() and now > deadline and not timed_out:
+            timed_out = True
+            signal_tree(proc, signal.SIGTERM)
+            kill_at = now + grace
+        if thread.is_alive() and kill_at is not None and now > kill_at:
+            signal_tree(proc, signal.SIGKILL)
+            kill_at = None
+    own: float | None = None
+    children: float | None = None
+    try:
+        own, children = proc_times(proc.pid)
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = rss.forget(proc) if rss is not None else 0
+    _, status, ru = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Reaped(
+        returncode=proc.returncode, end=exited["t"], own_cpu=own, children_cpu=children,
+        rusage_cpu=ru.ru_utime + ru.ru_stime, peak_rss_kib=peak, timed_out=timed_out,
+    )
+
+
+class PeakRss:
+    """Polls VmHWM (peak RSS of the current address space) of some processes every `interval` seconds.
+
+    ru_maxrss from wait4 is no good for a child of this script: at exec the
+    kernel folds the high-water mark of the address space it replaces (this
+    Python process's, shared by vfork) into the child's maxrss. VmHWM belongs
+    to the exec'd program alone; it is monotonic, and polling misses at most
+    the last `interval` before the process exits.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peak: dict[int, int] = {}
+        self.live: set[int] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Popen returns once the child has exec'd, so its VmHWM is the new program's from now on."""
+        with self.lock:
+            self.live.add(proc.pid)
+        self._sample(proc.pid)
+
+    def _sample(self, pid: int) -> None:
+        hwm = vm_hwm_kib(pid)
+        with self.lock:
+            if hwm is None:
+                self.live.discard(pid)  # a zombie has no address space: its last sample stands
+            elif pid in self.live:
+                self.peak[pid] = max(self.peak.get(pid, 0), hwm)
+
+    def _poll(self) -> None:
+        while not self.stopping.wait(self.interval):
+            with self.lock:
+                pids = list(self.live)
+            for pid in pids:
+                self._sample(pid)
+
+    def forget(self, proc: subprocess.Popen[bytes]) -> int:
+        """Stop watching (call before reaping, so a recycled pid is never sampled); the peak in KiB."""
+        with self.lock:
+            self.live.discard(proc.pid)
+            return self.peak.pop(proc.pid, 0)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM by pid, then SIGKILL; always reaps."""
+    if proc.returncode is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc, signal.SIGKILL)
+        proc.wait(timeout)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    """Is something listening on 127.0.0.1:port (or any address)? Without connecting to it."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            addr, lport = parts[1].split(":")
+            if int(lport, 16) == port and parts[3] == "0A" and addr in ("0100007F", "00000000"):
+                return True
+    return False
 
 
 def tools() -> tuple[list[str], list[str]]:
@@ -143,6 +387,119 @@ def header(name: str) -> str:
         settings_line(),
         f"bytecode: {bytecode}",
     ])
+
+
+# -- results as JSON ------------------------------------------------------------
+
+RESULTS_DIR = REPO / "benchmarks" / "results"
+
+
+def results_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """--json PATH (default benchmarks/results/NAME.json, what report.py reads) and --no-json."""
+    parser.add_argument("--json", type=Path, default=RESULTS_DIR / f"{name}.json",
+                        help=f"write the results here as JSON (default: benchmarks/results/{name}.json, "
+                             "which benchmarks/report.py turns into the table of benchmarks/README.md)")
+    parser.add_argument("--no-json", dest="json", action="store_const", const=None,
+                        help="write no JSON (a smoke run that must not replace the committed results)")
+
+
+def machine() -> dict[str, object]:
+    """CPU model, cores, kernel and Python of this machine."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "?"
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version()}
+
+
+def _stats(values: Sequence[float]) -> dict[str, object]:
+    kept = [float(v) for v in values if v is not None and not math.isnan(v)]
+    if not kept:
+        return {"runs": [], "median": None, "min": None, "max": None}
+    return {"runs": kept, "median": statistics.median(kept), "min": min(kept), "max": max(kept)}
+
+
+def _plain(value: object) -> object:
+    """JSON has no NaN or infinity: they become null; tuples and paths become lists and strings."""
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+class Results:
+    """What one invocation of a benchmark measured, for benchmarks/results/NAME.json.
+
+    Made when the script starts (the date, the code under test, the machine,
+    the load average before), filled as it runs (`command`, `run`, `figure`),
+    written at the end (`write`: the load average after). A figure holds the
+    per-run values of gcwrap and of the baseline measured in the same
+    invocation, their medians, and the ratio of the medians; report.py makes
+    the README's table from these files and nothing else.
+    """
+
+    def __init__(self, name: str, path: Path | None) -> None:
+        head, clean = git_state()
+        self.path = path
+        self.data: dict[str, object] = {
+            "benchmark": name,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": head,
+            "dirty": not clean,
+            "machine": machine(),
+            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))
+                         and not k.startswith(("GCWRAP_TEST_", "GCWRAP_BENCH_"))},
+            "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+            "load_before": list(os.getloadavg()),
+            "commands": {},
+            "runs": [],
+            "figures": [],
+        }
+
+    def command(self, label: str, cmd: Sequence[str] | str) -> None:
+        """The exact command of one side (the first run's, when runs differ only in paths)."""
+        commands = self.data["commands"]
+        assert isinstance(commands, dict)
+        commands.setdefault(label, cmd if isinstance(cmd, str) else shlex.join(cmd))
+
+    def run(self, **values: object) -> None:
+        """One run's figures, as the script measured them."""
+        runs = self.data["runs"]
+        assert isinstance(runs, list)
+        runs.append(values)
+
+    def figure(self, name: str, unit: str, gcwrap: Sequence[float], baseline: Sequence[float] = (),
+               baseline_name: str = "", target: str = "", key: bool = False) -> None:
+        """One figure: gcwrap's per-run values, the baseline's of the same invocation, the ratio of the medians
+        (gcwrap / baseline), and the target an issue set for it, if any ("<= 1.05x", ">= 0.35x"). `key`
+        figures go in the README's table; the others stay in the JSON."""
+        ours, theirs = _stats(gcwrap), _stats(baseline)
+        ratio = None
+        if isinstance(ours["median"], float) and isinstance(theirs["median"], float) and theirs["median"]:
+            ratio = ours["median"] / theirs["median"]
+        figures = self.data["figures"]
+        assert isinstance(figures, list)
+        figures.append({"name": name, "unit": unit, "gcwrap": ours,
+                        "baseline": {"name": baseline_name, **theirs} if baseline else None,
+                        "ratio": ratio, "target": target, "key": key or bool(target)})
+
+    def write(self) -> Path | None:
+        """Write the JSON (unless --no-json); returns where."""
+        self.data["load_after"] = list(os.getloadavg())
+        self.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if self.path is None:
+            return None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(_plain(self.data), indent=1, allow_nan=False) + "\n")
+        print(f"results: {self.path}", flush=True)
+        return self.path
 
 
 
@@ -485,8 +842,9 @@ _SYSCALL_SYMBOLS = {
     "__do_sys_clone3": "clone3", "do_group_exit": "exit_group", "do_sys_poll": "poll", "do_select": "select",
     "__sys_accept4": "accept4", "__sys_connect": "connect", "do_mmap": "mmap", "__vm_munmap": "munmap",
 }
-_SYSCALL_ALIASES = {"unlink": "unlinkat", "fsync": "fsync/fdatasync", "fdatasync": "fsync/fdatasync", "recv": "recvfrom", "send": "sendto",
-                    "sendfile": "sendfile64", "pread": "pread64", "pwrite": "pwrite64"}
+_SYSCALL_ALIASES = {"unlink": "unlinkat", "fsync": "fsync/fdatasync", "fdatasync": "fsync/fdatasync",
+                    "recv": "recvfrom", "send": "sendto", "sendfile": "sendfile64", "pread": "pread64",
+                    "pwrite": "pwrite64"}
 
 
 def perf_summary(data: Path, top: int = 15, title: str = "", exclude: Sequence[str] = ()) -> str:

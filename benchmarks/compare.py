@@ -34,8 +34,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, ShadowProc, fmt, guarded, header, install_signal_handlers, render_table
-from throughput import GiB, parse_size, wait_measured
+from benchlib import (
+    BenchError,
+    GiB,
+    Results,
+    ShadowProc,
+    fmt,
+    guarded,
+    header,
+    install_signal_handlers,
+    parse_size,
+    render_table,
+    results_option,
+    wait_measured,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = "import sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'gcwrap'; from gcwrap.cli import main; main()"
@@ -83,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="rounds over all revisions (default 5)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run (default 300)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    results_option(parser, "compare")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     install_signal_handlers()
+    results = Results("compare", args.json)
     print(header("compare"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-compare-"))
     trees: list[Path] = []
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu[k].append(one_run(tree, port, args.size, workdir, f"r{i}-{k}", args.timeout)
                                       * GiB / args.size)
                         print(f"run {i + 1} {rev:12} {cpu[k][-1]:.3f} CPU-s/GiB", flush=True)
+                        results.run(round=i + 1, rev=rev, gcwrap_cpu_s_per_gib=cpu[k][-1])
             base = statistics.median(cpu[0])
             rows = [["revision", "gcwrap CPU-s/GiB median", "min", "max", "ratio to first"]]
             for rev, values in zip(args.rev, cpu):
@@ -108,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                              f"{statistics.median(values) / base:.2f}x"])
             print()
             print(render_table(rows))
+            results.command("gcwrap (each revision)", f"python -c 'import sys; sys.path.insert(0, TREE); "
+                            f"from gcwrap.cli import main; main()' -q --shadow 127.0.0.1:PORT --stdout bulk.out "
+                            f"--spool SPOOL -- head -c {args.size} /dev/zero")
+            for rev, values in zip(args.rev[1:], cpu[1:]):
+                results.figure(f"gcwrap CPU-s/GiB, bulk {args.size / GiB:.2f} GiB: {rev} against {args.rev[0]}",
+                               "CPU-s/GiB", values, cpu[0], args.rev[0], key=True)
+            results.write()
         finally:
             for tree in trees:
                 if tree != REPO:

@@ -84,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     MB,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -94,6 +95,7 @@ from benchlib import (
     proc_times,
     raise_nofile,
     render_table,
+    results_option,
     sha256_file,
     signal_tree,
     summary,
@@ -297,7 +299,7 @@ class RealBench:
             errors: collections.Counter[str] = collections.Counter()
             ok = 0
             nbytes = 0
-            for k, (o_end, o_cpu, rc, timed_out) in enumerate(outcomes):
+            for k, (_end, _cpu, rc, timed_out) in enumerate(outcomes):
                 if timed_out or rc != 0:
                     text = (rundir / f"gcwrap-{k}.log").read_text(errors="replace").strip().splitlines()
                     errors[f"gcwrap exit {rc}{' (timed out)' if timed_out else ''}: "
@@ -408,7 +410,8 @@ class Generator:
         return self.src[start:start + self.per_agent]
 
     def schedule(self, agents: list[int]) -> Iterator[tuple[float, memoryview]]:
-        """(due offset in seconds, frame) in sending order for these agents: frame k of agent i at (i/N + k) x interval."""
+        """(due offset in seconds, frame) in sending order for these agents: frame k of agent i at
+        (i/N + k) x interval."""
         iv = self.args.interval
         for k in range(self.frames):
             for i in agents:
@@ -512,7 +515,8 @@ class Generator:
                 msg = f"{type(e).__name__} [errno {e.errno}] {os.strerror(e.errno)}"
             if hasattr(e, "phase"):
                 phase = e.phase
-            self.errors[f"{getattr(e, 'phase', phase)}: {type(e).__name__}: {re.sub(r'[0-9]{3,}', '#', msg)[:160]}"] += 1
+            brief = re.sub(r"[0-9]{3,}", "#", msg)[:160]
+            self.errors[f"{getattr(e, 'phase', phase)}: {type(e).__name__}: {brief}"] += 1
             self.failed += 1
             if not through[0]:
                 through[0] = True
@@ -665,7 +669,8 @@ class SimBench:
             self.commands.setdefault("gcshadow", shlex.join(shadow.cmd))
             tag = f"{os.getpid()}-{n}-{index}-{'b' if baseline else 'f'}"
             params, result_file = rundir / "load.json", rundir / "load-result.json"
-            params.write_text(json.dumps({"n": n, "baseline": baseline, "port": port, "tag": tag, "shadow_pid": shadow.pid,
+            params.write_text(json.dumps({"n": n, "baseline": baseline, "port": port, "tag": tag,
+                                          "shadow_pid": shadow.pid,
                                           "args": {k: getattr(self.args, k) for k in LOAD_ARGS}}))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--load-worker", str(params), str(result_file)]
             self.commands.setdefault("load process", shlex.join(cmd))
@@ -703,7 +708,8 @@ class SimBench:
                     h.update(frame)
                 landed = home / "fanin/sim-all.out"
                 if finished == 1:
-                    if landed.exists() and landed.stat().st_size == n * gen.per_agent and sha256_file(landed) == h.hexdigest():
+                    whole = landed.exists() and landed.stat().st_size == n * gen.per_agent
+                    if whole and sha256_file(landed) == h.hexdigest():
                         ok, nbytes = 1, n * gen.per_agent
                     else:
                         mismatch += 1
@@ -772,25 +778,39 @@ def sim_line(r: Result) -> str:
     """One simulated run in one line."""
     return (f"{r.ok}/{r.agents} ok  achieved {r.mb_s:6.1f} of {r.offered:.1f} MB/s offered  {r.total_s:6.1f} s  "
             f"ack p50/p99/max {percentile(r.latencies_ms, 50):.1f}/{percentile(r.latencies_ms, 99):.1f}/"
-            f"{max(r.latencies_ms, default=math.nan):.0f} ms (steady p99 {r.notes.get('steady_p99_ms', math.nan):.1f})  shadow CPU {r.shadow_cpu_s:.2f} s "
-            f"(data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
+            f"{max(r.latencies_ms, default=math.nan):.0f} ms "
+            f"(steady p99 {r.notes.get('steady_p99_ms', math.nan):.1f})  "
+            f"shadow CPU {r.shadow_cpu_s:.2f} s (data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  "
+            f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
             f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
             f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
             + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""))
 
 
-def report(results: list[Result], args: argparse.Namespace) -> bool:
+FANIN_TARGETS = {"ack latency (ms) p99": "<= 250 ms", "shadow peak RSS, VmHWM (MiB)": "<= 200 MB",
+                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)"}
+
+
+FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)"}
+
+
+def report(results: list[Result], args: argparse.Namespace, record: Results | None = None) -> bool:
     ok_all = True
     scenarios = list(dict.fromkeys(r.scenario for r in results))
     for sc in scenarios:
         rs = [r for r in results if r.scenario == sc]
         real = sc.startswith("real")
         lat_label = "per-job wall (ms)" if real else "ack latency (ms)"
-        print(f"\n== {sc}: fan-in vs one agent moving the same bytes ({len([r for r in rs if r.path == 'fan-in'])} runs) ==")
+        n_runs = len([r for r in rs if r.path == "fan-in"])
+        print(f"\n== {sc}: fan-in vs one agent moving the same bytes ({n_runs} runs) ==")
         rows = [["figure", "fan-in median", "min", "max", "baseline median", "min", "max", "fan-in/baseline"]]
 
-        def line(label: str, key: Any, rs: list[Result] = rs, rows: list[list[str]] = rows) -> None:
-            vals = {p: summary(key(r) for r in rs if r.path == p) for p in ("fan-in", "baseline")}
+        def line(label: str, key: Any, rs: list[Result] = rs, rows: list[list[str]] = rows, sc: str = sc) -> None:
+            runs = {p: [float(key(r)) for r in rs if r.path == p] for p in ("fan-in", "baseline")}
+            vals = {p: summary(runs[p]) for p in runs}
+            if record is not None:
+                record.figure(f"fan-in, {sc}: {label}", "", runs["fan-in"], runs["baseline"], "one agent",
+                              FANIN_TARGETS.get(label, "") if sc.startswith("sim") else "", key=label in FANIN_KEY)
             f, b = vals["fan-in"], vals["baseline"]
             ratio = f"{f[0] / b[0]:.2f}x" if b[0] and b[0] == b[0] and f[0] == f[0] else "-"
             rows.append([label, fmt(f[0]), fmt(f[1]), fmt(f[2]), fmt(b[0]), fmt(b[1]), fmt(b[2]), ratio])
@@ -807,7 +827,8 @@ def report(results: list[Result], args: argparse.Namespace) -> bool:
         line(f"{lat_label} p99", lambda r: percentile(r.latencies_ms, 99))
         line(f"{lat_label} max", lambda r: max(r.latencies_ms) if r.latencies_ms else float("nan"))
         if not real:
-            line("ack latency p99, steady: every frame but each agent's first (ms)", lambda r: r.notes.get("steady_p99_ms", math.nan))
+            line("ack latency p99, steady: every frame but each agent's first (ms)",
+                 lambda r: r.notes.get("steady_p99_ms", math.nan))
         line("shadow CPU (s)", lambda r: r.shadow_cpu_s)
         line("shadow CPU-s per GB", lambda r: r.shadow_cpu_s / (r.nbytes / 1e9) if r.nbytes else float("nan"))
         if not real:
@@ -950,10 +971,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the search may take (default 1500); a probe that would overrun is not started")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "fanin")
     args = parser.parse_args(argv)
     sims = [int(x) for x in args.sim.split(",") if x.strip()]
     install_signal_handlers()
     soft, hard = raise_nofile()
+    record = Results("fanin", args.json)
     print(header("fanin"), flush=True)
     print(f"RLIMIT_NOFILE of this process and the load processes it starts, raised to the hard limit: "
           f"{soft}/{hard}")
@@ -1002,10 +1025,20 @@ def main(argv: list[str] | None = None) -> int:
         if sims:
             print("  load generator: a process of its own (trio), one TCP connection per simulated agent")
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-        if results and not report(results, args):
+        for name, cmd in commands.items():
+            record.command(name, cmd)
+        for r in results:
+            record.run(scenario=r.scenario, path=r.path, index=r.index, agents=r.agents, ok=r.ok,
+                       mb_s=r.mb_s, total_s=r.total_s, shadow_cpu_s=r.shadow_cpu_s, shadow_hwm_mib=r.shadow_hwm_mib,
+                       ack_p50_ms=percentile(r.latencies_ms, 50), ack_p99_ms=percentile(r.latencies_ms, 99),
+                       errors=r.errors, notes=r.notes)
+        if results and not report(results, args, record):
             outcome.status = 1
         if ceiling_text:
             print("\n" + ceiling_text)
+            record.data["ceiling"] = ceiling_text
+        if outcome.status == 0:
+            record.write()
     return outcome.status
 
 

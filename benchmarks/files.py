@@ -44,14 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (  # noqa: E402
+from benchlib import (
     MB,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -59,6 +60,7 @@ from benchlib import (  # noqa: E402
     install_signal_handlers,
     parse_size,
     render_table,
+    results_option,
     sha256_file,
     tools,
     wait_measured,
@@ -145,7 +147,7 @@ def committed_with(root: Path, job_id: str, sha: str) -> bool:
     return row is not None
 
 
-def scattered(args: argparse.Namespace, work: Path) -> list[list[str]]:
+def scattered(args: argparse.Namespace, work: Path, record: Results | None = None) -> list[list[str]]:
     import hashlib
 
     gcwrap, _ = tools()
@@ -192,6 +194,13 @@ def scattered(args: argparse.Namespace, work: Path) -> list[list[str]]:
     changed = blocks * BLOCK + extend
     whole = steps * size + (size + extend)  # each rewrite sent whole, as a copy of the file would be
     print(f"scattered: {r.end - start:.1f} s; files_sent {sent:,} B, files_copied {copied:,} B", flush=True)
+    if record is not None:
+        record.command("scattered", " ".join(cmd[:cmd.index("-c") + 1]) + " SCATTERED_JOB " + " ".join(cmd[-5:]))
+        record.run(part="scattered", seconds=r.end - start, files_sent=sent, files_copied=copied, size=size,
+                   changed=changed, whole=whole)
+        record.figure(f"files: bytes sent for {blocks} scattered 4 KiB blocks in {steps} steps and +{extend:,} B "
+                      f"of a {size / (1 << 20):g} MiB file", "bytes", [later], [whole],
+                      "each version whole", key=True)
     return [
         ["scattered writes", "bytes"],
         ["file size (first version, sent whole)", f"{size:,}"],
@@ -259,7 +268,7 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "-"
 
 
-def appended(args: argparse.Namespace, work: Path) -> list[list[str]]:
+def appended(args: argparse.Namespace, work: Path, record: Results | None = None) -> list[list[str]]:
     size = parse_size(args.size)
     source = work / "source"
     with open(source, "wb") as f:
@@ -273,16 +282,27 @@ def appended(args: argparse.Namespace, work: Path) -> list[list[str]]:
         for kind in (("file", "stdout") if i % 2 == 0 else ("stdout", "file")):
             r = append_run(args, work, source, want, kind, i, size)
             runs[kind].append(r)
+            if record is not None:
+                record.run(part="appended", **asdict(r))
             print(f"{kind:>6} run {i}: {r.seconds:.2f} s ({size / r.seconds / MB:.0f} MB/s), gcwrap CPU "
                   f"{r.gcwrap_cpu:.2f} s, shadow CPU {r.shadow_cpu:.2f} s", flush=True)
     rows = [[f"appended {size:,} B ({args.runs} pairs)", "--file median", "min", "max", "--stdout median", "min",
              "max", "file/stdout"]]
-    for label, key in (("wall time (s)", "seconds"), ("gcwrap CPU (s)", "gcwrap_cpu"), ("shadow CPU (s)", "shadow_cpu")):
+    for label, key in (("wall time (s)", "seconds"), ("gcwrap CPU (s)", "gcwrap_cpu"),
+                       ("shadow CPU (s)", "shadow_cpu")):
         f = [getattr(r, key) for r in runs["file"]]
         s = [getattr(r, key) for r in runs["stdout"]]
         rows.append([label, fmt(statistics.median(f)), fmt(min(f)), fmt(max(f)), fmt(statistics.median(s)),
                      fmt(min(s)), fmt(max(s)), _ratio(statistics.median(f), statistics.median(s))])
     pairs = [f.seconds / s.seconds for f, s in zip(runs["file"], runs["stdout"])]
+    if record is not None:
+        record.command("appended", "gcwrap --shadow ... --file big.bin -- sh -c 'exec \"$@\" > big.bin' job head -c N "
+                       "SOURCE (against --stdout big.bin -- head -c N SOURCE)")
+        for label, key, target in (("wall time (s)", "seconds", "<= 1.5x"), ("gcwrap CPU (s)", "gcwrap_cpu", ""),
+                                   ("shadow CPU (s)", "shadow_cpu", "")):
+            record.figure(f"files: appended {size / (1 << 20):g} MiB --file vs --stdout, {label}", "",
+                          [getattr(r, key) for r in runs["file"]], [getattr(r, key) for r in runs["stdout"]],
+                          "--stdout", target)
     rows.append(["wall time, median of the pairs' ratios", "", "", "", "", "", "", f"{statistics.median(pairs):.2f}x"])
     return rows
 
@@ -299,19 +319,22 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     ap.add_argument("--tmpdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    results_option(ap, "files")
     args = ap.parse_args()
     install_signal_handlers()
+    record = Results("files", args.json)
     print(header("files"), flush=True)
     work = Path(tempfile.mkdtemp(prefix="gcwrap-files-", dir=args.tmpdir))
     with guarded("files.py", work, args.keep) as outcome:
         tables = []
         if args.skip != "scattered":
-            tables.append(scattered(args, work))
+            tables.append(scattered(args, work, record))
         if args.skip != "appended":
-            tables.append(appended(args, work))
+            tables.append(appended(args, work, record))
         for rows in tables:
             print()
             print(render_table(rows))
+        record.write()
     return outcome.status
 
 

@@ -49,8 +49,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, ShadowProc, fmt, guarded, header, install_signal_handlers, render_table, summary, tools
-from throughput import GiB, parse_size
+from benchlib import (
+    BenchError,
+    GiB,
+    Results,
+    ShadowProc,
+    fmt,
+    guarded,
+    header,
+    install_signal_handlers,
+    parse_size,
+    render_table,
+    results_option,
+    summary,
+    tools,
+)
 
 LOOPS = ("read", "copy", "zero-copy", "zero-copy-reuse", "zero-copy-segments")
 SEGMENT = 16 << 20
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", choices=LOOPS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spill", type=Path, help=argparse.SUPPRESS)
+    results_option(parser, "floor")
     args = parser.parse_args(argv)
     if args.loop:  # a child: run one loop, print its CPU seconds
         print(f"{loop(args.loop, args.size, args.port, args.spill):.6f}")
@@ -198,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     install_signal_handlers()
+    results = Results("floor", args.json)
     print(header("floor"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-floor-"))
     with guarded("floor", workdir, args.keep) as outcome:
@@ -207,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 cpu[name].append(run_loop(name, args.size, workdir, args.timeout) * GiB / args.size)
                 print(f"run {i + 1} {name:16} {cpu[name][-1]:.3f} CPU-s/GiB", flush=True)
+                results.run(round=i + 1, loop=name, cpu_s_per_gib=cpu[name][-1])
         start = startup_cpu(workdir, max(3, args.runs), args.timeout)
         trio_cpu = [process_cpu([sys.executable, "-c", "import trio"], args.timeout) for _ in range(max(3, args.runs))]
         print()
@@ -223,6 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the same, paying to free what was delivered (zero-copy-segments + start-up): {segs + once:.2f}; "
               f"with a bare trio start-up instead of gcwrap's: {segs + bare:.2f}")
         print(f"floor of a 1 GiB job delivery keeps up with (zero-copy-reuse + start-up): {reuse + once:.2f} CPU-s/GiB")
+        results.command("loop", f"python benchmarks/floor.py --loop LOOP --size {args.size} --port PORT --spill FILE")
+        results.command("start-up", "gcwrap --shadow 127.0.0.1:PORT --stdout NAME -- true")
+        results.command("bare import", "python -c 'import trio'")
+        for name in LOOPS:
+            results.figure(f"floor: bare `{name}` loop, CPU-s/GiB (no gcwrap in it)", "CPU-s/GiB", cpu[name],
+                           key=name in ("zero-copy", "zero-copy-reuse"))
+        results.figure("floor: `gcwrap -- true` with a shadow, CPU-s per job, vs `python -c 'import trio'`", "CPU-s",
+                       start, trio_cpu, "import trio", key=True)
+        results.write()
     return outcome.status
 
 

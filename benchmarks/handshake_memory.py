@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib  # noqa: E402
+import benchlib
 
 MIB = 1 << 20
 MAGIC = b"GCWRAP\r\n"
@@ -111,8 +111,10 @@ def extract(rev: str, into: Path) -> Path:
     return into
 
 
-def run_code(label: str, pythonpath: str | None, args: argparse.Namespace, work: Path) -> list[list[str]]:
+def run_code(label: str, pythonpath: str | None, args: argparse.Namespace, work: Path,
+             record: benchlib.Results | None = None) -> list[list[str]]:
     rows = []
+    measured: dict[str, list[tuple[float, float, float]]] = {"oversized": [], "partial": []}
     token = work / f"token-{label}"
     token.write_text(os.urandom(32).hex() + "\n")
     token.chmod(0o600)
@@ -140,6 +142,19 @@ def run_code(label: str, pythonpath: str | None, args: argparse.Namespace, work:
                    f"{after / MIB:.1f}", f"{(after - before) / MIB:+.1f}"]
             print("  ".join(row), flush=True)
             rows.append(row)
+            measured[kind].append((before / MIB, peak / MIB, after / MIB))
+        if record is not None:
+            record.command(f"gcshadow ({label})", shadow.cmd)
+    if record is not None:
+        for kind, values in measured.items():
+            for before, peak, after in values:
+                record.run(code=label, round=kind, connections=args.connections, before_mib=before, peak_mib=peak,
+                           after_mib=after)
+            record.figure(f"before authentication ({label}): peak RSS (MiB), {args.connections:,} connections "
+                          f"sending {kind} frames", "MiB",
+                          [v[1] for v in values], [v[0] for v in values], "RSS before", key=True)
+            record.figure(f"before authentication ({label}): RSS after the {kind} connections close (MiB)", "MiB",
+                          [v[2] for v in values], [v[0] for v in values], "RSS before")
     return rows
 
 
@@ -149,19 +164,22 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="how long each round's connections send")
     ap.add_argument("--rev", action="append", default=[], help="also measure gcshadow as of this git revision")
     ap.add_argument("--limit-mib", type=int, default=2048, help="stop a round's sending past this much growth")
+    benchlib.results_option(ap, "handshake_memory")
     args = ap.parse_args()
     benchlib.install_signal_handlers()
     benchlib.raise_nofile()
+    record = benchlib.Results("handshake_memory", args.json)
     print(benchlib.header("handshake_memory"))
     rows = [["code", "round", "connections", "RSS before MiB", "peak MiB", "after MiB", "after - before"]]
     with tempfile.TemporaryDirectory(prefix="gcwrap-bench-") as tmp:
         work = Path(tmp)
-        rows += run_code("HEAD" + ("" if benchlib.git_state()[1] else "+changes"), None, args, work)
+        rows += run_code("HEAD" + ("" if benchlib.git_state()[1] else "+changes"), None, args, work, record)
         for rev in args.rev:
             code = work / f"code-{rev}"
             code.mkdir()
-            rows += run_code(rev, str(extract(rev, code)), args, work)
+            rows += run_code(rev, str(extract(rev, code)), args, work, record)
     print(benchlib.render_table(rows))
+    record.write()
     return 0
 
 

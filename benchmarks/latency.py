@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     AckSniffer,
     BenchError,
+    Results,
     ShadowProc,
     free_port,
     guarded,
@@ -74,6 +75,7 @@ from benchlib import (
     listening,
     percentile,
     render_table,
+    results_option,
     signal_tree,
     summary,
     tools,
@@ -580,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                              "spool's writes off the shadow's file system)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "latency")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     paths = set(args.paths.split(","))
@@ -587,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         print("latency: socat is not installed (apt-get install socat)", file=sys.stderr)
         return 2
     install_signal_handlers()
+    record = Results("latency", args.json)
     print(header("latency"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-latency-", dir=args.tmpdir))
     bench = Bench(args, workdir)
@@ -617,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
                     per_run.setdefault((rate, key), []).append(st)
                     pooled.setdefault((rate, key), []).extend(lines.latencies)
                     line.append(f"{key} {st[0]:.2f}/{st[1]:.2f}/{st[2]:.1f}")
+                    record.run(run=run, rate=rate, path=key, p50_ms=st[0], p99_ms=st[1], max_ms=st[2],
+                               lines=len(lines.latencies))
                 print(f"run {run} {rate:>6g}/s  p50/p99/max ms: " + "  ".join(line), flush=True)
         print()
         print("commands (first run):")
@@ -649,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                              ("protocol ack", "fsync floor")):
                 if (rate, num) not in per_run or (rate, den) not in per_run:
                     continue
-                parts.append(f"{num} / {den}: p50 {med(num, 0) / med(den, 0):.1f}x, p99 {med(num, 1) / med(den, 1):.1f}x")
+                parts.append(f"{num} / {den}: p50 {med(num, 0) / med(den, 0):.1f}x, "
+                             f"p99 {med(num, 1) / med(den, 1):.1f}x")
             if parts:
                 print(f"  {rate:>6g}/s  " + ";  ".join(parts))
         if bench.capture_check:
@@ -669,7 +676,31 @@ def main(argv: list[str] | None = None) -> int:
                 p99 = summary(s[1] for s in per_run[(1000.0, key)])[0]
                 ok = "met" if p50 <= 5 and p99 <= 50 else "NOT met"
                 print(f"  {dict(PATHS)[key]}: p50 {p50:.2f} ms, p99 {p99:.2f} ms: {ok}")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        record.command("JOB", JOB.strip())
+        record_figures(record, rates, per_run)
+        record.write()
     return outcome.status
+
+
+def record_figures(record: Results, rates: list[float],
+                   per_run: dict[tuple[float, str], list[tuple[float, float, float]]]) -> None:
+    """p50 and p99 of gcwrap's paths at every rate against the baseline of each, for the JSON."""
+    for rate in rates:
+        for num, den, what in (("gcwrap ack", "fsync floor", "write -> durable ACK at gcwrap"),
+                               ("gcwrap visible", "socat visible", "write -> visible at home"),
+                               ("protocol ack", "fsync floor", "protocol client send -> ACK (the shadow alone)")):
+            if (rate, num) not in per_run:
+                continue
+            base = per_run.get((rate, den), [])
+            for i, q in ((0, "p50"), (1, "p99")):
+                target = ""
+                if num == "gcwrap ack" and rate == 1000.0:
+                    target = "<= 5 ms" if q == "p50" else "<= 50 ms"
+                record.figure(f"latency at {rate:g} lines/s, {what}, {q}", "ms", [s[i] for s in per_run[(rate, num)]],
+                              [s[i] for s in base], den if base else "", target,
+                              key=rate == 1000.0 and num == "gcwrap visible" and q == "p50")
 
 
 if __name__ == "__main__":

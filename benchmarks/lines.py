@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,6 +70,7 @@ from benchlib import (
     AckSniffer,
     BenchError,
     PeakRss,
+    Results,
     ShadowProc,
     fmt,
     free_port,
@@ -80,6 +81,7 @@ from benchlib import (
     proc_times,
     profiled_run,
     render_table,
+    results_option,
     sha256_file,
     signal_tree,
     stop,
@@ -108,7 +110,9 @@ JOB_C = r"""
 #include <unistd.h>
 /* lines-job SOURCE BLOCK OUT|- TIMES: write SOURCE to OUT (stdout for -), BLOCK bytes per write(2);
    TIMES gets "FIRST_NS LAST_NS" (CLOCK_MONOTONIC before the first write, after the last). */
-static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
+static long long now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 int main(int argc, char **argv) {
     if (argc != 5) { fprintf(stderr, "usage: lines-job SOURCE BLOCK OUT|- TIMES\n"); return 2; }
     int in = open(argv[1], O_RDONLY);
@@ -268,7 +272,8 @@ class Bench:
         self.job_kind = ""
         self.commands: dict[str, str] = {}
         self.rss = PeakRss()
-        self.rsyslogd = shutil.which("rsyslogd") or (os.path.exists("/usr/sbin/rsyslogd") and "/usr/sbin/rsyslogd") or ""
+        sbin = "/usr/sbin/rsyslogd"
+        self.rsyslogd = shutil.which("rsyslogd") or (os.path.exists(sbin) and sbin) or ""
         self.rsyslog_skip = ""
 
     def prepare(self) -> None:
@@ -491,7 +496,8 @@ class Bench:
         job_cmd = self.job(self.block(variant), "-", times)
         self.commands.setdefault("socat receiver", shlex.join(recv_cmd))
         self.commands.setdefault(f"socat sender ({variant})",
-                                 shlex.join(job_cmd).replace(shlex.quote(JOB_PY), "JOB_PY") + " | " + shlex.join(send_cmd))
+                                 shlex.join(job_cmd).replace(shlex.quote(JOB_PY), "JOB_PY") + " | "
+                                 + shlex.join(send_cmd))
         procs: list[subprocess.Popen[bytes]] = []
         try:
             recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -617,7 +623,11 @@ class Bench:
 # -- reporting ------------------------------------------------------------------------
 
 
-def report(runs: list[Run], variant: str, lines: int) -> list[str]:
+LINES_TARGETS = {"lines": ">= 1.0x", "blocks": ">= 0.8x"}
+LINES_KEY = {"lines/s, spawn -> end", "sender CPU-s per M lines", "receiver CPU-s per M lines"}
+
+
+def report(runs: list[Run], variant: str, lines: int, record: Results | None = None) -> list[str]:
     rs = [r for r in runs if r.variant == variant]
     paths = [p for p in ("gcwrap", "socat", "rsyslog") if any(r.path == p for r in rs)]
     head = ["figure"]
@@ -650,6 +660,13 @@ def report(runs: list[Run], variant: str, lines: int) -> list[str]:
             med, lo, hi = summary(key(r) for r in rs if r.path == p)
             meds[p] = med
             row += [fmt(med), f"{fmt(lo)}-{fmt(hi)}"]
+        if record is not None and "gcwrap" in paths:
+            for base in ("socat", "rsyslog") if label.startswith("lines/s") else ("socat",):
+                if base in paths:
+                    target = LINES_TARGETS.get(variant, "") if (base, label) == ("socat", figures[0][0]) else ""
+                    record.figure(f"line output, {variant} ({lines:,} lines): {label}", "",
+                                  [key(r) for r in rs if r.path == "gcwrap"], [key(r) for r in rs if r.path == base],
+                                  base, target, key=label in LINES_KEY and (base == "socat" or variant == "lines"))
         for p in paths:
             if p != "socat":
                 ok = "socat" in meds and meds["socat"] and meds["socat"] == meds["socat"] and meds[p] == meds[p]
@@ -685,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                              "job wrote, bytes acknowledged (ACKs captured on loopback; needs root), CPU of each side")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "lines")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants):
@@ -694,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         print("lines: socat is not installed (apt-get install socat)", file=sys.stderr)
         return 2
     install_signal_handlers()
+    record = Results("lines", args.json)
     print(header("lines"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-lines-", dir=args.tmpdir))
     bench = Bench(args, workdir)
@@ -719,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = (bench.run_gcwrap(v, i, k) if p == "gcwrap" else bench.run_socat(v, i, k) if p == "socat"
                            else bench.run_rsyslog(v, i, k))
                     runs.append(run)
+                    record.run(**asdict(run))
                     rate = args.lines / run.wall_s if run.wall_s == run.wall_s else float("nan")
                     print(f"{v:6} run {i} #{k + 1} {p:7}  {rate:10,.0f} lines/s  wall {run.wall_s:6.2f} s  "
                           f"from first write {run.from_write_s:6.2f} s  job writes {run.job_write_s:6.2f} s  "
@@ -730,10 +750,14 @@ def main(argv: list[str] | None = None) -> int:
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         for v in variants if runs else []:
             print(f"\n== {v}: {args.lines:,} lines of {args.width} B, {bench.block(v)} B per write ==")
-            print("\n".join(report(runs, v, args.lines)))
+            print("\n".join(report(runs, v, args.lines, record)))
         print("\nCPU-s = user+sys over all threads (gcwrap: its own, not the job's). Ratios: median / socat's median"
               " in this run. gcwrap's end is every byte fdatasync'd at home; socat's and rsyslog's is every byte "
               "in the receiver's page cache.")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        if runs:
+            record.write()
         if args.timeline:
             for v in variants:
                 print("\n" + bench.timeline(v), flush=True)

@@ -32,7 +32,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, ShadowProc, header, install_signal_handlers, percentile, render_table
+from benchlib import (
+    BenchError,
+    Results,
+    ShadowProc,
+    header,
+    install_signal_handlers,
+    percentile,
+    render_table,
+    results_option,
+)
 from latency import protocol_client
 
 
@@ -79,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of each run")
     ap.add_argument("--rate", type=float, default=1000.0, help="lines per second")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
+    results_option(ap, "metrics_scrape")
     args = ap.parse_args(argv)
     install_signal_handlers()
     import trio
 
+    record = Results("metrics_scrape", args.json)
     print(header("metrics_scrape"))
     latencies: dict[str, list[int]] = {"plain": [], "scraped": []}
     per_run: dict[str, list[tuple[float, float]]] = {"plain": [], "scraped": []}
@@ -91,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gcwrap-metrics-") as tmp, \
             ShadowProc(Path(tmp) / "home", Path(tmp) / "run", extra=["--metrics", "127.0.0.1:0"]) as shadow:
         port = shadow.wait_ready()  # (the metrics listen, and say where, before the port file is written)
+        record.command("gcshadow", shadow.cmd)
         found = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", shadow.log_tail())
         if found is None:
             raise BenchError(f"gcshadow did not say where its metrics are: {shadow.log_tail()}")
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             per_run[mode].append((percentile(got, 50) / 1e6, percentile(got, 99) / 1e6))
             print(f"  run {n + 1}/{len(order)} {mode:8s} p50 {per_run[mode][-1][0]:.3f} ms  "
                   f"p99 {per_run[mode][-1][1]:.3f} ms", flush=True)
+            record.run(run=n + 1, mode=mode, p50_ms=per_run[mode][-1][0], p99_ms=per_run[mode][-1][1], lines=len(got))
     rows = [["mode", "lines", "p50 ms (pooled)", "p99 ms (pooled)", "p50 ms (median of runs)",
              "p99 ms (median of runs)"]]
     pooled = {}
@@ -117,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{percentile(scrapes, 50) * 1e3:.2f} ms, max {max(scrapes) * 1e3:.2f} ms")
     print(f"ratio scraped / plain: p50 {pooled['scraped'][0] / pooled['plain'][0]:.3f}, "
           f"p99 {pooled['scraped'][1] / pooled['plain'][1]:.3f}")
+    record.command("scraper", f"GET http://127.0.0.1:PORT/metrics every {args.interval:g} s, a new connection each")
+    for i, q in enumerate(("p50", "p99")):
+        record.figure(f"metrics: ack latency {q} (ms), scraped every {args.interval:g} s, {args.rate:g} lines/s", "ms",
+                      [r[i] for r in per_run["scraped"]], [r[i] for r in per_run["plain"]], "not scraped", key=True)
+    record.write()
     return 0
 
 

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +55,7 @@ from benchlib import (
     MB,
     BenchError,
     GiB,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -62,6 +63,7 @@ from benchlib import (
     install_signal_handlers,
     parse_size,
     render_table,
+    results_option,
     sha256_file,
     signal_tree,
     summary,
@@ -226,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 120 + 10 x target)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "overhead")
     args = parser.parse_args(argv)
     if args.timeout is None:
         args.timeout = 120 + 10 * args.target_seconds
     install_signal_handlers()
+    record = Results("overhead", args.json)
     print(header("overhead"), flush=True)
     blocks = -(-args.size // BLOCK)
     work = args.work or calibrate(args.target_seconds, blocks)
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = bench.run_unwrapped(i) if path == "unwrapped" else bench.run_wrapped(i)
                 run.first = k == 0
                 runs.append(run)
+                record.run(**asdict(run))
                 extra = (f"  gcwrap CPU {run.wrapper_cpu_s:5.2f} s  gcshadow CPU {run.shadow_cpu_s:5.2f} s"
                          if path == "wrapped" else "")
                 print(f"run {i}{'ab'[k]} {path:9}  wall {run.wall_s:7.2f} s  job's own time {run.job_s:7.2f} s  "
@@ -268,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, label in (("wall_s", "wall time (s)"), ("job_s", "job's own run time (s)"),
                            ("job_cpu_s", "job CPU (s)")):
             u, w = summary(vals("unwrapped", key)), summary(vals("wrapped", key))
-            rows.append([label, fmt(u[0]), fmt(u[1]), fmt(u[2]), fmt(w[0]), fmt(w[1]), fmt(w[2]), f"{w[0] / u[0]:.3f}x"])
+            rows.append([label, fmt(u[0]), fmt(u[1]), fmt(u[2]), fmt(w[0]), fmt(w[1]), fmt(w[2]),
+                         f"{w[0] / u[0]:.3f}x"])
         for key, label in (("wrapper_cpu_s", "gcwrap's own CPU (s)"), ("shadow_cpu_s", "gcshadow CPU (s)")):
             w = summary(vals("wrapped", key))
             rows.append([label, "-", "-", "-", fmt(w[0]), fmt(w[1]), fmt(w[2]),
@@ -276,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = list(zip(vals_runs(runs, "unwrapped"), vals_runs(runs, "wrapped")))
         p = summary(w.wall_s / u.wall_s for u, w in pairs)
         rows.append(["wall ratio of each pair (run i)", "", "", "", fmt(p[0]), fmt(p[1]), fmt(p[2]), ""])
-        for label, first in (("... pairs run unwrapped first", "unwrapped"), ("... pairs run wrapped first", "wrapped")):
+        for label, first in (("... pairs run unwrapped first", "unwrapped"),
+                             ("... pairs run wrapped first", "wrapped")):
             sel = [w.wall_s / u.wall_s for u, w in pairs if (u.first if first == "unwrapped" else w.first)]
             q = summary(sel)
             rows.append([f"{label} ({len(sel)})", "", "", "", fmt(q[0]), fmt(q[1]), fmt(q[2]), ""])
@@ -284,6 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         ratio = summary(vals("wrapped", "wall_s"))[0] / summary(vals("unwrapped", "wall_s"))[0]
         print(f"\noverhead on the job (wall, median wrapped / median unwrapped): {ratio:.3f}x "
               f"(target <= 1.05x: {'met' if ratio <= 1.05 else 'NOT met'})")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        record.command("JOB", JOB.strip())
+        mb = f"{bench.size / MB:,.0f} MB"
+        record.figure(f"overhead, CPU-bound job writing {mb}: wall time (s)", "s", vals("wrapped", "wall_s"),
+                      vals("unwrapped", "wall_s"), "unwrapped", "<= 1.05x")
+        record.figure(f"overhead, CPU-bound job writing {mb}: the job's own run time (s)", "s",
+                      vals("wrapped", "job_s"), vals("unwrapped", "job_s"), "unwrapped")
+        record.figure(f"overhead, CPU-bound job writing {mb}: gcwrap's own CPU-s per GiB", "CPU-s/GiB",
+                      [c / (bench.size / GiB) for c in vals("wrapped", "wrapper_cpu_s")], key=True)
+        record.write()
     return outcome.status
 
 

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +55,7 @@ from benchlib import (
     MB,
     REPO,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     free_port,
@@ -64,6 +65,7 @@ from benchlib import (
     parse_size,
     percentile,
     render_table,
+    results_option,
     sha256_file,
     summary,
     tools,
@@ -283,6 +285,26 @@ def pg_commit_latencies(url: str, count: int) -> list[float]:
     return out
 
 
+def record_all(record: Results, results: list[Result], acks: dict[str, list[float]]) -> None:
+    """Every set-up's figures against one shadow with its SQLite state, and the durable group's cost."""
+    for r in results:
+        record.run(**asdict(r))
+    base = [r for r in results if r.setup == "sqlite-1"]
+    for name, _, _ in SETUPS[1:]:
+        mine = [r for r in results if r.setup == name]
+        record.figure(f"several shadows, {name}: bulk MB/s", "MB/s", [r.bulk_mb_s for r in mine],
+                      [r.bulk_mb_s for r in base], "sqlite-1", key=True)
+        record.figure(f"several shadows, {name}: shadows' CPU-s per GB", "CPU-s/GB",
+                      [r.shadow_cpu_s_per_gb for r in mine], [r.shadow_cpu_s_per_gb for r in base], "sqlite-1")
+        record.figure(f"several shadows, {name}: small jobs/s", "jobs/s", [r.small_jobs_s for r in mine],
+                      [r.small_jobs_s for r in base], "sqlite-1", key=name == "pg-3")
+    record.figure("durable group, 100 B DATA -> ACK (ms, median = p50), PostgreSQL state", "ms",
+                  [1000 * v for v in acks["PostgreSQL state"]], [1000 * v for v in acks["SQLite state"]],
+                  "SQLite state", key=True)
+    record.figure("bare PostgreSQL UPDATE + COMMIT from psycopg (ms, median = p50)", "ms",
+                  [1000 * v for v in acks["bare PostgreSQL UPDATE + COMMIT"]])
+
+
 def report(results: list[Result], acks: dict[str, list[float]], args: argparse.Namespace) -> None:
     rows = [["setup", "bulk MB/s (median, min-max)", "vs sqlite-1", "shadows' CPU s/GB", "small jobs/s",
              "vs sqlite-1", "jobs carried per shadow (last run)"]]
@@ -316,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--keep", action="store_true")
+    results_option(p, "shadows")
     args = p.parse_args(argv)
     install_signal_handlers()
+    record = Results("shadows", args.json)
     print(header("shadows"))
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-shadows-"))
     pg: Postgres | None = None
@@ -340,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
                 "PostgreSQL state": ack_latencies(workdir / "ack-pg", pg.database(), args.acks),
                 "bare PostgreSQL UPDATE + COMMIT": pg_commit_latencies(pg.database(), args.acks)}
         report(results, acks, args)
+        record.command("gcshadow (each)", "gcshadow serve --port 0 --root ROOT --port-file F --min-free 0 "
+                       "[--state postgresql://...]")
+        record.command("gcwrap (each job)", "gcwrap --shadow 127.0.0.1:A,127.0.0.1:B --spool SPOOL --job-id ID -q "
+                       "--retry-limit 3 --stdout ID.out -- python tests/jobs/genjob.py --out SIZE --seed SEED")
+        record_all(record, results, acks)
+        record.write()
     return outcome.status
 
 

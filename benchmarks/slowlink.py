@@ -40,19 +40,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (  # noqa: E402
+from benchlib import (
     BenchError,
+    Results,
     fmt,
     header,
     install_signal_handlers,
     parse_size,
     render_table,
+    results_option,
     sha256_file,
+    stop,
     tools,
     wait_for_port_file,
     wait_measured,
 )
-from throughput import stop  # noqa: E402
 
 NET = int(os.environ.get("GCWRAP_BENCH_NET", "7"))
 NS = f"gcwslow{NET}"
@@ -97,7 +99,8 @@ def log_text(path: Path, size: int, seed: int = 1) -> None:
         written, i = 0, 0
         while written < size:
             block = "".join(
-                f"2026-11-23T{(i + k) // 3600 % 24:02d}:{(i + k) // 60 % 60:02d}:{(i + k) % 60:02d}.{rnd.randrange(10**6):06d} "
+                f"2026-11-23T{(i + k) // 3600 % 24:02d}:{(i + k) // 60 % 60:02d}:{(i + k) % 60:02d}."
+                f"{rnd.randrange(10**6):06d} "
                 f"{levels[(i + k) % 5]} worker[{(i + k) % 16}] step {i + k} loss={rnd.random():.6f} lr=0.0003 "
                 f"grad_norm={rnd.random() * 10:.4f} tokens/s={rnd.randrange(10000, 99999)}\n"
                 for k in range(1000)
@@ -130,7 +133,8 @@ def summary_of(log: Path) -> dict[str, str]:
     return out
 
 
-def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag: str, timeout: float) -> dict[str, float]:
+def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag: str,
+            timeout: float) -> dict[str, float]:
     gcwrap, _ = tools()
     out = f"{tag}.out"
     spool = work / f"spool-{tag}"
@@ -150,7 +154,8 @@ def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag
         raise BenchError(f"{landed} differs from what the job wrote")
     s = summary_of(log)
     wire = float(s.get("wire_bytes", "nan"))
-    result = {"seconds": r.end - start, "cpu": r.own_cpu or 0.0, "ratio": data.stat().st_size / wire if wire else float("nan")}
+    result = {"seconds": r.end - start, "cpu": r.own_cpu or 0.0,
+              "ratio": data.stat().st_size / wire if wire else float("nan")}
     landed.unlink()
     shutil.rmtree(spool, ignore_errors=True)
     return result
@@ -173,6 +178,23 @@ def start_shadow(home: Path, work: Path, in_ns: bool) -> tuple[subprocess.Popen[
     return proc, f"{host}:{port}"
 
 
+def record_case(record: Results, label: str, kind: str, results: dict[str, list[dict[str, float]]]) -> None:
+    """Each mode's time and CPU against `none`'s on the same path and output, with issue 20's targets."""
+    for mode in results:
+        if mode == "none":
+            continue
+        target = ""
+        if mode == "auto":
+            target = ("<= 0.33x (3x sooner)" if (label, kind) == ("2 MB/s", "log")
+                      else "<= 1.05x" if kind == "random" and label != "loopback" else "")
+        record.figure(f"slow link {label}, {kind} output: seconds to deliver, --compress {mode}", "s",
+                      [r["seconds"] for r in results[mode]], [r["seconds"] for r in results["none"]], "--compress none",
+                      target)
+        record.figure(f"slow link {label}, {kind} output: gcwrap CPU-s, --compress {mode}", "CPU-s",
+                      [r["cpu"] for r in results[mode]], [r["cpu"] for r in results["none"]], "--compress none",
+                      "<= 1.05x" if (label, kind, mode) == ("loopback", "log", "auto") else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="2MB,10MB,100MB", help="link rates, bytes per second")
@@ -182,11 +204,13 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="which of none,auto,zstd to run")
     ap.add_argument("--loopback", default="1GB", help="size for the loopback case (0: skip it)")
     ap.add_argument("--keep", action="store_true")
+    results_option(ap, "slowlink")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("slowlink.py needs root (ip netns, tc)", file=sys.stderr)
         return 2
     install_signal_handlers()
+    record = Results("slowlink", args.json)
     print(header("slowlink"))
     rates = [parse_size(r) for r in args.rates.split(",") if r]
     kinds = [k for k in args.kinds.split(",") if k]
@@ -226,6 +250,7 @@ def main() -> int:
                     tag = f"{label.replace(' ', '').replace('/', '')}-{kind}-{mode}-{i}"
                     r = one_run(address, root, work, data, mode, tag, timeout=args.seconds * 6 + 60)
                     results[mode].append(r)
+                    record.run(path=label, output=kind, mode=mode, round=i + 1, **r)
                     print(f"{label:>10} {kind:>6} {mode:>4} run {i}: {r['seconds']:.2f} s, "
                           f"gcwrap CPU {r['cpu']:.2f} s, job/wire {r['ratio']:.2f}", flush=True)
             base_t = statistics.median(r["seconds"] for r in results["none"])
@@ -237,9 +262,16 @@ def main() -> int:
                 rows.append([label, kind, mode, f"{fmt(statistics.median(t))} ({fmt(min(t))}-{fmt(max(t))})",
                              f"{base_t / statistics.median(t):.2f}x sooner", fmt(statistics.median(c)),
                              f"{statistics.median(c) / base_c:.2f}x" if base_c else "-", fmt(statistics.median(q))])
+            record_case(record, label, kind, results)
             data.unlink()
         print()
         print(render_table(rows))
+        record.command("gcshadow", "gcshadow serve --host 10.201.N.2 --port 0 --root HOME --min-free 0 "
+                       "(in the namespace)")
+        record.command("gcwrap", "gcwrap --shadow 10.201.N.2:PORT --compress MODE --stdout OUT --spool SPOOL "
+                       "-- cat DATA")
+        record.command("link", "tc qdisc add dev VETH root tbf rate R burst max(32KiB, R/100) latency 400ms")
+        record.write()
         return 0
     finally:
         for p in procs:

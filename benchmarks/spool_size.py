@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     MB,
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
@@ -62,6 +63,7 @@ from benchlib import (
     install_signal_handlers,
     parse_size,
     render_table,
+    results_option,
     signal_tree,
     summary,
     tools,
@@ -313,6 +315,10 @@ def timeline(result: Result, rows: int = 24) -> str:
     return render_table(table)
 
 
+SPOOL_KEY = {"spool size: max over the run (MiB)", "spool - backlog: max over samples (MiB)",
+             "min spool after the peak (MiB)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -330,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: flat (full speed), outage, paced (default: all three)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "spool_size")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     install_signal_handlers()
+    record = Results("spool_size", args.json)
     print(header("spool_size"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-spool-", dir=args.tmpdir))
     free = shutil.disk_usage(workdir).free
@@ -349,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             for scenario in scenarios:
                 res = bench.run(scenario, i)
                 results.append(res)
+                record.run(scenario=scenario, index=i, size=res.size, wall_s=res.wall_s, mb_s=res.mb_s,
+                           events=res.events, spool_max=max(s.spool for s in res.samples),
+                           samples=len(res.samples))
                 sp = [s.spool for s in res.streaming()] or [s.spool for s in res.samples]
                 ev = "".join(f"; {k} at {v:.1f} s" for k, v in res.events.items())
                 print(f"run {i} {scenario:6}  {res.wall_s:7.1f} s  {res.mb_s:6.1f} MB/s  {len(res.samples)} samples  "
@@ -359,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in bench.commands.items():
             print(f"  {name}: {cmd}")
         print(f"  JOB = {JOB.strip()!r}")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        record.command("JOB", JOB.strip())
         print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
         for scenario in scenarios:
@@ -368,20 +382,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {scenario} ({len(rs)} runs of {rs[0].size:,} bytes) ==")
             rows = [["figure", "median", "min", "max"]]
 
-            def add(label: str, values: list[float], scale: float = 1.0, rows: list[list[str]] = rows) -> None:
+            def add(label: str, values: list[float], scale: float = 1.0, rows: list[list[str]] = rows,
+                    scenario: str = scenario, size: int = rs[0].size) -> None:
                 m = summary(v / scale for v in values)
+                record.figure(f"spool, {scenario} {size / MB:,.0f} MB: {label.strip()}", "",
+                              [v / scale for v in values], key=label in SPOOL_KEY)
                 rows.append([label, fmt(m[0]), fmt(m[1]), fmt(m[2])])
 
             add("throughput (MB/s)", [r.mb_s for r in rs])
             add("wall time (s)", [r.wall_s for r in rs])
             add("samples per run", [len(r.samples) for r in rs])
-            add("spool size while streaming: min (MiB)", [min(s.spool for s in r.streaming() or r.samples) for r in rs], MiB)
+            add("spool size while streaming: min (MiB)", [min(s.spool for s in r.streaming() or r.samples) for r in rs],
+                MiB)
             add("spool size while streaming: median (MiB)",
                 [statistics.median(s.spool for s in r.streaming() or r.samples) for r in rs], MiB)
             add("spool size: max over the run (MiB)", [max(s.spool for s in r.samples) for r in rs], MiB)
             add("  of which WAL at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).wal for r in rs], MiB)
-            add("  of which segment files at that moment (MiB)", [max(r.samples, key=lambda s: s.spool).seg for r in rs],
-                MiB)
+            add("  of which segment files at that moment (MiB)",
+                [max(r.samples, key=lambda s: s.spool).seg for r in rs], MiB)
             add("max spool size / bytes streamed (%)", [100 * max(s.spool for s in r.samples) / r.size for r in rs])
             add("other spool-dir files: max (KiB)", [max(s.other for s in r.samples) for r in rs], 1024)
             add("backlog (written - acked): max (MiB)",
@@ -392,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             add("spool size in the last sample (MiB)", [r.samples[-1].spool for r in rs], MiB)
             if scenario == "outage":
                 def before(r: Result) -> list[Sample]:
-                    return [s for s in r.samples if 0 < s.landed and s.t < r.events["shadow stopped"]]
+                    return [s for s in r.samples if s.landed > 0 and s.t < r.events["shadow stopped"]]
 
                 def after(r: Result) -> list[Sample]:
                     peak_t = max(r.samples, key=lambda s: s.spool).t
@@ -414,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntimeline of {scenario} run {best.index}"
                   + "".join(f"; {k} at t={v:.1f} s" for k, v in best.events.items()) + ":")
             print(timeline(best))
+        record.write()
     return outcome.status
 
 

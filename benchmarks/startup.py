@@ -53,12 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
     BenchError,
+    Results,
     ShadowProc,
     fmt,
     guarded,
     header,
     install_signal_handlers,
     render_table,
+    results_option,
     summary,
     tools,
 )
@@ -113,14 +115,15 @@ def timed(cmd: list[str], timeout: float, stamp: Path | None = None,
     epoch = time.time()
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              timeout=timeout, start_new_session=True)
+        proc = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=timeout, start_new_session=True)
     except subprocess.TimeoutExpired:
         raise BenchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{proc.stderr.decode(errors='replace')[-2000:]}")
+        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n"
+                         f"{proc.stderr.decode(errors='replace')[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if stamp is not None and started is not None:
         try:
@@ -130,7 +133,8 @@ def timed(cmd: list[str], timeout: float, stamp: Path | None = None,
     return wall, cpu
 
 
-def importtime(python: str, runs: int, timeout: float, env: dict[str, str]) -> tuple[list[tuple[str, float, float]], float]:
+def importtime(python: str, runs: int, timeout: float,
+               env: dict[str, str]) -> tuple[list[tuple[str, float, float]], float]:
     """Modules by mean self and cumulative import time (ms), and the mean total, over `runs` runs."""
     selfs: dict[str, float] = defaultdict(float)
     cums: dict[str, float] = defaultdict(float)
@@ -166,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--importtime-runs", type=int, default=5, help="runs of -X importtime averaged (default 5)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per command (default 60)")
     parser.add_argument("--tmpdir", type=Path, default=None, help="where the shadow's root and spools go")
+    results_option(parser, "startup")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     install_signal_handlers()
+    record = Results("startup", args.json)
     print(header("startup"), flush=True)
 
     found, _ = tools()
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nspawn -> the job's start, with a live shadow (the job waits this long for gcwrap): median "
               f"{med * 1000:.0f} ms ({lo * 1000:.0f}-{hi * 1000:.0f}); the same job spawned alone: "
               f"{alone * 1000:.1f} ms")
+        record_startup(record, {key: command(key, 1) for key in keys}, walls, job_starts, stamp_key, bare_stamp_key)
 
         if args.importtime_runs > 0:
             env = dict(os.environ)
@@ -300,6 +307,29 @@ def main(argv: list[str] | None = None) -> int:
                     heavy.append(f"{n} ({len(mods)} modules, {sum(r[1] for r in mods):.0f} ms self)")
             print("\nheavy packages imported by `gcwrap -- true`: " + (", ".join(heavy) or "none"))
     return outcome.status
+
+
+def record_startup(record: Results, commands: dict[str, list[str]], walls: dict[str, list[float]],
+                   job_starts: dict[str, list[float]], stamp_key: str, bare_stamp_key: str) -> None:
+    """The walls of every command, and gcwrap's against each baseline, for the JSON."""
+    for key, cmd in commands.items():
+        record.command(key, cmd)
+    for i in range(len(walls["gcwrap -- true"])):
+        record.run(round=i + 1, wall_s={key: values[i] for key, values in walls.items()})
+    mine = [w * 1000 for w in walls["gcwrap -- true"]]
+    for key, target in ((f'python -c "{IMPORT_DEPS}"', "<= 1.3x"), (f'python -c "{IMPORT_TRIO}"', ""),
+                        ("python -c pass", "")):
+        record.figure(f"start-up: `gcwrap -- true`, wall (ms), vs `{key}`", "ms", mine,
+                      [w * 1000 for w in walls[key]], key, target, key=key != "python -c pass")
+    shadow_key = next(k for k in walls if k.endswith("(live shadow)") and "date" not in k)
+    record.figure("start-up: `gcwrap --shadow ... -- true` with a live shadow, wall (ms)", "ms",
+                  [w * 1000 for w in walls[shadow_key]], mine, "gcwrap -- true")
+    record.figure("start-up: the bundle `python gcwrap.pyz -- true`, wall (ms)", "ms",
+                  [w * 1000 for w in walls[BUNDLE_KEY]], mine, "gcwrap -- true", "<= 1.10x")
+    record.figure("start-up: spawn -> the job's start, with a live shadow (ms)", "ms",
+                  [w * 1000 for w in job_starts[stamp_key]], [w * 1000 for w in job_starts[bare_stamp_key]],
+                  "the job alone", key=True)
+    record.write()
 
 
 if __name__ == "__main__":

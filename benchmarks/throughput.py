@@ -34,29 +34,45 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import json
 import math
 import os
-import platform
-import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    MB,
+    BenchError,
+    GiB,
+    PeakRss,
+    Results,
+    free_port,
+    guarded,
+    header,
+    install_signal_handlers,
+    listening,
+    parse_size,
+    proc_times,
+    profiled_run,
+    results_option,
+    sha256_file,
+    signal_tree,
+    stop,
+    vm_hwm_kib,
+    wait_measured,
+)
+
 BLOCK = 64 << 20  # the random block the source is made of
-GiB = 1 << 30
 # --rate: the same bytes as `head -c N SOURCE`, in 256 KiB writes, no faster than RATE bytes/s.
 PACER = """
 import os, sys, time
@@ -71,238 +87,7 @@ while done < size:
     if ahead > 0:
         time.sleep(ahead)
 """
-MB = 10**6
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 OUT_NAME = "throughput.out"
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": MB, "mb": MB, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": GiB}
-
-
-class BenchError(Exception):
-    """A run failed: wrong bytes, a bad exit status, a timeout."""
-
-
-@dataclass
-class Outcome:
-    status: int = 0  # the script's exit status
-
-
-@contextlib.contextmanager
-def guarded(name: str, workdir: Path, keep: bool = False,
-            cleanup: Callable[[], object] | None = None) -> Iterator[Outcome]:
-    """A benchmark's body: a BenchError (exit status 1) or Ctrl-C (130) is
-    reported in one line; then `cleanup`, and the work directory is deleted
-    (kept with --keep)."""
-    outcome = Outcome()
-    try:
-        yield outcome
-    except BenchError as e:
-        print(f"{name}: FAILED: {e}", file=sys.stderr)
-        outcome.status = 1
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        outcome.status = 130
-    finally:
-        if cleanup is not None:
-            cleanup()
-        if keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-def compile_bytecode() -> str:
-    """Byte-compile the gcwrap package under test, as `pip install` does for a
-    regular install. An editable install under PYTHONDONTWRITEBYTECODE (set
-    on some machines) would otherwise compile every module from source at
-    each start of gcwrap and gcshadow: some 80 ms of CPU per process that no
-    installed copy pays."""
-    import compileall
-    import importlib.util
-
-    spec = importlib.util.find_spec("gcwrap")
-    if spec is None or not spec.submodule_search_locations:
-        return "gcwrap not importable here: bytecode left as it is"
-    package = list(spec.submodule_search_locations)[0]
-    try:
-        ok = compileall.compile_dir(package, quiet=1, workers=1)
-    except OSError as e:
-        return f"could not byte-compile {package}: {e}"
-    return f"byte-compiled {package} (as a regular install is)" if ok else f"byte-compiling {package} failed"
-
-
-def settings_line() -> str:
-    """The GCWRAP_* variables in the environment: they reach every gcwrap the
-    benchmark runs (GCWRAP_WRITE_BEHIND=0.05 measures the relaxed mode)."""
-    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("GCWRAP_", "GCSHADOW_"))}
-    return "settings: " + (" ".join(f"{k}={v}" for k, v in found.items()) if found else "defaults (no GCWRAP_* variables)")
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 1GB, 300MB or 64MiB")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
-    return n
-
-
-# -- /proc and wait helpers ------------------------------------------------
-
-
-def proc_times(pid: int) -> tuple[float, float]:
-    """(own user+sys of all threads, user+sys of waited-for children) in seconds, from /proc/PID/stat.
-
-    Readable for a zombie too: its counters are final until it is reaped.
-    """
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2:].split()  # fields[0] is field 3 (state)
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime) / CLK_TCK, (cutime + cstime) / CLK_TCK
-
-
-def vm_hwm_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-@dataclass
-class Reaped:
-    returncode: int
-    end: float  # time.monotonic() when the process was seen to exit
-    own_cpu: float | None  # own user+sys from the zombie's /proc/PID/stat (None if unreadable)
-    children_cpu: float | None  # user+sys of its waited-for descendants, same source
-    rusage_cpu: float  # wait4: own + waited-for descendants
-    peak_rss_kib: int  # VmHWM polled by a PeakRss (0 if not watched)
-    timed_out: bool
-
-
-def signal_tree(proc: subprocess.Popen[bytes], sig: int) -> None:
-    """Signal a process started with start_new_session=True, and its process group, by id."""
-    for kill in (os.kill, os.killpg):
-        try:
-            kill(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def wait_measured(proc: subprocess.Popen[bytes], deadline: float, rss: PeakRss | None = None,
-                  grace: float = 5.0) -> Reaped:
-    """Wait for `proc` (never waited by anyone else) until `deadline`, then SIGTERM, then SIGKILL.
-
-    The exit is observed with waitid(WNOWAIT) in a thread, so the zombie's
-    /proc/PID/stat can be read (own CPU vs children's CPU) before wait4 reaps
-    it and returns its rusage.
-    """
-    exited: dict[str, float] = {}
-
-    def waiter() -> None:
-        try:
-            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            pass
-        exited["t"] = time.monotonic()
-
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    timed_out = False
-    kill_at = None
-    while thread.is_alive():
-        thread.join(0.2)
-        now = time.monotonic()
-        if thread.is_alive() and now > deadline and not timed_out:
-            timed_out = True
-            signal_tree(proc, signal.SIGTERM)
-            kill_at = now + grace
-        if thread.is_alive() and kill_at is not None and now > kill_at:
-            signal_tree(proc, signal.SIGKILL)
-            kill_at = None
-    own: float | None = None
-    children: float | None = None
-    try:
-        own, children = proc_times(proc.pid)
-    except (OSError, ValueError, IndexError):
-        pass
-    peak = rss.forget(proc) if rss is not None else 0
-    _, status, ru = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return Reaped(
-        returncode=proc.returncode, end=exited["t"], own_cpu=own, children_cpu=children,
-        rusage_cpu=ru.ru_utime + ru.ru_stime, peak_rss_kib=peak, timed_out=timed_out,
-    )
-
-
-class PeakRss:
-    """Polls VmHWM (peak RSS of the current address space) of some processes every `interval` seconds.
-
-    ru_maxrss from wait4 is no good for a child of this script: at exec the
-    kernel folds the high-water mark of the address space it replaces (this
-    Python process's, shared by vfork) into the child's maxrss. VmHWM belongs
-    to the exec'd program alone; it is monotonic, and polling misses at most
-    the last `interval` before the process exits.
-    """
-
-    def __init__(self, interval: float = 0.02) -> None:
-        self.interval = interval
-        self.peak: dict[int, int] = {}
-        self.live: set[int] = set()
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def watch(self, proc: subprocess.Popen[bytes]) -> None:
-        """Popen returns once the child has exec'd, so its VmHWM is the new program's from now on."""
-        with self.lock:
-            self.live.add(proc.pid)
-        self._sample(proc.pid)
-
-    def _sample(self, pid: int) -> None:
-        hwm = vm_hwm_kib(pid)
-        with self.lock:
-            if hwm is None:
-                self.live.discard(pid)  # a zombie has no address space: its last sample stands
-            elif pid in self.live:
-                self.peak[pid] = max(self.peak.get(pid, 0), hwm)
-
-    def _poll(self) -> None:
-        while not self.stopping.wait(self.interval):
-            with self.lock:
-                pids = list(self.live)
-            for pid in pids:
-                self._sample(pid)
-
-    def forget(self, proc: subprocess.Popen[bytes]) -> int:
-        """Stop watching (call before reaping, so a recycled pid is never sampled); the peak in KiB."""
-        with self.lock:
-            self.live.discard(proc.pid)
-            return self.peak.pop(proc.pid, 0)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-
-
-def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGTERM by pid, then SIGKILL; always reaps."""
-    if proc.returncode is not None:
-        return
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        signal_tree(proc, signal.SIGKILL)
-        proc.wait(timeout)
-
 
 PERF_EVENTS = ("page-faults", "task-clock", "syscalls:sys_enter_fdatasync", "syscalls:sys_enter_syncfs",
                "syscalls:sys_enter_pwrite64", "syscalls:sys_enter_recvfrom", "syscalls:sys_enter_readv")
@@ -327,31 +112,6 @@ def perf_counts(perf: subprocess.Popen[bytes], out: Path) -> dict[str, float]:
     return counts
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def listening(port: int) -> bool:
-    """Is something listening on 127.0.0.1:port (or any address)? Without connecting to it."""
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            parts = line.split()
-            addr, lport = parts[1].split(":")
-            if int(lport, 16) == port and parts[3] == "0A" and addr in ("0100007F", "00000000"):
-                return True
-    return False
 
 
 # -- the benchmark -----------------------------------------------------------
@@ -522,8 +282,6 @@ class Bench:
                   home: Path, profile: Path) -> Run:
         """gcwrap launched by py-spy, gcshadow sampled by pid, perf on both (benchlib.profiled_run). Not
         timed (sampling slows both); the bytes are checked all the same."""
-        from benchlib import profiled_run
-
         wall, text = profiled_run(profile, "bulk", shadow.pid, wrap_cmd, wrap_log, float(self.args.timeout))
         self.verify(home / OUT_NAME, f"gcwrap run {index} (profiled)")
         print(f"\n-- profile of gcwrap -> gcshadow, bulk {self.size:,} bytes ({wall:.1f} s under the samplers; "
@@ -636,35 +394,19 @@ def table(runs: list[Run], size: int) -> str:
     return "\n".join(lines)
 
 
-def describe_machine(bench: Bench) -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "?"
-    try:
-        version = subprocess.run([*bench.gcwrap, "--version"], capture_output=True, text=True, timeout=30,
-                                 check=False).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        version = "?"
-    try:
-        socat = subprocess.run([bench.socat or "socat", "-V"], capture_output=True, text=True, timeout=30,
-                               check=False).stdout
-        socat_version = next((line.strip() for line in socat.splitlines() if line.startswith("socat version")), "?")
-    except (OSError, subprocess.TimeoutExpired):
-        socat_version = "?"
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "gcwrap"], capture_output=True,
-                               text=True, timeout=30, check=False).stdout.strip()
-        version += f" (commit {head or '?'}{', gcwrap/ modified' if dirty else ''})"
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}); Linux {platform.release()}; "
-            f"Python {platform.python_version()}; {version}; {socat_version}; "
-            "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+TARGETS = {"mb_s": ">= 0.35x", "sender_cpu_s": "<= 1.5 CPU-s/GiB", "receiver_cpu_s": "<= 1.0x"}
+
+
+def record(results: Results, bench: Bench, runs: list[Run], size: int) -> None:
+    """Every run and every figure of the table, for the JSON."""
+    for name, cmd in bench.commands.items():
+        results.command(name, shlex.join(cmd).replace(shlex.quote("|"), "|"))
+    for run in runs:
+        results.run(**asdict(run))
+    for key, label, per_gib in FIGURES:
+        values = {path: [figure(r, key, size, per_gib) for r in runs if r.path == path] for path in ("gcwrap", "socat")}
+        results.figure(f"bulk {size / MB:,.0f} MB: {label}", "", values["gcwrap"], values["socat"], "socat",
+                       TARGETS.get(key, ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds allowed per run (default: 60 + 1 s per 2 MB)")
     parser.add_argument("--tmpdir", type=Path, default=None,
                         help="where the source, spool, and landed files go (default: the system temp dir)")
-    parser.add_argument("--json", type=Path, default=None, help="also write every run's figures to this file")
+    results_option(parser, "throughput")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (and the landed files)")
     parser.add_argument("--perf-stat", action="store_true",
                         help="count gcshadow's page faults, syncs, writes and reads in each timed gcwrap run "
@@ -700,21 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         print("throughput: head (coreutils) is not installed", file=sys.stderr)
         return 2
 
-    # SIGTERM/SIGHUP unwind through the finally clauses like Ctrl-C does.
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
-
-    print("command:", shlex.join([Path(sys.executable).name, *sys.argv]), flush=True)
+    install_signal_handlers()
+    results = Results("throughput", args.json)
+    print(header("throughput"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-", dir=args.tmpdir))
     bench = Bench(args, workdir)
     runs: list[Run] = []
     with guarded("throughput", workdir, args.keep, cleanup=bench.rss.close) as outcome:
-        print("machine:", describe_machine(bench))
-        print(settings_line())
-        print("bytecode:", compile_bytecode())
         print(f"size: {args.size:,} bytes ({args.size / GiB:.3f} GiB); runs: {args.runs} of each; "
               f"timeout per run: {args.timeout:.0f} s; work dir: {workdir}", flush=True)
         bench.prepare()
@@ -742,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {shlex.join(cmd).replace(shlex.quote('|'), '|')}")
         print()
         print(table(runs, args.size))
+        record(results, bench, runs, args.size)
         print("\nCPU-s/GiB = CPU seconds (user+sys) per 2^30 bytes moved; ratio = gcwrap median / socat median.")
         if args.profile is not None:
             bench.run_gcwrap(args.runs + 1, profile=args.profile)
-    if args.json is not None and runs:
-        args.json.write_text(json.dumps({"size": args.size, "runs": [asdict(r) for r in runs]}, indent=2))
+    if outcome.status == 0 and runs:
+        results.write()
     return outcome.status
 
 

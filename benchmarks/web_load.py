@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import (
     BenchError,
+    Results,
     ShadowProc,
     guarded,
     header,
@@ -51,6 +52,7 @@ from benchlib import (
     proc_times,
     raise_nofile,
     render_table,
+    results_option,
     signal_tree,
     stop,
     summary,
@@ -244,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=100, help="open job pages (event streams; default 100)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
+    results_option(parser, "web_load")
     args = parser.parse_args(argv)
     install_signal_handlers()
     raise_nofile()
+    record = Results("web_load", args.json)
     print(header("web_load"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gcwrap-bench-web-", dir=args.tmpdir))
     bench = Bench(args, workdir)
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = bench.run(run, with_web)
                 key = "with" if with_web else "without"
                 results[key].append(r)
+                record.run(run=run, condition=key, **r)
                 extra = (f"; clients got {r['client_events']:.0f} output events, {r['client_bytes'] / 1e6:.1f} MB"
                          if with_web else "")
                 print(f"run {run} {key:>7} web: ack p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms, "
@@ -277,17 +282,26 @@ def main(argv: list[str] | None = None) -> int:
             p50, p99, mx = (summary(r[f] for r in rs) for f in ("p50", "p99", "max"))
             rows.append([f"{key} web view", f"{p50[0]:.2f}", f"{p50[1]:.2f}-{p50[2]:.2f}", f"{p99[0]:.2f}",
                          f"{p99[1]:.2f}-{p99[2]:.2f}", f"{mx[0]:.1f}",
-                         f"{summary(r['cpu_shadow'] for r in rs)[0]:.2f}", f"{summary(r['cpu_web'] for r in rs)[0]:.2f}"])
+                         f"{summary(r['cpu_shadow'] for r in rs)[0]:.2f}",
+                         f"{summary(r['cpu_web'] for r in rs)[0]:.2f}"])
         print(render_table(rows))
         p99 = {k: summary(r["p99"] for r in results[k])[0] for k in results}
         p50 = {k: summary(r["p50"] for r in results[k])[0] for k in results}
-        print(f"\nratio with/without web view (medians over {args.runs} runs): p99 {p99['with'] / p99['without']:.2f}x, "
+        print(f"\nratio with/without web view (medians over {args.runs} runs): "
+              f"p99 {p99['with'] / p99['without']:.2f}x, "
               f"p50 {p50['with'] / p50['without']:.2f}x")
         # Each run measures both conditions back to back: its own ratio cancels most of the machine's drift.
         pairs = [w["p99"] / b["p99"] for w, b in zip(results["with"], results["without"], strict=True)]
         higher = sum(1 for r in pairs if r > 1)
         print(f"p99 with/without within each run: median {summary(pairs)[0]:.2f}x (min {min(pairs):.2f}x, "
               f"max {max(pairs):.2f}x); higher with the web view in {higher} of {len(pairs)} runs")
+        for name, cmd in bench.commands.items():
+            record.command(name, cmd)
+        for q in ("p50", "p99"):
+            record.figure(f"web view: ack latency {q} (ms), {args.clients} open job pages, {args.rate:g} lines/s",
+                          "ms", [r[q] for r in results["with"]],
+                          [r[q] for r in results["without"]], "no web view", key=True)
+        record.write()
     return outcome.status
 
 

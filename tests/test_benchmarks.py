@@ -257,3 +257,67 @@ def test_files_benchmark_smoke(tmp_path: Path) -> None:
     assert float(rows["sent / baseline"]) < 0.25, rows
     table = files.appended(args, tmp_path)
     assert table[1][0] == "wall time (s)" and table[1][-1].endswith("x"), table  # (CPU rows: "-" when too short)
+
+
+def test_results_json_holds_runs_medians_and_ratios(tmp_path: Path) -> None:
+    """benchlib.Results: the invocation's context, every run, each figure's medians and the ratio of the
+    medians; NaN (a figure a run could not take) becomes null, so the file is strict JSON."""
+    import json
+
+    path = tmp_path / "r" / "x.json"
+    results = benchlib.Results("x", path)
+    results.command("gcwrap", ["gcwrap", "--shadow", "127.0.0.1:1", "--", "true"])
+    results.run(path="gcwrap", wall_s=2.0)
+    results.figure("wall (s)", "s", [2.0, 4.0, 3.0, math.nan], [1.0, 2.0], "socat", "<= 1.05x")
+    results.figure("context", "", [1.0])
+    assert results.write() == path
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "x" and len(data["commit"]) >= 7 and isinstance(data["dirty"], bool)
+    assert set(data["machine"]) == {"cpu", "cores", "kernel", "python"}
+    assert len(data["load_before"]) == 3 and len(data["load_after"]) == 3
+    assert data["commands"] == {"gcwrap": "gcwrap --shadow 127.0.0.1:1 -- true"}
+    assert data["runs"] == [{"path": "gcwrap", "wall_s": 2.0}]
+    wall, context = data["figures"]
+    assert wall["gcwrap"] == {"runs": [2.0, 4.0, 3.0], "median": 3.0, "min": 2.0, "max": 4.0}
+    assert wall["baseline"]["name"] == "socat" and wall["baseline"]["median"] == 1.5
+    assert wall["ratio"] == 2.0 and wall["key"] and wall["target"] == "<= 1.05x"
+    assert context["baseline"] is None and context["ratio"] is None and not context["key"]
+    assert benchlib.Results("x", None).write() is None
+
+
+def test_every_benchmark_writes_its_results() -> None:
+    """Each script takes --json/--no-json and writes through benchlib.Results (one shared writer)."""
+    import report
+
+    names = report.benchmarks()
+    assert "throughput" in names and "benchlib" not in names and "report" not in names
+    for name in names:
+        text = (report.HERE / f"{name}.py").read_text()
+        assert 'results_option(' in text and f'"{name}")' in text, name
+        assert "Results(" in text and ".write()" in text, name
+
+
+def test_benchlib_imports_no_benchmark_script() -> None:
+    """benchlib is imported by the scripts, never the other way (throughput.py and benchlib.py used to import
+    each other)."""
+    import ast
+
+    here = Path(benchlib.__file__).parent
+    scripts = {p.stem for p in here.glob("*.py")} - {"benchlib"}
+    tree = ast.parse((here / "benchlib.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & scripts
+
+
+def test_readme_table_is_what_report_makes() -> None:
+    """The results table in benchmarks/README.md is exactly what report.py makes from the committed JSON
+    (run `python benchmarks/report.py` after a benchmark round), and the README stays within 30 KB."""
+    import report
+
+    readme = report.README.read_text()
+    assert readme == report.rewrite(readme, report.table(report.load(), report.benchmarks())), (
+        "benchmarks/README.md's table is stale: run python benchmarks/report.py")
+    assert len(readme.encode()) <= 30 * 1024
