@@ -222,7 +222,8 @@ async def _run_job(
                  "the job's streams pass through", show_all(opts.shadows))
         opts = dataclasses.replace(opts, shadows=())
     spooler = Spooler(
-        spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free
+        spool_path, job, [(s.id, s.kind, s.name) for s in specs], limit=opts.spool_limit, min_free=opts.min_free,
+        tuning=opts.tuning,
     )
     spooler.live_fd = start.live_fd
     if start.files is not None:
@@ -461,7 +462,7 @@ async def resume_spool(
         os.close(lock_fd)
         return Outcome(exitcodes.INTERNAL, message=str(e))
     specs = [StreamSpec(s.id, s.kind, s.name) for s in states.values() if s.kind != "stdin"]
-    spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd)
+    spooler = Spooler(path, job, [], spool=spool, lock_fd=lock_fd, tuning=opts.tuning)
     agent = Agent(opts, spooler, job, specs, resuming=True)
     if files is not None:  # (the job's files: from the files themselves, once home says what it holds)
         agent.files = fileresume.restore(files, agent.changed, spooler.record_files)
