@@ -24,7 +24,8 @@ from gcwrap.agent.options import SpoolTuning
 from gcwrap.agent.outbox import OutStream, coalesce
 from gcwrap.agent.records import Chunk, Extent, JobRecord
 from gcwrap.agent.segments import Segments
-from gcwrap.agent.sender import send_queue, sendfile_placed
+from gcwrap.agent.sender import sendfile_placed
+from gcwrap.agent.sendpath import send_queue
 from gcwrap.agent.spool import SPOOL_SUFFIX, Spool, SpoolError
 
 OUT, ERR = 1, 2
