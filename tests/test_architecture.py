@@ -26,6 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 PACKAGE = Path(__file__).resolve().parent.parent / "gcwrap"
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
+MAX_ATTRIBUTES = 20  # per class, in the packages below
+ATTRIBUTES_CHECKED = ("agent",)
 
 # Known exceptions (lines today). They shrink; none is added.
 BIG_MODULES: dict[str, int] = {}
@@ -168,6 +170,38 @@ def function_sizes() -> dict[str, int]:
     return sizes
 
 
+def attributes(cls: ast.ClassDef) -> set[str]:
+    """What a class keeps: every `self.X` it assigns, and its annotated class-level fields."""
+    names = {st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            targets = [item.optional_vars for item in node.items if item.optional_vars is not None]
+        else:
+            continue
+        names |= {e.attr for e in _assigned(targets)
+                  if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+    return names
+
+
+def _assigned(targets: list[ast.expr]) -> Iterator[ast.expr]:
+    """What an assignment binds: its targets, and the elements of those that unpack."""
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            yield from _assigned(t.elts)
+        elif isinstance(t, ast.Starred):
+            yield from _assigned([t.value])
+        else:
+            yield t
+
+
+def classes(path: Path) -> Iterator[ast.ClassDef]:
+    return (node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef))
+
+
 def over(sizes: dict[str, int], limit: int, known: dict[str, int]) -> list[str]:
     """What breaks the rule: too large and not a known exception, a known
     exception that grew, or one that meets the target and must leave the list."""
@@ -210,6 +244,14 @@ def test_known_exceptions_shrink() -> None:
     assert over({"a": 10}, 8, {"a": 9})[0].startswith("a: 10 lines, grew")
     assert over({"a": 7}, 8, {"a": 9})[0].startswith("a: 7 lines, meets the limit")
     assert over({"a": 9}, 8, {"a": 9}) == []
+
+
+def test_attributes_are_what_self_assigns_and_annotated_fields() -> None:
+    tree = ast.parse("class A:\n    x: int\n    y = 1\n    def f(self):\n        self.a = self.b.c = 0\n"
+                     "        self.a += 1\n        self.e, (self.f, *self.g) = h\n"
+                     "        with g() as self.d:\n            other.z = 0\n")
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))
+    assert attributes(cls) == {"x", "a", "d", "e", "f", "g"}
 
 
 # -- the targets ----------------------------------------------------------------
@@ -307,3 +349,24 @@ def test_the_outbox_and_the_sender_import_no_sqlite_not_even_through_others() ->
 def test_failures_are_recognised_by_class_not_by_name() -> None:
     source = modules()["gcwrap.agent.retry"].read_text()
     assert "__name__" not in source
+
+
+def test_no_class_keeps_more_than_20_attributes() -> None:
+    """A class that keeps more is doing several things: split it by
+    responsibility (the attributes that change together, with one owner)."""
+    wrong = [f"{name}.{cls.name}: {len(attrs)} attributes (limit {MAX_ATTRIBUTES})"
+             for name, path in modules().items() if name.split(".")[1:2] and name.split(".")[1] in ATTRIBUTES_CHECKED
+             for cls in classes(path) if len(attrs := attributes(cls)) > MAX_ATTRIBUTES]
+    assert wrong == []
+
+
+def test_the_run_reaches_the_agent_through_its_methods_only() -> None:
+    """gcwrap.agent.run talks to `Agent` through named methods and
+    properties, never an attribute the agent keeps (its parts, its state)."""
+    mods = modules()
+    agent = next(c for c in classes(mods["gcwrap.agent.agent"]) if c.name == "Agent")
+    kept = attributes(agent)
+    used = {node.attr for node in ast.walk(ast.parse(mods["gcwrap.agent.run"].read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "agent"}
+    assert kept and used
+    assert used & kept == set()

@@ -1,4 +1,4 @@
-"""How the agent reads line output from the job's pipe (Agent.read_pipe).
+"""How the agent reads line output from the job's pipe (PipeReaders.read_pipe).
 
 A job that logs fast is read in few, larger reads (LINE_GAP apart), not one
 read per line or two; a job that writes now and then is read at once, each
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import trio
 
-from gcwrap.agent.agent import LINE_GAP, READ_SIZE, SMALL_READ, Agent, read_size
+from gcwrap.agent.agent import Agent
 from gcwrap.agent.options import AgentOptions
+from gcwrap.agent.readers import LINE_GAP, READ_SIZE, SMALL_READ, read_size
 from gcwrap.agent.records import Chunk, JobRecord
 from gcwrap.agent.spooler import Spooler
 from gcwrap.wire.events import STDOUT, StreamSpec
@@ -44,21 +45,21 @@ def expected(count: int) -> bytes:
 
 
 def read_job(tmp_path: Path, count: int, gap: float) -> tuple[list[Chunk], float]:
-    """Run the writer with its stdout on a pipe that Agent.read_pipe reads;
+    """Run the writer with its stdout on a pipe that Agent.read_output reads;
     the chunks it appended (one a read) and the writer's own time."""
     job = JobRecord(job_id="reads", instance="i", command=["writer"], host="h", user="u", shadow="", started=0.0,
                     wrapper_pid=os.getpid())
     spec = StreamSpec(STDOUT, "stdout", "out")
     agent = Agent(AgentOptions(shadows=()), Spooler(tmp_path / "s.spool", job, [(STDOUT, "stdout", "out")]), job,
                   [spec])
-    out = agent.out[STDOUT]
+    out = agent.outbox.streams[STDOUT]
     r, w = os.pipe()
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(count), str(gap)], stdout=w, stderr=subprocess.PIPE)
     os.close(w)
 
     async def main() -> None:
         with trio.fail_after(60):
-            await agent.read_pipe(out, trio.lowlevel.FdStream(r))
+            await agent.read_output(STDOUT, trio.lowlevel.FdStream(r))
 
     trio.run(main)
     _, err = proc.communicate(timeout=60)

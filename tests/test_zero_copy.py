@@ -5,6 +5,7 @@ commands moving bulk output that way, byte-exact, over TCP and TLS."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import errno
 import fcntl
 import json
@@ -19,10 +20,12 @@ from helpers import ShadowProc, Wrapper, expected, genjob, sha256_file, tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gcwrap.agent.options import SpoolTuning
 from gcwrap.agent.outbox import OutStream, coalesce
 from gcwrap.agent.records import Chunk, Extent, JobRecord
 from gcwrap.agent.segments import Segments
-from gcwrap.agent.sender import send_queue, sendfile_placed
+from gcwrap.agent.sender import sendfile_placed
+from gcwrap.agent.sendpath import send_queue
 from gcwrap.agent.spool import SPOOL_SUFFIX, Spool, SpoolError
 
 OUT, ERR = 1, 2
@@ -292,22 +295,19 @@ def open_descriptors(under: Path) -> tuple[int, int, int]:
     return count, deleted, held
 
 
-async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor_nor_blocks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor_nor_blocks(tmp_path: Path) -> None:
     """The sender reads a backlog back through the spooler's second
     connection while the writer releases what home acknowledged: one
     `Segments` for both, so every released segment's descriptor is closed
     (before: one descriptor per segment read, to a deleted file holding its
     blocks), and the descriptors open at once stay few however long the
     backlog."""
-    from gcwrap.agent import launch as launch_mod  # (where a new spool's segment size is chosen)
     from gcwrap.agent import segments as segments_mod
     from gcwrap.agent.spooler import Spooler
 
     size = 64 << 10
-    monkeypatch.setattr(launch_mod, "DEFAULT_SEGMENT", size)  # 200 segments of 64 KiB, not of 16 MiB
-    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
+    # 200 segments of 64 KiB, not of 16 MiB
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS, tuning=SpoolTuning(segment_size=size))
     await spooler.ensure()
     assert spooler.spool is not None and spooler.spool.segments is not None
     assert spooler.spool.segments.segment_size == size
@@ -337,19 +337,16 @@ async def test_reading_back_and_acknowledging_many_segments_leaves_no_descriptor
     spooler.close(remove=True)
 
 
-def test_a_descriptor_in_use_is_never_closed_under_its_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past MAX_OPEN the least recently used descriptors are closed, but
+def test_a_descriptor_in_use_is_never_closed_under_its_user(tmp_path: Path) -> None:
+    """Past max_open the least recently used descriptors are closed, but
     never one pinned by a reader or writer; a segment released while one is
     pinned has its descriptor closed by the last user."""
-    from gcwrap.agent import segments as segments_mod
-
-    monkeypatch.setattr(segments_mod, "MAX_OPEN", 2)
-    seg = Segments(tmp_path / "seg", segment_size=100, natural=True)
+    seg = Segments(tmp_path / "seg", segment_size=100, natural=True, max_open=2)
     seg.place_at(OUT, 0, bytes(range(250)) * 2)  # segments 0..4
     with seg.opened_at(OUT, 0) as (fd0, _, _):
         for at in (100, 200, 300, 400):
             assert seg.read_at(OUT, at, 1) == bytes([(at % 250)])
-            assert len(seg.fds) <= 3 and fd0 in seg.fds.values(), "pinned: kept open past MAX_OPEN"
+            assert len(seg.fds) <= 3 and fd0 in seg.fds.values(), "pinned: kept open past max_open"
         assert os.pread(fd0, 3, 0) == b"\x00\x01\x02"
         seg.keep_spares = False
         seg.release_below(OUT, 100)  # (never while in use, but if it were...)
@@ -373,7 +370,6 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
 
     import trio
 
-    from gcwrap.agent import spooler as spooler_mod
     from gcwrap.agent.spooler import Spooler
 
     r, w = pipe
@@ -396,7 +392,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     first = await spooler.splice(OUT, r, 0, 100_000, limiter)
     assert first == 100_000 and threads == [threading.get_ident()], "inline: no worker thread"
     # A disk that made one operation slow sends the next ones to a worker thread.
-    monkeypatch.setattr(spooler_mod, "SLOW_IO", -1.0)
+    spooler.tuning = dataclasses.replace(spooler.tuning, slow_io=-1.0)
     second = await spooler.splice(OUT, r, first, 100_000, limiter)
     assert spooler.slow_until > trio.current_time()
     moved = first + second
@@ -410,7 +406,7 @@ async def test_spooler_moves_bytes_inline_and_in_threads_when_the_disk_is_slow(
     for round_ in range(2):
         if round_:
             spooler.slow_until = -1.0
-            monkeypatch.setattr(spooler_mod, "SLOW_IO", 10.0)
+            spooler.tuning = dataclasses.replace(spooler.tuning, slow_io=10.0)
         end = len(data) if round_ else 100_000
         while sent < end:
             sent += await sendfile_placed(spooler, a.fileno(), OUT, sent, end - sent)
@@ -532,8 +528,7 @@ async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
 
     import trio
 
-    from gcwrap.agent import spooler as spooler_mod
-    from gcwrap.agent.spooler import INLINE_COMMIT, Spooler
+    from gcwrap.agent.spooler import Spooler
 
     r, w = pipe
     spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS)
@@ -555,12 +550,12 @@ async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
     # Extents and acknowledgements: rows only, in the event loop's thread.
     await spooler.commit([Extent(OUT, 0, moved)], {}, [], {})
     assert threads == [here]
-    # More output bytes than INLINE_COMMIT: a worker thread writes them.
-    big = os.urandom(INLINE_COMMIT + 1)
+    # More output bytes than inline_commit: a worker thread writes them.
+    big = os.urandom(spooler.tuning.inline_commit + 1)
     await spooler.commit([Chunk(ERR, 0, big)], {}, [], {})
     assert threads[-1] != here
-    # A commit slower than SLOW_IO sends the next ones to a worker thread too.
-    monkeypatch.setattr(spooler_mod, "SLOW_IO", -1.0)
+    # A commit slower than slow_io sends the next ones to a worker thread too.
+    spooler.tuning = dataclasses.replace(spooler.tuning, slow_io=-1.0)
     await spooler.commit([], {OUT: 100_000}, [], {})
     assert threads[-1] == here and spooler.slow_until > trio.current_time()
     await spooler.commit([], {OUT: 150_000}, [], {})
@@ -585,7 +580,6 @@ async def test_zero_copy_commits_run_inline_unless_large_or_the_disk_is_slow(
 def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gcwrap.agent import spooler as spooler_mod
     from gcwrap.agent.spooler import Spooler
 
     looked: list[str] = []
@@ -596,21 +590,19 @@ def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
         return statvfs(path)
 
     monkeypatch.setattr(os, "statvfs", counted)
-    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS, min_free=0)
-    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)  # (any room is plenty)
-    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 3600.0)
+    spooler = Spooler(tmp_path / f"j{SPOOL_SUFFIX}", job(), STREAMS, min_free=0,
+                      tuning=SpoolTuning(room_plenty=1, room_ttl=3600.0))  # (any room is plenty)
     first = spooler.room(0).bytes
     assert first > 0 and spooler.room(0).bytes == first and spooler.room(0).bytes == first
     assert len(looked) == 1, "within the TTL: one statvfs"
     looked_at = spooler._statvfs[0] if spooler._statvfs else None
     spooler.room(0)
     assert spooler._statvfs is not None and spooler._statvfs[0] == looked_at, "the age is the lookup's, not the call's"
-    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 0.0)
+    spooler.tuning = dataclasses.replace(spooler.tuning, room_ttl=0.0)
     spooler.room(0)
     assert len(looked) == 2, "past the TTL: looked up again"
-    # Tight (less than ROOM_PLENTY on offer): every call looks.
-    monkeypatch.setattr(spooler_mod, "ROOM_TTL", 3600.0)
-    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1 << 62)
+    # Tight (less than room_plenty on offer): every call looks.
+    spooler.tuning = dataclasses.replace(spooler.tuning, room_ttl=3600.0, room_plenty=1 << 62)
     spooler.room(0)  # (the figure cached above, found tight)
     before = len(looked)
     for _ in range(3):
@@ -621,7 +613,7 @@ def test_room_looks_up_free_space_at_most_every_ttl_while_the_disk_has_plenty(
     room = spooler.room(0)
     assert room.bytes == 0 and "disk nearly full" in room.reason
     spooler.min_free = 0
-    monkeypatch.setattr(spooler_mod, "ROOM_PLENTY", 1)
+    spooler.tuning = dataclasses.replace(spooler.tuning, room_plenty=1)
     room = spooler.room(0)
     assert room.bytes > 0 and room.reason == ""
     spooler.close()

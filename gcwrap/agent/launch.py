@@ -105,10 +105,11 @@ class SpoolFiles:
 
 
 def create_spool(path: Path, job: JobRecord, streams: list[tuple[int, str, str]],
-                 make_live_file: Callable[[], None]) -> SpoolFiles:
+                 make_live_file: Callable[[], None], segment_size: int = DEFAULT_SEGMENT) -> SpoolFiles:
     """Create and lock a new spool at `path` (SpoolError, in plain words, if
     the disk refuses). The live status file is the caller's: it is kept even
-    when no spool can be made (`make_live_file` makes it once the directory exists)."""
+    when no spool can be made (`make_live_file` makes it once the directory exists).
+    `segment_size`: its segments' (`SpoolTuning`), smaller on a small file system."""
     from .. import db
 
     try:
@@ -122,7 +123,7 @@ def create_spool(path: Path, job: JobRecord, streams: list[tuple[int, str, str]]
         fs_size = st.f_blocks * st.f_frsize
         # Segments small enough that a delivered one is freed long before the
         # disk fills: each stream keeps its current one and one spare.
-        segment_size = max(MIN_SEGMENT, min(DEFAULT_SEGMENT, fs_size // 64))
+        segment_size = max(MIN_SEGMENT, min(segment_size, fs_size // 64))
         spool = Spool.create(path, job, streams, segment_size)
         try:
             # Checkpoint often enough that the WAL stays a small part of the
@@ -283,7 +284,8 @@ def prepare(opts: AgentOptions, command: list[str], job: JobRecord, spool_path: 
                 start.live_fd = make_live(Path(f"{spool_path}.live"))
 
         try:
-            start.files = create_spool(spool_path, job, [(s.id, s.kind, s.name) for s in specs], live)
+            start.files = create_spool(spool_path, job, [(s.id, s.kind, s.name) for s in specs], live,
+                                       opts.tuning.segment_size)
         except SpoolError as e:
             start.spool_error = str(e)  # (said once the job runs: it may not)
     try:

@@ -5,16 +5,42 @@ starts and the rest of gcwrap loads (see `launch`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..wire.compress import Mode
+from .segments import DEFAULT_SEGMENT
 
 if TYPE_CHECKING:
     import ssl
 
     from .addresses import Address
     from .filespecs import FileSpec
+
+
+@dataclass(frozen=True)
+class SpoolTuning:
+    """How the spool is sized and how its disk work is paced: defaults for
+    real disks, no command-line option; a test passes its own."""
+
+    segment_size: int = DEFAULT_SEGMENT  # a new spool's segments (smaller on a small file system: `create_spool`)
+    # The zero-copy path splices and sendfiles in the event loop's own thread: a
+    # hop to a worker thread costs about 0.25 ms of CPU on a small VM, more than
+    # moving a MiB through the page cache. A disk that makes one of them slower
+    # than `slow_io` seconds sends them to a worker thread for `slow_hold`. (Not
+    # lower: on a busy 2-core machine a preempted 1 MiB splice takes 20-30 ms
+    # of wall time now and then, and each false alarm costs thread hops.)
+    slow_io: float = 0.1
+    slow_hold: float = 2.0
+    # A group commit on the zero-copy path records extents and acknowledgements
+    # (rows, no output bytes): it runs in the event loop's thread too, unless it
+    # carries more output than this, or the disk has lately been slow.
+    inline_commit: int = 256 << 10
+    # Free space is looked up (statvfs) at most every `room_ttl` seconds while
+    # room() offers at least `room_plenty` bytes (half the free space above the
+    # reserve, so a stale figure still leaves a wide margin); every time when less.
+    room_ttl: float = 0.05
+    room_plenty: int = 1 << 30
 
 
 @dataclass
@@ -39,3 +65,4 @@ class AgentOptions:
     tls: ssl.SSLContext | None = None  # TLS to the shadow, when set
     write_behind: float = 0.0  # seconds output may wait in memory for home's ack before it is spooled
     compress: Mode = Mode.AUTO  # --compress
+    tuning: SpoolTuning = field(default_factory=SpoolTuning)  # (not on the command line)

@@ -8,6 +8,7 @@ acts on the answer, and tests drive them under trio's autojump clock.
 - `RetryPolicy`: how long to wait before the next connection attempt, and
   when the retry limit is reached.
 - `DiskHealth`: whether the spool takes output, and what has been said of it.
+- `HomeHealth`: whether home takes output, and what has been said of an outage.
 
 (`gcwrap.agent.liveness` is the session watchdog's policy, of the same kind.)
 """
@@ -211,3 +212,35 @@ class DiskHealth:
             self.said = False
             return True
         return False
+
+
+@dataclass
+class HomeHealth:
+    """Whether home takes output now, and what has been said of it: the one
+    home of the link's state that the pipe readers and the spool writer read
+    and delivery keeps. An outage is said once, its end once (with its length)."""
+
+    streaming: bool = False  # a session is welcomed and running
+    error: str = ""  # why the last attempt failed ("": since welcomed, none has)
+    outage_said: bool = False  # "output waits in ..., retrying" was said, and no welcome since
+    outage_since: float = 0.0  # when the outage that was said began
+
+    def failed(self, reason: str) -> None:
+        self.error = reason
+
+    def outage(self, now: float) -> bool:
+        """An attempt failed for a reason worth a warning: whether to say it
+        (only the first of an outage is)."""
+        if self.outage_said:
+            return False
+        self.outage_said, self.outage_since = True, now
+        return True
+
+    def welcomed(self, now: float) -> float | None:
+        """A session was welcomed: how long the outage that was said lasted
+        (None: none was)."""
+        self.streaming, self.error = True, ""
+        if not self.outage_said:
+            return None
+        self.outage_said = False
+        return now - self.outage_since

@@ -75,9 +75,11 @@ class Segments:
     sendfile them, bounded and shared by the spool's connections."""
 
     def __init__(
-        self, directory: Path, segment_size: int = DEFAULT_SEGMENT, *, readonly: bool = False, natural: bool = False
+        self, directory: Path, segment_size: int = DEFAULT_SEGMENT, *, readonly: bool = False, natural: bool = False,
+        max_open: int = MAX_OPEN,
     ) -> None:
         self.dir = directory
+        self.max_open = max_open  # descriptors kept open between uses (see "Descriptors")
         self.readonly = readonly
         self.segment_size = segment_size
         self.natural = natural
@@ -148,10 +150,10 @@ class Segments:
         return fd
 
     def _trim(self) -> None:
-        """Close least recently used descriptors not in use, down to MAX_OPEN (lock held)."""
-        if len(self.fds) <= MAX_OPEN:
+        """Close least recently used descriptors not in use, down to max_open (lock held)."""
+        if len(self.fds) <= self.max_open:
             return
-        for key in [k for k, fd in self.fds.items() if fd not in self.pins][: len(self.fds) - MAX_OPEN]:
+        for key in [k for k, fd in self.fds.items() if fd not in self.pins][: len(self.fds) - self.max_open]:
             os.close(self.fds.pop(key))
 
     def where(self, offset: int) -> tuple[int, int, int]:

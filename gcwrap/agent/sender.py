@@ -20,17 +20,12 @@ the agent. It owns its socket, and so the mapping of the socket's errors.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import errno
-import fcntl
-import itertools
 import logging
 import os
 import socket
 import ssl
-import termios
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -70,7 +65,8 @@ from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
 from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
-from .timeline import Journal, compression_why, note_frames
+from .sendpath import SendMeter, SendPath
+from .timeline import Journal, NoteCourier
 
 if TYPE_CHECKING:
     from .filesender import FileSender
@@ -131,6 +127,7 @@ class SessionConfig:
     compress: zc.Mode = zc.Mode.NONE  # --compress: used where the shadow's WELCOME accepts it
 
 
+
 class Session:
     """One connection to the shadow, from HELLO to DONE or failure: it
     acknowledges into the outbox, and sends what the outbox and the byte
@@ -153,25 +150,17 @@ class Session:
         self.exit_frame = exit_frame or (lambda: outbox.exit_frame(()))
         self.where = where
         self.conn = Connection(Role.AGENT)
-        self.send_lock = trio.Lock()
         self.welcomed = False
         self.progressed = False  # the shadow acknowledged new bytes in this session
         self.sent: dict[int, int] = {}  # per stream: bytes taken for sending (some may still be on their way out)
         self.handed: dict[int, int] = {}  # per stream: bytes handed to the kernel in full
-        self.raw: socket.socket | None = None
         self.pending: list[Event] = []  # events received but not yet handled
         self.exit_sent = False
-        self.nonces = itertools.count(1)
-        self.heartbeat = config.heartbeat
-        self.liveness = Liveness(self.heartbeat, trio.current_time())
-        self.wire = wire if wire is not None else zc.WireStats()
-        self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
-        self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
+        self.liveness = Liveness(config.heartbeat, trio.current_time())
         self.journal = journal if journal is not None else Journal(config.heartbeat, lambda t: t)
-        self.notes = False  # the WELCOME accepted notes
-        self.queued_before = 0  # the send queue at the watchdog's last look (`_probe`)
-        self.notes_sent = 0  # the number of the last note sent on this connection
-        self.unconfirmed: deque[tuple[int, int]] = deque()  # (PING nonce, last note sent before it)
+        self.meter = SendMeter(wire if wire is not None else zc.WireStats(), self.journal)
+        self.courier = NoteCourier(self.journal.notes)
+        self.send_path: SendPath | None = None  # (the connection's, once `run` has it)
 
     def _open(self) -> None:
         """A send racing the shadow's ERROR (or its hang-up), which closed the
@@ -184,7 +173,7 @@ class Session:
         if type(event) is FileData:  # (a file's bytes, as DATA's: `_send_gathered`)
             await self._send_gathered(stream, partial(self.conn.send_file_data_head, event), event.payload)
             return
-        async with self.send_lock:
+        async with self._path().lock:
             self._open()
             data = self.conn.send(event)
             await stream.send_all(data)
@@ -198,13 +187,14 @@ class Session:
         payload: with plain TCP one sendmsg gathers both (the payload is never
         copied in user space). The protocol checks the frame (`head()`:
         `send_data_head`, `send_file_data_head`), as for any other."""
-        async with self.send_lock:
+        path = self._path()
+        async with path.lock:
             self._open()
             header = head()
             if isinstance(stream, trio.SSLStream):
                 await stream.send_all(b"".join((header, payload)))
                 return
-            sock = self.sock
+            sock = path.sock
             parts: list[bytes | memoryview] = [header, payload]
             while parts:
                 try:
@@ -229,19 +219,20 @@ class Session:
             await self._send_data(stream, sid, offset, await source.read_placed(sid, offset, size))
             self.handed[sid] = offset + size
             return
-        sock = self.sock
+        path = self._path()
+        sock = path.sock
         # Every trip through trio's scheduler costs tens of microseconds: take
         # the lock and send the header without one when they are free.
         try:
-            self.send_lock.acquire_nowait()
+            path.lock.acquire_nowait()
         except trio.WouldBlock:
-            await self.send_lock.acquire()
+            await path.lock.acquire()
         try:
             self._open()
             header = memoryview(self.conn.send_data_head(sid, offset, size))
             try:
                 try:
-                    header = header[self._raw().send(header, socket.MSG_MORE) :]
+                    header = header[path.raw().send(header, socket.MSG_MORE) :]
                 except BlockingIOError:
                     pass
                 while header:
@@ -258,20 +249,17 @@ class Session:
                     await trio.lowlevel.wait_writable(sock)
             self.handed[sid] = offset + size
         finally:
-            self.send_lock.release()
+            path.lock.release()
 
-    def _raw(self) -> socket.socket:
-        """A plain (non-blocking) socket object on a duplicate of the TCP
-        socket's descriptor, for sends that need no wait."""
-        if self.raw is None:
-            self.raw = socket.socket(fileno=os.dup(self.sock.fileno()))
-        return self.raw
+    def _path(self) -> SendPath:
+        assert self.send_path is not None, "sent before `run`"
+        return self.send_path
 
     async def run(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         """Speak the protocol over `stream` (plain TCP, or TLS over it); `sock`
         is the TCP socket underneath, for its options and send queue."""
         outbox = self.outbox
-        self.sock = sock
+        send_path = self.send_path = SendPath(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         except OSError:
@@ -295,7 +283,7 @@ class Session:
             raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), permanent=True) from None
         moved = sum(out.acked for out in outbox.streams.values()) > acked
         self.journal.link.welcomed(trio.current_time(), moved, outbox.pending)
-        self.notes = NOTES_FEATURE in welcome.features
+        self.courier.accepted = NOTES_FEATURE in welcome.features
         if self.files is not None:
             if FILES_FEATURE not in welcome.features:
                 raise ShadowRefused(ErrorCode.UNEXPECTED, "the shadow does not take the job's files (--file): "
@@ -304,8 +292,7 @@ class Session:
         self.sent = {sid: out.acked for sid, out in outbox.streams.items()}
         self.handed = dict(self.sent)
         if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
-            self.policy = zc.Policy(self.config.compress, trio.current_time())
-            self._measure_sndbuf()
+            self.meter.compress(self.config.compress, trio.current_time(), sock)
         self.welcomed = True
         self.on_welcome()
         try:
@@ -316,9 +303,7 @@ class Session:
                     nursery.start_soon(self._pinger, stream)
                     nursery.start_soon(self._watchdog)
         finally:
-            if self.raw is not None:
-                self.raw.close()
-                self.raw = None
+            send_path.close()
 
     async def _receive_events(self, stream: trio.abc.Stream) -> list[Event]:
         if self.pending:  # what came in the same read as the handshake's answer
@@ -343,7 +328,7 @@ class Session:
     async def _await_handshake(self, stream: trio.abc.Stream, asked: str) -> Welcome | Challenge:
         """The shadow's answer to our HELLO or AUTH, within three heartbeats
         (it may answer PINGs meanwhile: that is no answer)."""
-        limit = self.heartbeat * 3
+        limit = self.config.heartbeat * 3
         with trio.move_on_after(limit):
             while True:
                 events = await self._receive_events(stream)
@@ -416,40 +401,23 @@ class Session:
                 elif isinstance(ev, Ping):
                     await self._send(stream, Pong(ev.nonce))
                 elif isinstance(ev, Done):
-                    self.journal.notes.confirmed(self.notes_sent)  # (they went before the EXIT)
+                    self.courier.done()
                     raise SessionEnd()
                 elif isinstance(ev, Pong):
-                    while self.unconfirmed and self.unconfirmed[0][0] <= ev.nonce:
-                        self.journal.notes.confirmed(self.unconfirmed.popleft()[1])
+                    self.courier.pong(ev.nonce)
                 else:
                     self._check_failure(ev)
 
-    def _measure_sndbuf(self) -> None:
-        try:
-            self.sndbuf = max(1, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
-        except OSError:
-            self.sndbuf = 1 << 20
-
     def _sent_frame(self, raw: int, wire: int) -> None:
-        """Count a frame that went out, and tell the compression policy how
-        full the socket's send queue is now (full: the link sets the pace)."""
-        self.wire.job_bytes += raw
-        self.wire.wire_bytes += wire
-        policy = self.policy
-        if policy is None:
-            return
-        now = trio.current_time()
-        if policy.window_ends(now):
-            self._measure_sndbuf()  # (the kernel grows it as the connection goes)
-        backlog = sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
-        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
-        if policy.active != self.journal.compressing:
-            self.journal.compression(now, policy.active, compression_why(policy))
+        """Count a frame that went out (SendMeter), with the bytes not yet sent."""
+        streams = self.outbox.streams
+        self.meter.sent(self._path().sock, raw, wire,
+                        lambda: sum(out.read_end - self.sent[sid] for sid, out in streams.items()))
 
     async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
         """One frame of [offset, end) compressed (ZDATA) when that makes it
         smaller, as it is (DATA) when not; `sent` moves past it."""
-        policy, source = self.policy, self.source
+        policy, source = self.meter.policy, self.source
         assert policy is not None
         out = self.outbox.streams[sid]
         size = min(end - offset, MAX_PAYLOAD)
@@ -472,7 +440,7 @@ class Session:
         self.sent[sid] = offset + size  # (first: the ACK may arrive before the send returns)
         if len(blob) < size:
             await self._send(stream, ZData(sid, offset, size, blob))
-            self.wire.compressed_bytes += size
+            self.meter.wire.compressed_bytes += size
             wire = len(blob)
         else:
             await self._send_data(stream, sid, offset, payload)
@@ -483,26 +451,20 @@ class Session:
     async def _send_notes(self, stream: trio.abc.Stream) -> None:
         """The journal's notes this connection has not sent, then a PING:
         its PONG says the shadow has them."""
-        timeline = self.journal.notes
-        last = timeline.last
-        for frame in note_frames(timeline.unsent(self.notes_sent)):
+        for frame in self.courier.take():
             await self._send(stream, frame)
-        self.notes_sent = last
-        nonce = next(self.nonces)
-        self.unconfirmed.append((nonce, last))
-        await self._send(stream, Ping(nonce))
 
     async def _send_loop(self, stream: trio.abc.Stream) -> None:
         outbox = self.outbox
         while True:
-            if self.notes and not self.exit_sent and self.journal.notes.has_unsent(self.notes_sent):
+            if not self.exit_sent and self.courier.due():
                 await self._send_notes(stream)
             progressed = False
             for sid, out in outbox.streams.items():
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
-                policy = self.policy
+                policy = self.meter.policy
                 if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
                     await self._send_compressed(stream, sid, offset, out.read_end)
                     progressed = True
@@ -546,8 +508,8 @@ class Session:
 
     async def _pinger(self, stream: trio.abc.Stream) -> None:
         while True:
-            await trio.sleep(self.heartbeat)
-            await self._send(stream, Ping(next(self.nonces)))
+            await trio.sleep(self.config.heartbeat)
+            await self._send(stream, self.courier.ping())
 
     def _waiting(self) -> list[object]:
         """What this session asked of the shadow and has had no answer to:
@@ -566,14 +528,11 @@ class Session:
         """The send queue and the requests waiting, for the watchdog; the
         link's clock hears of the queue too (a queue shrinking is a slow
         link, no stall: `LinkClock.send_queue`)."""
-        queued = send_queue(self.sock)
-        self.journal.link.send_queue(trio.current_time(), self.queued_before, queued)
-        self.queued_before = queued
-        return queued, self._waiting()
+        return self.meter.probe(self._path().sock), self._waiting()
 
     async def _watchdog(self) -> None:
         """Replace a connection that is dead by the rules of `Liveness`."""
-        rule, request = await watch(self.liveness, self.heartbeat, self._probe)
+        rule, request = await watch(self.liveness, self.config.heartbeat, self._probe)
         limit = f"{self.liveness.limit:g} s"
         if rule == "silent":
             raise HeartbeatTimeout(f"nothing received, and nothing acknowledged by TCP, for {limit}")
@@ -652,13 +611,3 @@ def push_held(sock: int) -> None:
         pass  # (not TCP, or the connection is gone: the next send says so)
     finally:
         s.detach()
-
-
-def send_queue(sock: socket.socket | trio.socket.SocketType) -> int:
-    """Bytes in the kernel's send queue not yet acknowledged by the peer."""
-    buf = array.array("i", [0])
-    try:
-        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)  # SIOCOUTQ
-    except OSError:
-        return 0
-    return buf[0]

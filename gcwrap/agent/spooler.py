@@ -4,7 +4,7 @@ It creates the spool lazily (a full disk at start must not stop the job),
 says how many bytes may be spooled now (`room`, a query: carrier sense from
 the spool's size limit and the free disk space minus a reserve left for the
 job itself), and runs the transactions one at a time: inline when small,
-else in a worker thread (see INLINE_COMMIT, SLOW_IO). For the sender it is
+else in a worker thread (see SpoolTuning). For the sender it is
 the `ByteSource`: bytes read back, and the descriptor and position of bytes
 in place (the sender sends them, and maps the socket's errors). A failure
 of the disk of any kind is described in plain words and reported as
@@ -28,6 +28,7 @@ import trio
 
 from .launch import LIVE_SIZE, SpoolFiles, create_spool, make_live
 from .launch import lock_spool as lock_spool  # (re-exported: where it was)
+from .options import SpoolTuning
 from .records import Chunk, Extent, JobRecord
 from .spool import Spool, SpoolError
 from .spoolfiles import SpoolFiles as FileTables
@@ -37,23 +38,6 @@ T = TypeVar("T")
 
 DEFAULT_RESERVE_CAP = 256 << 20  # keep at most this much free for the job...
 DEFAULT_RESERVE_FRACTION = 0.05  # ...or this fraction of the file system, if smaller
-# The zero-copy path splices and sendfiles in the event loop's own thread: a
-# hop to a worker thread costs about 0.25 ms of CPU on a small VM, more than
-# moving a MiB through the page cache. A disk that makes one of them slower
-# than SLOW_IO sends them to a worker thread for SLOW_HOLD seconds. (Not
-# lower: on a busy 2-core machine a preempted 1 MiB splice takes 20-30 ms
-# of wall time now and then, and each false alarm costs thread hops.)
-SLOW_IO = 0.1
-SLOW_HOLD = 2.0
-# A group commit on the zero-copy path records extents and acknowledgements
-# (rows, no output bytes): it runs in the event loop's thread too, unless it
-# carries more output than this, or the disk has lately been slow.
-INLINE_COMMIT = 256 << 10
-# Free space is looked up (statvfs) at most this often while room() offers
-# at least ROOM_PLENTY (half the free space above the reserve, so a stale
-# figure still leaves a wide margin); every time when it offers less.
-ROOM_TTL = 0.05
-ROOM_PLENTY = 1 << 30
 
 
 
@@ -83,8 +67,10 @@ class Spooler:
         min_free: int | None = None,
         spool: Spool | None = None,
         lock_fd: int | None = None,
+        tuning: SpoolTuning | None = None,
     ) -> None:
         self.path = path
+        self.tuning = tuning or SpoolTuning()  # (the defaults, unless the run's options say)
         self.job = job
         self.streams = streams
         self.limit = limit  # 0: no limit but the disk's
@@ -101,13 +87,13 @@ class Spooler:
         self.slow_until = -1.0  # zero-copy I/O goes to a worker thread until then (trio clock)
         self.no_splice = False  # splice into the segments is not supported here
         self.no_sendfile = False  # sendfile from them is not: pread and send instead
-        self._statvfs: tuple[float, os.statvfs_result] | None = None  # (when, what): see ROOM_TTL
+        self._statvfs: tuple[float, os.statvfs_result] | None = None  # (when, what): see SpoolTuning.room_ttl
         self.file_tables: FileTables | None = None  # (the job's files' record, made at the first)
 
     # -- creating --------------------------------------------------------
 
     def _create(self) -> None:
-        self.adopt(create_spool(self.path, self.job, self.streams, self._make_live))
+        self.adopt(create_spool(self.path, self.job, self.streams, self._make_live, self.tuning.segment_size))
 
     def adopt(self, files: SpoolFiles) -> None:
         """Take a new spool (one the command line created before the job started: `launch`)."""
@@ -149,7 +135,7 @@ class Spooler:
         if limit_room is not None and limit_room <= 0:
             return Room(0, f"spool limit of {self.limit} bytes reached")
         when = time.monotonic()
-        if self._statvfs is not None and when - self._statvfs[0] < ROOM_TTL:
+        if self._statvfs is not None and when - self._statvfs[0] < self.tuning.room_ttl:
             when, st = self._statvfs
         else:
             try:
@@ -162,7 +148,7 @@ class Spooler:
         # and the index grow with it, and so may the job between two checks.
         disk_room = (free - keep) // 2
         # (Remembered only while plenty: a tight disk is looked at every time.)
-        self._statvfs = (when, st) if disk_room >= ROOM_PLENTY else None
+        self._statvfs = (when, st) if disk_room >= self.tuning.room_plenty else None
         disk_full = f"disk nearly full: {free} bytes free in {self.path.parent}, {keep} kept for the job"
         if disk_room <= 0:
             return Room(0, disk_full)
@@ -231,7 +217,7 @@ class Spooler:
     ) -> None:
         spool = await self.ensure()
         if (self.zero_copy and trio.current_time() >= self.slow_until
-                and sum(c.size for c in chunks if not isinstance(c, Extent)) <= INLINE_COMMIT):
+                and sum(c.size for c in chunks if not isinstance(c, Extent)) <= self.tuning.inline_commit):
             try:
                 self.write_limiter.acquire_nowait()
             except trio.WouldBlock:
@@ -268,16 +254,16 @@ class Spooler:
         return self._timed(fn)
 
     def _timed(self, fn: Callable[[], T]) -> T:
-        """fn() in the event loop's thread; slower than SLOW_IO, and disk
-        operations go to worker threads for SLOW_HOLD seconds."""
+        """fn() in the event loop's thread; slower than `tuning.slow_io`, and disk
+        operations go to worker threads for `tuning.slow_hold` seconds."""
         start = trio.current_time()
         try:
             return fn()
         finally:
             took = trio.current_time() - start
-            if took > SLOW_IO:
-                log.debug("a disk operation took %.3f s: worker threads for %g s", took, SLOW_HOLD)
-                self.slow_until = start + took + SLOW_HOLD
+            if took > self.tuning.slow_io:
+                log.debug("a disk operation took %.3f s: worker threads for %g s", took, self.tuning.slow_hold)
+                self.slow_until = start + took + self.tuning.slow_hold
 
     async def splice(self, stream: int, pipe: int, start: int, size: int, limiter: trio.CapacityLimiter) -> int:
         """Move what the pipe holds (up to `size`) into the stream's segment

@@ -29,6 +29,7 @@ autojump clock; `unix` turns such a time into a Unix time for a note.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..wire import compress as zc
-from ..wire.events import Note, Notes, NoteValue
+from ..wire.events import Note, Notes, NoteValue, Ping
 from ..wire.frames import MAX_CONTROL, MAX_NOTES
 
 NOTES_KEPT = 300  # notes held for home at most: the oldest go first
@@ -246,6 +247,45 @@ class Timeline:
         while self.items and self.items[0][0] <= upto:
             self.items.popleft()
 
+
+
+class NoteCourier:
+    """The timeline's notes on one connection: the last one sent on it, and
+    the PINGs that followed them; a PONG to one says the shadow has every
+    note sent before it (`Timeline.confirmed`). It numbers the connection's
+    PINGs, the heartbeat's too."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.accepted = False  # the WELCOME accepted notes
+        self.sent = 0  # the number of the last note sent on this connection
+        self.unconfirmed: deque[tuple[int, int]] = deque()  # (PING nonce, last note sent before it)
+        self.nonces = itertools.count(1)
+
+    def due(self) -> bool:
+        """Notes wait that this connection may send."""
+        return self.accepted and self.timeline.has_unsent(self.sent)
+
+    def take(self) -> list[Notes | Ping]:
+        """The notes not yet sent on this connection, then a PING: its PONG
+        says the shadow has them."""
+        last = self.timeline.last
+        frames: list[Notes | Ping] = [*note_frames(self.timeline.unsent(self.sent))]
+        self.sent = last
+        nonce = next(self.nonces)
+        self.unconfirmed.append((nonce, last))
+        return [*frames, Ping(nonce)]
+
+    def ping(self) -> Ping:
+        return Ping(next(self.nonces))
+
+    def pong(self, nonce: int) -> None:
+        while self.unconfirmed and self.unconfirmed[0][0] <= nonce:
+            self.timeline.confirmed(self.unconfirmed.popleft()[1])
+
+    def done(self) -> None:
+        """DONE: the shadow has every note sent (they went before the EXIT)."""
+        self.timeline.confirmed(self.sent)
 
 class Journal:
     """What the agent and its sessions tell of the delivery: it drives the
