@@ -45,6 +45,12 @@ class ShadowOptions:
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
     handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
 
+    @property
+    def tenancy(self) -> bool:
+        """With identities (per-identity tokens, or client certificates), each
+        identity's files are under ROOT/<identity>/; without, under ROOT."""
+        return bool(self.tokens) or (self.tls is not None and self.tls.verify_mode == ssl.CERT_REQUIRED)
+
 
 @ranked(Rank.PROTOCOL)
 class Refused(Exception):
@@ -92,7 +98,7 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
 
 
 async def authenticate(
-    opts: ShadowOptions, tenancy: bool, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str,
+    opts: ShadowOptions, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str,
     pending: list[Event], memory: HandshakeMemory,
 ) -> tuple[str, str] | None:
     """The token challenge-response and the identity's rights; returns
@@ -121,7 +127,7 @@ async def authenticate(
                               f"authentication failed: the token of {name} came with the certificate of CN={cn}")
             identity = name
         proof = shadow_proof(token, hello.nonce, nonce)
-    if tenancy:
+    if opts.tenancy:
         why = identity_problem(identity) if identity else "the client certificate names no subject CN"
         if why:
             raise Refused(ErrorCode.AUTH_FAILED, f"authentication failed: {why}")
