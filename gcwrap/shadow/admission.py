@@ -22,6 +22,7 @@ from ..wire.auth import AllowList, SubjectMap, identity_problem, match_token, ne
 from ..wire.events import Auth, Challenge, ErrorCode, Event, Hello
 from ..wire.protocol import Connection
 from .handshakes import HandshakeMemory, await_event, refuse
+from .pacing import GroupOptions
 
 log = logging.getLogger("gcshadow")
 
@@ -44,6 +45,7 @@ class ShadowOptions:
     quota: int = 0  # bytes one job may write in all (0: no limit)
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
     handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
+    grouping: GroupOptions = field(default_factory=GroupOptions)  # durable groups under bulk output (no option)
 
     @property
     def tenancy(self) -> bool:

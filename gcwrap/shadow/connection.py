@@ -304,7 +304,7 @@ class AgentConnection:
                 shadow.store, job.job_id, hello.instance, files.session, tenant, [sf.name for sf in files.all()],
                 quota=shadow.opts.quota, streams=lambda: sum(f.written for f in files.outputs.values()),
                 said=lambda kind, **details: shadow.events.event(job.job_id, kind, **details),
-                open_files=shadow.fds.open_files, room=shadow.fds.room)
+                open_files=shadow.fds.open_files, room=shadow.fds.room, grouping=shadow.opts.grouping)
             shadow.fds.versions.add(self.versions)
 
     async def _welcome(self, job: LiveJob, hello: Hello, proof: str) -> None:

@@ -105,7 +105,7 @@ class ShadowCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s, d, f = self.shadow, self.shadow.durability, self.shadow.fds.open_files
+        s, d, f = self.shadow, self.shadow.durability.stats, self.shadow.fds.open_files
         received = CounterMetricFamily("gcshadow_received_bytes", "Bytes of output received whole, by stream kind "
                                        "(stdout, stderr, files)", labels=["kind"])
         durable = CounterMetricFamily("gcshadow_durable_bytes", "Bytes of output made durable (synced and "
@@ -155,7 +155,7 @@ class ShadowCollector:
     def _histograms(self) -> Iterator[Any]:
         from prometheus_client.core import HistogramMetricFamily
 
-        d = self.shadow.durability
+        d = self.shadow.durability.stats
         for name, what, tally in (
             ("gcshadow_ack_latency_seconds", "From a frame whole at home to its ACK (each durable group's oldest)",
              d.ack_seconds),

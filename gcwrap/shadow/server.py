@@ -83,7 +83,7 @@ class Shadow:
         self.opts = opts
         self.store = store
         self.limiter = trio.CapacityLimiter(1)  # job handshakes and state records
-        self.durability = Durability(store)  # a thread of its own
+        self.durability = Durability(store, opts.grouping)  # a thread of its own
         files = FileCache(store.root_fd, self.durability.mutex)
         self.stdin = StdinReader(files)  # the jobs' stdin files, read in threads (often NFS)
         # Sockets and files against the descriptor budget; freed also when a durability batch makes files clean.
