@@ -33,7 +33,7 @@ import os
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
@@ -45,7 +45,7 @@ import trio
 
 from ..wire.auth import is_loopback
 from .webevents import LiveStream, Plan
-from .webstate import StateReader, Unservable, open_served
+from .webstate import LineOptions, StateReader, Unservable, open_served
 
 log = logging.getLogger("gcshadow")
 
@@ -83,6 +83,7 @@ class WebOptions:
     insecure: bool = False  # a non-loopback address without authentication, on purpose
     tail: int = 64 * 1024  # bytes of each output a job page shows on open
     state: str = ""  # a shared state to read (--state), instead of the root's own
+    lines: LineOptions = field(default_factory=LineOptions)  # how line numbers are counted (no option)
 
     @property
     def authenticated(self) -> bool:
@@ -173,7 +174,7 @@ class WebView:
     def __init__(self, opts: WebOptions) -> None:
         self.opts = opts
         self.root_fd = os.open(opts.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.state = StateReader(opts.root, self.root_fd, opts.state)
+        self.state = StateReader(opts.root, self.root_fd, opts.state, opts.lines)
         self.changed = trio.Event()
         self.static = _static()
         self.clients = 0
