@@ -69,7 +69,7 @@ async def _no_wait(n: int) -> None:
 
 class OpenFiles:
     """The versions' files open in every session, for the shadow's
-    descriptor budget (`Shadow._free_fds`): `freed` is called when one closes.
+    descriptor budget (`descriptors.Descriptors`): `freed` is called when one closes.
     Shared by every session: it also counts, for the metrics, the FILE_DATA
     frames taken and the bytes they added, and the bytes made durable."""
 
@@ -458,7 +458,7 @@ class SessionFiles:
         """Keep at most `keep` of the versions' files open: the least
         recently used of those all durable are closed (opened again when
         written to; a dirty one stays open until its sync). The shadow
-        asks for none when its descriptor budget is short (`Shadow._room`)."""
+        asks for none when its descriptor budget is short (`Descriptors.room`)."""
         opened = [v for v in self.current.values() if v.fd >= 0 and not v.doomed]
         if len(opened) <= keep:
             return
