@@ -194,7 +194,8 @@ class Durability:
                         self.thread_idle = True
                         self.cond.wait()
                     self.thread_idle = False
-                    self._fill()
+                    if self.pacing.after_bulk:
+                        self._fill()
                     if self.stopping:
                         return
                 self._post((*self.run_batch(), self.stats.batch_first))

@@ -43,6 +43,11 @@ class Pacing:
     def full(self) -> bool:
         return self.pending >= self.opts.full
 
+    @property
+    def after_bulk(self) -> bool:
+        """The last group was bulk: the next one may wait to fill."""
+        return self.last >= self.opts.bulk
+
     def mark(self, n: int, now: float) -> bool:
         """A frame of `n` bytes became whole; whether the group is full now."""
         self.pending += n
@@ -56,7 +61,7 @@ class Pacing:
 
     def wait(self, now: float) -> float:
         """Seconds the next group still waits to fill (0: it goes now)."""
-        if self.last < self.opts.bulk or self.full:
+        if not self.after_bulk or self.full:
             return 0.0
         o = self.opts
         return max(0.0, min(self.began + o.interval, self.marked + o.idle) - now)
