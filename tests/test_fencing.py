@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcwrap.shadow.admission import ShadowOptions
+from gcwrap.shadow.connection import AgentConnection
 from gcwrap.shadow.durability import LiveJob
 from gcwrap.shadow.server import Shadow
 from gcwrap.shadow.state import Store
@@ -119,22 +120,25 @@ class SteppedShadow(Shadow):
         self.sched = sched
         self.claimed: list[LiveJob] = []
         self.mine: dict[int, LiveJob] = {}  # each connection's session
+        room = self.fds.room
 
-    def _claim(self, job_id: str, instance: str, identity: str, tenant: str = "", *, known: bool = False) -> LiveJob:
-        job = super()._claim(job_id, instance, identity, tenant, known=known)
+        async def stepped_room(n: int) -> None:  # (the descriptor budget's wait for room: a step)
+            await sched.point("room")
+            await room(n)
+
+        self.fds.room = stepped_room  # type: ignore[method-assign]
+
+    def claim(self, job_id: str, instance: str, identity: str, tenant: str = "", *, known: bool = False) -> LiveJob:
+        job = super().claim(job_id, instance, identity, tenant, known=known)
         self.claimed.append(job)
         self.mine[WHO.get()] = job
         return job
 
-    async def _gone(self, job: LiveJob) -> None:
+    async def wait_closed(self, job: LiveJob) -> None:
         await self.sched.point("wait for the earlier session")
-        await super()._gone(job)
+        await super().wait_closed(job)
 
-    async def _room(self, n: int) -> None:
-        await self.sched.point("room")
-        await super()._room(n)
-
-    async def _worker(self, fn: Callable[[], T]) -> T:
+    async def worker(self, fn: Callable[[], T]) -> T:
         # Like trio.to_thread.run_sync: cancellable while it waits for the
         # worker; once the work has started, its result comes back even if
         # the caller was cancelled meanwhile.
@@ -303,7 +307,7 @@ def run_race(n: int, choose: Callable[[int], int], gate_all: bool) -> list[str]:
                 raise Invariant(f"{violations[0]}; schedule: {schedule}")
             # Every session's files are closed, none is left registered.
             left = [i for i, j in enumerate(shadow.claimed) if any(sf.fd >= 0 for sf in j.files.all())]
-            if left or len(shadow.files) or shadow.live or shadow.sessions:
+            if left or len(shadow.fds.files) or shadow.live or shadow.sessions:
                 raise Invariant(f"files left open by sessions {left}; schedule: {schedule}")
             gc.collect()
             fds_after = len(os.listdir("/proc/self/fd"))
@@ -336,7 +340,7 @@ async def _race(shadow: SteppedShadow, sched: Scheduler, outcomes: list[list[str
                 WHO.set(i)
                 stream = SteppedStream(server, sched, shadow)
                 try:
-                    await shadow._serve_stream(stream, Connection(Role.SHADOW), f"agent{i}", "test", "")
+                    await AgentConnection(shadow, stream, f"agent{i}", "test").serve()
                 finally:
                     await trio.aclose_forcefully(stream)
 
@@ -553,14 +557,14 @@ def test_a_session_waits_for_an_earlier_one_a_bounded_time_and_says_why(tmp_path
     (tmp_path / "out").write_bytes(b"kept")
     store = Store(tmp_path)
     shadow = Shadow(ShadowOptions(root=tmp_path, min_free=0), store)
-    stuck = shadow._claim(JOB, "i1", "test")  # never gone
+    stuck = shadow.claim(JOB, "i1", "test")  # never gone
     got: list[Event] = []
 
     async def main() -> None:
         client, server = trio.testing.memory_stream_pair()
         conn = Connection(Role.AGENT)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(shadow._serve_stream, server, Connection(Role.SHADOW), "late", "test", "")
+            nursery.start_soon(AgentConnection(shadow, server, "late", "test").serve)
             hello = Hello(job_id=JOB, instance="i1", streams=(StreamSpec(1, "stdout", "out"),))
             await client.send_all(conn.send(hello))
             while not got:
@@ -608,7 +612,7 @@ def test_stopping_with_a_batch_in_flight_closes_the_files_and_ends(tmp_path: Pat
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(shadow.durability.run)
-                nursery.start_soon(shadow._serve_stream, server, Connection(Role.SHADOW), "a", "test", "")
+                nursery.start_soon(AgentConnection(shadow, server, "a", "test").serve)
                 hello = Hello(job_id=JOB, instance="i1", streams=(StreamSpec(1, "stdout", "out"),))
                 await client.send_all(conn.send(hello))
                 while not isinstance(conn.next_event(), Welcome):
@@ -625,7 +629,7 @@ def test_stopping_with_a_batch_in_flight_closes_the_files_and_ends(tmp_path: Pat
         let_go.set()
         store.close()
     assert ended
-    assert not shadow.sessions and len(shadow.files) == 0
+    assert not shadow.sessions and len(shadow.fds.files) == 0
 
 
 # -- a stale attempt of the job (end to end) ---------------------------------------------------------------

@@ -33,10 +33,10 @@ from hypothesis import strategies as st
 from test_fencing import CONTENT, JOB, WHO, Invariant, Scheduler, SteppedShadow, SteppedStream, _fd_path, agent, tasks
 
 from gcwrap.shadow.admission import ShadowOptions
+from gcwrap.shadow.connection import AgentConnection
 from gcwrap.shadow.durability import LiveJob
 from gcwrap.shadow.sharing import check_holders
 from gcwrap.sync import leaves
-from gcwrap.wire.protocol import Connection, Role
 
 T = TypeVar("T")
 ATTEMPTS = 10  # connections an agent makes before it gives up
@@ -110,7 +110,7 @@ def _check_end(shadows: list[SteppedShadow], sched: Scheduler, outcomes: list[li
     schedule = sched.trace
     if sched.violations:
         raise Invariant(f"{sched.violations[0]}; schedule: {schedule}")
-    if _open_sessions(shadows) or any(sh.live or sh.sessions or len(sh.files) for sh in shadows):
+    if _open_sessions(shadows) or any(sh.live or sh.sessions or len(sh.fds.files) for sh in shadows):
         raise Invariant(f"files left open; schedule: {schedule}")
     if not all(o and o[-1] == "done" for o in outcomes):
         raise Invariant(f"outcomes {outcomes}; schedule: {schedule}")
@@ -135,7 +135,7 @@ async def _race(shadows: list[SteppedShadow], sched: Scheduler, outcomes: list[l
                     WHO.set(i)
                     stream = SteppedStream(server, sched, shadow)
                     try:
-                        await shadow._serve_stream(stream, Connection(Role.SHADOW), f"agent{i}", "test", "")
+                        await AgentConnection(shadow, stream, f"agent{i}", "test").serve()
                     finally:
                         await trio.aclose_forcefully(stream)
 

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from test_protocol import HEADER, edge_frames
 
 from gcwrap.shadow.admission import ShadowOptions
+from gcwrap.shadow.connection import AgentConnection
 from gcwrap.shadow.server import Shadow
 from gcwrap.shadow.state import Store
 from gcwrap.wire.events import Data, Error, ErrorCode, Event, Exit, Hello, StreamSpec, Welcome
@@ -35,9 +36,9 @@ async def one_session(shadow: Shadow, job: str, frame: tuple[int, bytes]) -> lis
 
             async def serve() -> None:
                 try:
-                    await shadow._serve_stream(server, Connection(Role.SHADOW), "fuzz", "fuzz", "")
+                    await AgentConnection(shadow, server, "fuzz", "fuzz").serve()
                 finally:
-                    await trio.aclose_forcefully(server)  # as Shadow._handle does
+                    await trio.aclose_forcefully(server)  # as AgentConnection.run does
 
             nursery.start_soon(serve)
             streams = (StreamSpec(1, "stdout", f"{job}.out"), StreamSpec(2, "stderr", f"{job}.err"),

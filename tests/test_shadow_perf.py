@@ -27,6 +27,7 @@ from helpers import Wrapper, drop_cap_sys_resource, tool, wait_until
 
 from gcwrap.shadow import syncer as shadow_files
 from gcwrap.shadow.files import FileCache, Problem, StoreError, StreamFile, open_confined
+from gcwrap.shadow.pacing import GroupOptions
 from gcwrap.shadow.receive import Buffers
 from gcwrap.shadow.state import Store
 from gcwrap.shadow.syncer import Syncer
@@ -545,14 +546,12 @@ def test_a_file_whose_sync_failed_is_never_acknowledged_later(tmp_path: Path) ->
 # -- durable groups under bulk output ---------------------------------------------------------------------
 
 
-def _grouping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: Any) -> list[int]:
+def _grouping(tmp_path: Path, steps: Any) -> list[int]:
     """Run `steps(durability, job, sf)` against a real Store's Durability,
     with the fill bounds in time set far out (so only bytes, a flush or
     small batches can end a wait); the length each batch synced the file to."""
     from gcwrap.shadow import durability as dmod
 
-    monkeypatch.setattr(dmod, "GROUP_INTERVAL", 60.0)
-    monkeypatch.setattr(dmod, "GROUP_IDLE", 60.0)
     store = Store(tmp_path)
     synced: list[int] = []
     real_sync = store.syncer.sync
@@ -567,7 +566,7 @@ def _grouping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: Any) -> li
     try:
         async def main() -> None:
             with trio.fail_after(30):
-                durability = dmod.Durability(store)
+                durability = dmod.Durability(store, GroupOptions(interval=60.0, idle=60.0))
                 job = dmod.LiveJob("j")
                 job.files = files
                 async with trio.open_nursery() as nursery:
@@ -588,7 +587,7 @@ async def _mark(durability: Any, job: Any, sf: StreamFile, n: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_small_batches_never_wait_to_fill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_batches_never_wait_to_fill(tmp_path: Path) -> None:
     """Line output and small agents: each frame is synced as it comes, with
     the time bounds of a bulk batch a minute away."""
     async def steps(durability: Any, job: Any, sf: StreamFile) -> None:
@@ -597,36 +596,34 @@ def test_small_batches_never_wait_to_fill(tmp_path: Path, monkeypatch: pytest.Mo
             while sf.durable < 100 * i:
                 await job.durable_changed.wait()
 
-    assert _grouping(tmp_path, monkeypatch, steps) == [100, 200, 300]
+    assert _grouping(tmp_path, steps) == [100, 200, 300]
 
 
 @pytest.mark.timeout(60)
-def test_under_bulk_output_a_batch_waits_to_fill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a batch of GROUP_BULK bytes or more, the next one waits for
-    GROUP_BYTES (with the time bounds a minute away): whole frames marked
-    one by one are synced together; a flush takes the batch at once."""
-    from gcwrap.shadow.durability import GROUP_BULK, GROUP_BYTES
-
+def test_under_bulk_output_a_batch_waits_to_fill(tmp_path: Path) -> None:
+    """After a batch of `GroupOptions.bulk` bytes or more, the next one waits
+    for `GroupOptions.full` (with the time bounds a minute away): whole frames
+    marked one by one are synced together; a flush takes the batch at once."""
+    bulk, full = GroupOptions().bulk, GroupOptions().full
     mib = 1 << 20
 
     async def steps(durability: Any, job: Any, sf: StreamFile) -> None:
-        await _mark(durability, job, sf, GROUP_BULK)
-        while sf.durable < GROUP_BULK:
+        await _mark(durability, job, sf, bulk)
+        while sf.durable < bulk:
             await job.durable_changed.wait()
-        for _ in range(GROUP_BYTES // mib - 1):
+        for _ in range(full // mib - 1):
             await _mark(durability, job, sf, mib)
         await trio.to_thread.run_sync(wait_until, lambda: durability.filling, 10, "the batch waiting to fill")
         assert durability.batches == 1
-        await _mark(durability, job, sf, mib)  # GROUP_BYTES pending: the batch goes
-        while sf.durable < GROUP_BULK + GROUP_BYTES:
+        await _mark(durability, job, sf, mib)  # a full batch pending: it goes
+        while sf.durable < bulk + full:
             await job.durable_changed.wait()
         await _mark(durability, job, sf, 10)
         await trio.to_thread.run_sync(wait_until, lambda: durability.filling, 10, "the next batch waiting to fill")
         await durability.flush(job)  # EXIT, or the shadow stopping: no waiting to fill
-        assert sf.durable == GROUP_BULK + GROUP_BYTES + 10
+        assert sf.durable == bulk + full + 10
 
-    assert _grouping(tmp_path, monkeypatch, steps) == [GROUP_BULK, GROUP_BULK + GROUP_BYTES,
-                                                      GROUP_BULK + GROUP_BYTES + 10]
+    assert _grouping(tmp_path, steps) == [bulk, bulk + full, bulk + full + 10]
 
 
 # -- acknowledgements never run ahead of the state database, on either sync path -------------------------

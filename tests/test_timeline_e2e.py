@@ -363,24 +363,23 @@ def test_tail_lines_and_bytes(shadow: ShadowProc, home: Path, tmp_path: Path) ->
     assert both.returncode == 2 and "not both" in both.stderr
 
 
-def test_start_offset_is_where_the_last_lines_begin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_start_offset_is_where_the_last_lines_begin(tmp_path: Path) -> None:
     """Against the obvious answer, across block boundaries, with and without a last newline."""
     import random
 
-    from gcwrap.shadow import tail as tail_module
     from gcwrap.shadow.tail import start_offset
 
     rng = random.Random(7)
     path = tmp_path / "f"
     for case in range(300):
-        monkeypatch.setattr(tail_module, "BACK_READ", rng.choice([1, 2, 3, 7, 64, 1 << 16]))
+        block = rng.choice([1, 2, 3, 7, 64, 1 << 16])  # bytes read at a time, backwards
         data = bytes(rng.choice(b"ab\n") for _ in range(rng.randrange(0, 40)))
         path.write_bytes(data)
         n = rng.randrange(0, 12)
         fd = os.open(path, os.O_RDONLY)
         try:
-            got = data[start_offset(fd, n, None):]
+            got = data[start_offset(fd, n, None, block):]
             assert got == b"".join(data.splitlines(keepends=True)[-n:] if n else []), (case, data, n)
-            assert data[start_offset(fd, None, n):] == (data[-n:] if n else b""), (case, data, n)
+            assert data[start_offset(fd, None, n, block):] == (data[-n:] if n else b""), (case, data, n)
         finally:
             os.close(fd)

@@ -331,6 +331,7 @@ def test_a_commit_whose_wal_sync_failed_is_settled_either_way(tmp_path: Path, fa
 
 @pytest.mark.timeout(30)
 async def test_the_state_database_lost_mid_session_tells_the_agent_busy_not_fenced(tmp_path: Path) -> None:
+    from gcwrap.shadow.connection import AgentConnection
     from gcwrap.shadow.server import Shadow
     from gcwrap.wire.events import Data, Error, Hello, Welcome
     from gcwrap.wire.protocol import NEED_DATA, Connection, Role
@@ -344,7 +345,7 @@ async def test_the_state_database_lost_mid_session_tells_the_agent_busy_not_fenc
         async with trio.open_nursery() as nursery:
             nursery.start_soon(shadow.durability.run)
             client, server = trio.testing.memory_stream_pair()
-            nursery.start_soon(shadow._serve_stream, server, Connection(Role.SHADOW), "agent", "test", "")
+            nursery.start_soon(AgentConnection(shadow, server, "agent", "test").serve)
             conn = Connection(Role.AGENT)
             await client.send_all(conn.send(Hello(job_id="j1", instance="a1", streams=STREAMS)))
 

@@ -389,14 +389,12 @@ def test_lines_are_numbered_as_in_the_file_and_a_page_may_start_at_a_line(web: W
     assert status == 400 and b"whole numbers" in body
 
 
-def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path) -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
     from gcwrap.shadow import webstate
 
-    monkeypatch.setattr(webstate, "LINE_MARK", 7)  # many checkpoints in a small file
 
     @settings(max_examples=200, deadline=None)
     @given(st.binary(max_size=300).map(lambda b: b.replace(b"\x00", b"\n")),
@@ -404,7 +402,7 @@ def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path,
     def agree(content: bytes, asks: list[tuple[bool, int]]) -> None:
         path = tmp_path / "f"
         path.write_bytes(content + b"tail not yet durable\n")
-        lines = webstate.Lines()
+        lines = webstate.Lines(webstate.LineOptions(mark=7))  # many checkpoints in a small file
         fd = os.open(path, os.O_RDONLY)
         try:
             for by_line, n in asks:
@@ -424,16 +422,14 @@ def test_line_counts_agree_with_the_file_however_they_are_asked(tmp_path: Path,
     agree()
 
 
-def test_lines_far_from_any_checkpoint_are_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lines_far_from_any_checkpoint_are_not_counted(tmp_path: Path) -> None:
     from gcwrap.shadow import webstate
 
-    monkeypatch.setattr(webstate, "LINE_MARK", 100)
-    monkeypatch.setattr(webstate, "LINE_COUNT_MAX", 250)
     path = tmp_path / "f"
     path.write_bytes(b"123456789\n" * 100)  # 1000 bytes, line n at (n - 1) * 10
     fd = os.open(path, os.O_RDONLY)
     try:
-        lines = webstate.Lines()
+        lines = webstate.Lines(webstate.LineOptions(mark=100, most=250))
         assert lines.line_at(fd, 900) is None  # 900 bytes to read from the only checkpoint
         assert lines.offset_of(fd, 91, 1000) is None
         assert lines.line_at(fd, 250) == 26  # ...but step by step the checkpoints come

@@ -22,6 +22,7 @@ from ..wire.auth import AllowList, SubjectMap, identity_problem, match_token, ne
 from ..wire.events import Auth, Challenge, ErrorCode, Event, Hello
 from ..wire.protocol import Connection
 from .handshakes import HandshakeMemory, await_event, refuse
+from .pacing import GroupOptions
 
 log = logging.getLogger("gcshadow")
 
@@ -46,6 +47,13 @@ class ShadowOptions:
     quota: int = 0  # bytes one job may write in all (0: no limit)
     max_jobs_per_identity: int = 0  # live jobs per certificate CN, or per host without one (0: no limit)
     handshake_memory: int = 16 << 20  # bytes all unauthenticated connections together may make the shadow hold
+    grouping: GroupOptions = field(default_factory=GroupOptions)  # durable groups under bulk output (no option)
+
+    @property
+    def tenancy(self) -> bool:
+        """With identities (per-identity tokens, or client certificates), each
+        identity's files are under ROOT/<identity>/; without, under ROOT."""
+        return bool(self.tokens) or (self.tls is not None and self.tls.verify_mode == ssl.CERT_REQUIRED)
 
 
 @ranked(Rank.PROTOCOL)
@@ -94,7 +102,7 @@ async def admit(opts: ShadowOptions, tcp: trio.SocketStream, conn: Connection, p
 
 
 async def authenticate(
-    opts: ShadowOptions, tenancy: bool, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str,
+    opts: ShadowOptions, stream: trio.abc.Stream, conn: Connection, hello: Hello, cn: str,
     pending: list[Event], memory: HandshakeMemory,
 ) -> tuple[str, str] | None:
     """The token challenge-response and the identity's rights; returns
@@ -123,7 +131,7 @@ async def authenticate(
                               f"authentication failed: the token of {name} came with the certificate of CN={cn}")
             identity = name
         proof = shadow_proof(token, hello.nonce, nonce)
-    if tenancy:
+    if opts.tenancy:
         why = identity_problem(identity) if identity else "the client certificate names no subject CN"
         if why:
             raise Refused(ErrorCode.AUTH_FAILED, f"authentication failed: {why}")

@@ -4,7 +4,9 @@ One socket per connection, and a bounded cache of open files (`FileCache`,
 in files.py) share what is left. Connections beyond what the budget
 allows are told BUSY (with a retry_after) before a byte is read, and when no
 descriptor is left at all the shadow stops accepting until one is freed: an
-agent is never refused with EMFILE.
+agent is never refused with EMFILE. `Descriptors` keeps the count: the
+connections, the cached stream files and the versions' files of every
+session, and makes room for more.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import resource
+
+from ..sync import Signal
+from .files import FileCache, StreamFile
+from .filestore import OpenFiles, SessionFiles
 
 # Descriptors kept for the shadow itself on top of those open when it starts
 # serving: listeners, name lookups, SQLite's temporary files, and the files
@@ -101,3 +107,47 @@ def raise_fd_limit(want: int = WANT_NOFILE) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         pass
+
+
+class Descriptors:
+    """The shadow's descriptors in use, against its budget: one socket per
+    connection, the connected jobs' stream files (`files`, a cache that
+    closes clean ones) and the versions' files of every session's
+    `SessionFiles` (`open_files`). `freed` fires when one is closed."""
+
+    def __init__(self, budget: FdBudget, files: FileCache, freed: Signal) -> None:
+        self.budget = budget
+        self.files = files
+        self.freed = freed  # (the durability batches' signal: a batch makes files clean, hence closable)
+        self.open_files = OpenFiles(freed.fire)  # (their descriptors, which the budget counts)
+        self.versions: set[SessionFiles] = set()  # each session's files the job writes ("files" feature)
+        self.connections = 0
+
+    def free(self) -> int:
+        return self.budget.avail - self.connections - len(self.files) - self.open_files.count
+
+    async def room(self, n: int) -> None:
+        """Wait until n more descriptors fit in the budget, closing clean
+        cached files first. Dirty ones become clean with the next batch."""
+        while self.free() < n:
+            self.files.trim(self.budget.avail - self.connections - self.open_files.count - n)
+            for versions in self.versions:  # (and the versions' files all durable: reopened when written)
+                if self.free() < n:
+                    versions.trim(0)
+            if self.free() >= n:
+                return
+            await self.freed.wait()
+
+    def trim_files(self) -> None:
+        b = self.budget
+        self.files.trim(max(b.min_files, b.avail - self.connections - b.headroom))
+
+    async def open(self, sf: StreamFile) -> int:
+        """The descriptor of a connected job's file, reopened if the cache closed it."""
+        if sf.fd < 0:
+            await self.room(1)
+            self.files.use(sf)
+            self.trim_files()
+        else:
+            self.files.use(sf)
+        return sf.fd

@@ -28,22 +28,13 @@ from ..ranks import Rank, ranked
 from ..sync import Signal
 from .backends import StateBackend
 from .files import FileCache, JobFiles, StreamFile
+from .pacing import GroupOptions, Pacing
 from .state import RecordUnknown, Superseded
 from .tally import BYTES, SECONDS, Tally
 
 log = logging.getLogger("gcshadow")
 
-# Groups under bulk output. Once a batch covered GROUP_BULK bytes or more,
-# bulk output is arriving: the next batch waits for GROUP_BYTES, or until
-# GROUP_INTERVAL has passed since the last batch began, or until no frame
-# has become whole for GROUP_IDLE, whichever comes first. On a busy machine
-# the thread would otherwise sync each frame on its own as it becomes whole
-# (a sync per MiB, each with its writeback in this thread). Smaller batches
-# (line output, many small agents) never wait: their ACKs go out as before.
-GROUP_BULK = 1 << 20
-GROUP_BYTES = 16 << 20
-GROUP_INTERVAL = 0.02
-GROUP_IDLE = 0.005
+# Batches under bulk output wait to fill: see pacing.py (`GroupOptions`).
 JOIN_GRACE = 10.0  # seconds the thread may take to end its batch once the shadow ends (see `_join`)
 
 
@@ -109,6 +100,22 @@ class LiveJob:
             raise Fenced(self.fenced, self.trouble)
 
 
+@dataclass
+class DurabilityStats:
+    """What the batches did, for the metrics (metrics.py): bytes by stream
+    (1 stdout, 2 stderr) whose frames became whole, and made durable;
+    frames that became whole; the batches' latencies and sizes."""
+
+    received: dict[int, int] = field(default_factory=lambda: {1: 0, 2: 0})
+    made_durable: dict[int, int] = field(default_factory=lambda: {1: 0, 2: 0})
+    frames: int = 0
+    first_marked: float = 0.0  # when the first frame of the pending batch became whole (time.monotonic)
+    batch_first: float = 0.0  # ...and of the batch being made durable
+    ack_seconds: Tally = field(default_factory=lambda: Tally(SECONDS))  # oldest frame whole to its ACKs (`apply`)
+    commit_seconds: Tally = field(default_factory=lambda: Tally(SECONDS))  # a batch's record (its sync: `Syncer`)
+    group_bytes: Tally = field(default_factory=lambda: Tally(BYTES))  # bytes a batch made durable
+
+
 class Durability:
     """Group commit for every job: sync dirty files, record, then wake ackers.
 
@@ -128,15 +135,12 @@ class Durability:
     batch of a fenced session that lands late records and acknowledges
     nothing, and cuts nothing back."""
 
-    def __init__(self, store: StateBackend) -> None:
+    def __init__(self, store: StateBackend, grouping: GroupOptions | None = None) -> None:
         self.store = store
         self.mutex = threading.Lock()
         self.cond = threading.Condition(self.mutex)
         self.pending: dict[StreamFile, LiveJob] = {}
-        self.pending_bytes = 0  # bytes the pending files' frames added since the last batch was taken
-        self.last_bytes = 0  # ...and those the last batch took
-        self.began = 0.0  # when the last batch was taken (time.monotonic)
-        self.marked = 0.0  # when a frame last became whole
+        self.pacing = Pacing(grouping or GroupOptions())  # (under `mutex`, on time.monotonic)
         self.filling = False  # the thread waits for a bulk batch to fill
         self.hurried = False  # someone waits for a flush: no batch waits to fill
         self.thread_idle = False
@@ -148,30 +152,23 @@ class Durability:
         self.token: trio.lowlevel.TrioToken | None = None
         self.abandoned = False  # the thread was left stuck (see `_join`)
         self.stop_by = math.inf  # (trio time) the shadow stops by then: nothing waits for a hung sync past it
-        # For the metrics (metrics.py): bytes by stream (1 stdout, 2 stderr) whose frames became whole, and
-        # made durable; frames that became whole; when the first frame of the pending batch did (monotonic).
-        self.received = {1: 0, 2: 0}
-        self.made_durable = {1: 0, 2: 0}
-        self.frames = 0
-        self.first_marked = self.batch_first = 0.0
-        self.ack_seconds = Tally(SECONDS)  # from the oldest frame of a batch whole to its ACKs (`apply`)
-        self.commit_seconds = Tally(SECONDS)  # a batch's record of durable lengths (its sync: `Syncer.seconds`)
-        self.group_bytes = Tally(BYTES)  # bytes a batch made durable
+        self.stats = DurabilityStats()
 
     def mark(self, sf: StreamFile, job: LiveJob, n: int = 0) -> None:
         """`sf` of `job` has `n` more bytes to make durable (a frame became whole)."""
+        stats = self.stats
         with self.mutex:
-            self.marked = time.monotonic()
+            now = time.monotonic()
             if not self.pending:
-                self.first_marked = self.marked
+                stats.first_marked = now
             self.pending[sf] = job
-            self.pending_bytes += n
-            self.frames += 1
-            self.received[sf.stream] = self.received.get(sf.stream, 0) + n
+            full = self.pacing.mark(n, now)
+            stats.frames += 1
+            stats.received[sf.stream] = stats.received.get(sf.stream, 0) + n
             if self.thread_idle:
                 self.thread_idle = False
                 self.cond.notify()
-            elif self.filling and self.pending_bytes >= GROUP_BYTES:
+            elif self.filling and full:
                 self.cond.notify()
 
     def hurry(self) -> None:
@@ -197,24 +194,20 @@ class Durability:
                         self.thread_idle = True
                         self.cond.wait()
                     self.thread_idle = False
-                    if self.last_bytes >= GROUP_BULK:
+                    if self.pacing.after_bulk:
                         self._fill()
                     if self.stopping:
                         return
-                self._post((*self.run_batch(), self.batch_first))
+                self._post((*self.run_batch(), self.stats.batch_first))
         except BaseException as e:  # noqa: BLE001 - a bug: handed to the event loop, which re-raises it
             self._post(e)
 
     def _fill(self) -> None:
         """Under bulk output, wait (holding `cond`) for the pending batch to
-        fill: see GROUP_BULK."""
+        fill: see pacing.py."""
         self.filling = True
         try:
-            while not (self.stopping or self.hurried) and self.pending_bytes < GROUP_BYTES:
-                now = time.monotonic()
-                wait = min(self.began + GROUP_INTERVAL, self.marked + GROUP_IDLE) - now
-                if wait <= 0:
-                    return
+            while not (self.stopping or self.hurried) and (wait := self.pacing.wait(time.monotonic())) > 0:
                 self.cond.wait(wait)
         finally:
             self.filling = False
@@ -224,9 +217,10 @@ class Durability:
         record them. The result is for `apply`, in the event loop."""
         with self.mutex:
             batch, self.pending = self.pending, {}
-            self.last_bytes, self.pending_bytes, self.hurried = self.pending_bytes, 0, False
-            self.began = time.monotonic()
-            self.batch_first = self.first_marked
+            began = time.monotonic()
+            took = self.pacing.take(began)
+            self.hurried = False
+            self.stats.batch_first = self.stats.first_marked
             snapshot = []
             for sf in batch:
                 sf.pins += 1
@@ -235,8 +229,8 @@ class Durability:
             todo = [(sf, n) for sf, n in snapshot if not sf.sync_failed]
             results, db_error = self.store.make_durable(todo) if todo else ([], "")
             if todo:  # (the sync's share is the syncer's: what is left is the record's)
-                self.commit_seconds.observe(max(time.monotonic() - self.began - self.store.syncer.took, 0.0))
-                self.group_bytes.observe(self.last_bytes)
+                self.stats.commit_seconds.observe(max(time.monotonic() - began - self.store.syncer.took, 0.0))
+                self.stats.group_bytes.observe(took)
             failed = OSError(errno.EIO, "an earlier sync of this file failed")
             results += [(sf, n, failed) for sf, n in snapshot if sf.sync_failed]
             for sf, _, err in results:
@@ -294,7 +288,7 @@ class Durability:
             what = (f"the sync of {', '.join(map(repr, syncer.syncing))}" if syncer.syncing
                     else "its record of durable lengths in the state database")
             log.error("the durability thread is stuck in %s, for %.0f s now; exiting anyway (none of it was "
-                      "acknowledged)", what, time.monotonic() - (syncer.since if syncer.syncing else self.began))
+                      "acknowledged)", what, time.monotonic() - (syncer.since if syncer.syncing else self.pacing.began))
 
     def apply(
         self, batch: dict[StreamFile, LiveJob], results: list[tuple[StreamFile, int, OSError | None]], db_error: str,
@@ -308,6 +302,7 @@ class Durability:
         file is cut back to what synced before. `first`: when the batch's
         first frame became whole (time.monotonic), for the ACK latency."""
         self.batches += 1
+        made = self.stats.made_durable
         unknown: set[LiveJob] = set()
         for sf, n, err in results:
             job = batch.get(sf)
@@ -315,7 +310,7 @@ class Durability:
                 sf.synced = max(sf.synced, n)  # on disk, whatever the state database says
             if err is None:
                 if n > sf.durable:
-                    self.made_durable[sf.stream] = self.made_durable.get(sf.stream, 0) + n - sf.durable
+                    made[sf.stream] = made.get(sf.stream, 0) + n - sf.durable
                     sf.durable = n
                 continue
             if isinstance(err, Superseded):
@@ -344,7 +339,7 @@ class Durability:
                 job.on_durable()  # its ACKs, right here when nothing else is being sent (acks.Sender)
             job.durable_changed.fire()  # (nothing to do when no flush waits)
         if first:
-            self.ack_seconds.observe(time.monotonic() - first)
+            self.stats.ack_seconds.observe(time.monotonic() - first)
         self.done.fire()
 
     def _cut_back(self, sf: StreamFile, job: LiveJob | None, err: OSError) -> None:

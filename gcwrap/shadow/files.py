@@ -364,8 +364,6 @@ class StreamFile:
     # so none of its bytes is durable before they are (Syncer.sync).
     new_entries: tuple[str, ...] = ()
     partial: bool = False  # holds bytes past `written` of a DATA frame not yet whole
-    slot: int = -1  # where FileCache holds it while open
-    used: int = 0  # FileCache's clock at its last use
 
     def __post_init__(self) -> None:
         if self.synced < 0:
@@ -491,6 +489,8 @@ class FileCache:
         self.root_fd = root_fd
         self.lock = lock or threading.Lock()  # held to check `closable` and close: pins change under it
         self.slots: list[StreamFile] = []  # the open files, in no order
+        self.where: dict[StreamFile, int] = {}  # each one's index in `slots`
+        self.used: dict[StreamFile, int] = {}  # ...and `clock` at its last use
         self.clock = 0
         self.reopened = 0
         self.evicted = 0
@@ -500,26 +500,26 @@ class FileCache:
         return len(self.slots)
 
     def _insert(self, sf: StreamFile) -> None:
-        if sf.slot < 0:
-            sf.slot = len(self.slots)
+        if sf not in self.where:
+            self.where[sf] = len(self.slots)
             self.slots.append(sf)
 
     def _remove(self, sf: StreamFile) -> None:
-        i = sf.slot
+        i = self.where.pop(sf, -1)
         if i < 0:
             return
+        self.used.pop(sf, None)
         last = self.slots.pop()
         if last is not sf:
             self.slots[i] = last
-            last.slot = i
-        sf.slot = -1
+            self.where[last] = i
 
     def add(self, sf: StreamFile) -> None:
         """A file opened elsewhere (Store.open_job) joins the cache."""
         if sf.fd >= 0:
             self._insert(sf)
             self.clock += 1
-            sf.used = self.clock
+            self.used[sf] = self.clock
 
     def use(self, sf: StreamFile) -> int:
         """The file's descriptor, opened again if the cache had closed it."""
@@ -528,7 +528,7 @@ class FileCache:
             self.reopened += 1
         self._insert(sf)
         self.clock += 1
-        sf.used = self.clock
+        self.used[sf] = self.clock
         return sf.fd
 
     def forget(self, sf: StreamFile) -> None:
@@ -540,7 +540,7 @@ class FileCache:
         excess = len(self.slots) - max(target, 0)
         if excess <= 0:
             return
-        slots, rng = self.slots, self.rng
+        slots, used, rng = self.slots, self.used, self.rng
         with self.lock:
             for _ in range(4 * excess + 16):
                 if excess <= 0 or not slots:
@@ -548,7 +548,7 @@ class FileCache:
                 best = None
                 for _ in range(self.SAMPLE):
                     sf = slots[rng.randrange(len(slots))]
-                    if sf.closable and (best is None or sf.used < best.used):
+                    if sf.closable and (best is None or used[sf] < used[best]):
                         best = sf
                 if best is None:
                     continue

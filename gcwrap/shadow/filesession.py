@@ -32,7 +32,8 @@ async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
                     raise StoreError(Problem.NAME_IN_USE, f"{name!r} belongs to job {holder}, which is still active")
             files.opened(ev)
         except StoreError as e:  # (the session ends in an ERROR: the timeline says which file's NAME)
-            files.said("file_refused", file=ev.file, name=ev.name, code=WIRE_CODES[e.problem].name, message=str(e))
+            files.notes.said("file_refused", file=ev.file, name=ev.name, code=WIRE_CODES[e.problem].name,
+                             message=str(e))
             raise
     elif isinstance(ev, FileData):
         files.data(ev)
@@ -47,7 +48,7 @@ async def on_event(files: SessionFiles, ev: Event, sender: Sender) -> None:
                 raise ProtocolError(f"FILE_COMMIT: version {v.version} of {v.name!r} has SHA-256 {sha} at home, "
                                     f"not {ev.sha256}: it was changed at home", ErrorCode.LENGTH_MISMATCH)
             await _guarded(files.commit_file, v, ev.size, sha)
-            files.say_commit(v, ev.size)
+            files.notes.commit(v, ev.size)
             await sender.send(lambda: sender.conn.send(FileAck(v.file, v.version, ev.size, committed=True)),
                               check=True)
 

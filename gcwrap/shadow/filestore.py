@@ -47,8 +47,8 @@ from ..wire.names import NameError_, split_name, staged_like
 from . import fileversions
 from .admission import Refused
 from .backends import StateBackend
-from .durability import GROUP_BULK, GROUP_BYTES, GROUP_IDLE, GROUP_INTERVAL
 from .files import Problem, StoreError, lock_file, open_confined, open_dir
+from .pacing import GroupOptions, Pacing
 
 FILE_EVENTS = (FileOpen, FileData, FileCopy, FileCommit)
 _CHUNK = 1 << 20
@@ -69,7 +69,7 @@ async def _no_wait(n: int) -> None:
 
 class OpenFiles:
     """The versions' files open in every session, for the shadow's
-    descriptor budget (`Shadow._free_fds`): `freed` is called when one closes.
+    descriptor budget (`descriptors.Descriptors`): `freed` is called when one closes.
     Shared by every session: it also counts, for the metrics, the FILE_DATA
     frames taken and the bytes they added, and the bytes made durable."""
 
@@ -122,6 +122,29 @@ def staging_name(name: str, file: int, version: int) -> str:
     return f"{head}/" * bool(head) + f".{base}.gcwrap-{file}-{version}"
 
 
+class FileNotes:
+    """What the job's timeline is told of its files: refusals, and commits,
+    those of a busy file thinned out (`commit`)."""
+
+    def __init__(self, said: Said) -> None:
+        self.said = said  # an event for the job's timeline (the shadow's `EventLog.event`)
+        self.told: dict[int, tuple[int, float, int]] = {}  # handle -> (version, when) last said committed, skipped
+
+    def commit(self, v: Version, size: int, final: bool = False) -> None:
+        """A version's commit, for the job's timeline: its first, at most
+        one a file every COMMITS_SAID_EVERY seconds (those between counted
+        as `skipped`), and at the job's end (`final`) the one not said yet."""
+        version, at, skipped = self.told.get(v.file, (0, -COMMITS_SAID_EVERY, 0))
+        now = time.monotonic()
+        if version == v.version or (not final and now - at < COMMITS_SAID_EVERY):
+            if version != v.version:
+                self.told[v.file] = (version, at, skipped + 1)
+            return
+        self.told[v.file] = (v.version, now, 0)
+        self.said("file_committed", file=v.file, name=v.name, version=v.version, size=size,
+                  sha256=(v.sha256 or "")[:16], skipped=skipped or None)
+
+
 class SessionFiles:
     """The versions of the files a job writes, for one session of it.
 
@@ -131,21 +154,16 @@ class SessionFiles:
     def __init__(self, store: StateBackend, job_id: str, instance: str, session: int, tenant: str,
                  stream_names: Iterable[str], *, quota: int = 0, streams: Callable[[], int] = lambda: 0,
                  said: Said | None = None, open_files: OpenFiles | None = None,
-                 room: Callable[[int], Awaitable[None]] = _no_wait) -> None:
+                 room: Callable[[int], Awaitable[None]] = _no_wait, grouping: GroupOptions | None = None) -> None:
         self.store = store
-        self.said = said or _unsaid  # an event for the job's timeline (the shadow's `EventLog.event`)
-        self.told: dict[int, tuple[int, float, int]] = {}  # handle -> (version, when) last said committed, skipped
+        self.notes = FileNotes(said or _unsaid)  # what the job's timeline is told of its files
         self.open_files = open_files or OpenFiles()  # (the shadow's, shared by its sessions)
         self.room = room  # waits until the shadow's descriptor budget has room for n more
         self.lock = trio.Lock()  # durable groups, commits and the EXIT's check take turns
         self.flushing = False  # a task makes groups durable (`keep_durable`)
-        # Groups under bulk output, as the streams' (gcwrap.shadow.durability, GROUP_BULK): bytes written since
-        # the last group was taken, those it took, when it was taken, when a frame last came, and a signal
-        # fired once the next group is full.
-        self.pending = 0
-        self.last_group = 0
-        self.began = 0.0
-        self.marked = 0.0
+        # Groups under bulk output, as the streams' (pacing.py, on trio's clock), and a signal fired once the
+        # next group is full.
+        self.pacing = Pacing(grouping or GroupOptions())
         self.filled = Signal()
         self.quota = quota  # bytes the job may write at home, its streams' and its files' (0: no limit)
         self.streams = streams  # bytes its streams hold now
@@ -425,21 +443,12 @@ class SessionFiles:
         self.dirty.add(v)
 
     def _mark(self, n: int) -> None:
-        self.pending += n
-        self.marked = trio.current_time()
-        if self.pending >= GROUP_BYTES:
+        if self.pacing.mark(n, trio.current_time()):
             self.filled.fire()
 
     async def fill(self) -> None:
-        """Under bulk output (the last group took GROUP_BULK or more), wait for
-        the next group to fill: GROUP_BYTES, or GROUP_INTERVAL since the last
-        one was taken, or GROUP_IDLE without a frame, whichever comes first."""
-        if self.last_group < GROUP_BULK:
-            return
-        while self.pending < GROUP_BYTES:
-            wait = min(self.began + GROUP_INTERVAL, self.marked + GROUP_IDLE) - trio.current_time()
-            if wait <= 0:
-                return
+        """Under bulk output, wait for the next group to fill (pacing.py)."""
+        while (wait := self.pacing.wait(trio.current_time())) > 0:
             with trio.move_on_after(wait):
                 await self.filled.wait()
 
@@ -449,7 +458,7 @@ class SessionFiles:
         """Keep at most `keep` of the versions' files open: the least
         recently used of those all durable are closed (opened again when
         written to; a dirty one stays open until its sync). The shadow
-        asks for none when its descriptor budget is short (`Shadow._room`)."""
+        asks for none when its descriptor budget is short (`Descriptors.room`)."""
         opened = [v for v in self.current.values() if v.fd >= 0 and not v.doomed]
         if len(opened) <= keep:
             return
@@ -462,7 +471,7 @@ class SessionFiles:
         """The versions to make durable, each with its length now (in the event loop)."""
         taken = [(v, v.written) for v in self.dirty]
         self.dirty.clear()
-        self.last_group, self.pending, self.began = self.pending, 0, trio.current_time()
+        self.pacing.take(trio.current_time())
         return taken
 
     def pin(self, taken: list[tuple[Version, int]], by: int) -> None:
@@ -567,20 +576,6 @@ class SessionFiles:
         v.committed, v.sha256 = size, sha
         self.bases[v.file] = (v.version, max(v.durable, size))
 
-    def say_commit(self, v: Version, size: int, final: bool = False) -> None:
-        """A version's commit, for the job's timeline: its first, at most
-        one a file every COMMITS_SAID_EVERY seconds (those between counted
-        as `skipped`), and at the job's end (`final`) the one not said yet."""
-        version, at, skipped = self.told.get(v.file, (0, -COMMITS_SAID_EVERY, 0))
-        now = time.monotonic()
-        if version == v.version or (not final and now - at < COMMITS_SAID_EVERY):
-            if version != v.version:
-                self.told[v.file] = (version, at, skipped + 1)
-            return
-        self.told[v.file] = (v.version, now, 0)
-        self.said("file_committed", file=v.file, name=v.name, version=v.version, size=size,
-                  sha256=(v.sha256 or "")[:16], skipped=skipped or None)
-
     def check_exit(self, files: Iterable[tuple[int, int, int]]) -> None:
         """EXIT's final versions: each committed at its size, or LENGTH_MISMATCH;
         then the commits of the final versions not said yet, said (in the event loop)."""
@@ -593,7 +588,7 @@ class SessionFiles:
                                     f"{held}", ErrorCode.LENGTH_MISMATCH)
         for file, (version, _) in self.bases.items():  # (each file's final version is in the timeline)
             if (v := self.current.get(file)) is not None and v.version == version:
-                self.say_commit(v, v.committed, final=True)
+                self.notes.commit(v, v.committed, final=True)
 
     def finish(self) -> None:
         """The job ended (its EXIT checked): staged versions never committed go (blocking)."""

@@ -109,7 +109,7 @@ class ShadowCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s, d, f = self.shadow, self.shadow.durability, self.shadow.open_files
+        s, d, f = self.shadow, self.shadow.durability.stats, self.shadow.fds.open_files
         received = CounterMetricFamily("gcshadow_received_bytes", "Bytes of output received whole, by stream kind "
                                        "(stdout, stderr, files)", labels=["kind"])
         durable = CounterMetricFamily("gcshadow_durable_bytes", "Bytes of output made durable (synced and "
@@ -124,7 +124,7 @@ class ShadowCollector:
         yield CounterMetricFamily("gcshadow_frames", "DATA and FILE_DATA frames that added output (a frame "
                                   "resent whole adds none)", d.frames + f.frames)
         yield from self._refusals()
-        yield GaugeMetricFamily("gcshadow_connections", "Connections open", s.connections)
+        yield GaugeMetricFamily("gcshadow_connections", "Connections open", s.fds.connections)
         yield GaugeMetricFamily("gcshadow_sessions_open", "Sessions of jobs whose files are open",
                                 sum(len(v) for v in s.sessions.values()))
         yield GaugeMetricFamily("gcshadow_jobs_streaming", "Jobs a session holds here", len(s.live))
@@ -159,7 +159,7 @@ class ShadowCollector:
     def _histograms(self) -> Iterator[Any]:
         from prometheus_client.core import HistogramMetricFamily
 
-        d = self.shadow.durability
+        d = self.shadow.durability.stats
         for name, what, tally in (
             ("gcshadow_ack_latency_seconds", "From a frame whole at home to its ACK (each durable group's oldest)",
              d.ack_seconds),

@@ -92,9 +92,10 @@ def _emit(f: Followed, data: bytes, write: Callable[[bytes], None]) -> None:
 BACK_READ = 1 << 16  # bytes read at a time, backwards, to find where the last lines start
 
 
-def start_offset(fd: int, lines: int | None, nbytes: int | None) -> int:
+def start_offset(fd: int, lines: int | None, nbytes: int | None, step: int = BACK_READ) -> int:
     """Where the last `lines` lines (a last line without its newline counts)
-    or the last `nbytes` bytes of the file begin; 0 for neither."""
+    or the last `nbytes` bytes of the file begin; 0 for neither. `step`:
+    bytes read at a time, backwards."""
     size = os.fstat(fd).st_size
     if nbytes is not None:
         return max(0, size - nbytes)
@@ -105,7 +106,7 @@ def start_offset(fd: int, lines: int | None, nbytes: int | None) -> int:
     end = size - 1 if size and os.pread(fd, 1, size - 1) == b"\n" else size  # (the last line's own newline)
     need = lines
     while end > 0:
-        start = max(0, end - BACK_READ)
+        start = max(0, end - step)
         block = os.pread(fd, end - start, start)
         at = len(block)
         while need:

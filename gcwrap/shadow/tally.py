@@ -12,7 +12,7 @@ from bisect import bisect_left
 
 # Seconds: from 100 µs (a batch on tmpfs) to 10 s (a sync on a struggling file system).
 SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Bytes of a durable group: from a line to the largest group (durability.GROUP_BYTES and more).
+# Bytes of a durable group: from a line to the largest group (pacing.GroupOptions.full and more).
 BYTES = tuple(float(1 << n) for n in range(6, 27, 2))
 
 

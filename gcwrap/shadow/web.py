@@ -46,7 +46,7 @@ import trio
 from ..wire.auth import is_loopback
 from .httpserve import Http, HttpError, HttpServer, Limits, Request
 from .webevents import LiveStream, Plan
-from .webstate import StateReader, Unservable, open_served
+from .webstate import LineOptions, StateReader, Unservable, open_served
 
 log = logging.getLogger("gcshadow")
 
@@ -85,6 +85,7 @@ class WebOptions:
     tail: int = 64 * 1024  # bytes of each output a job page shows on open
     state: str = ""  # a shared state to read (--state), instead of the root's own
     limits: Limits = field(default=LIMITS)  # what one client may take
+    lines: LineOptions = field(default_factory=LineOptions)  # how line numbers are counted (no option)
 
     @property
     def authenticated(self) -> bool:
@@ -111,7 +112,7 @@ class WebView(HttpServer):
         super().__init__(opts.limits, opts.tls)
         self.opts = opts
         self.root_fd = os.open(opts.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.state = StateReader(opts.root, self.root_fd, opts.state)
+        self.state = StateReader(opts.root, self.root_fd, opts.state, opts.lines)
         self.changed = trio.Event()
         self.static = _static()
         self.limiter = trio.CapacityLimiter(1)

@@ -54,8 +54,14 @@ WHY_EVERY = 3.0  # ... and while it does not
 LOOKED = 10.0  # seconds since a client last looked during which they are read
 REFUSALS = 200  # refused connections shown, the newest
 TIMELINE = 200  # events of a job's timeline shown, the newest
-LINE_MARK = 4 << 20  # bytes between two checkpoints of a file's line count
-LINE_COUNT_MAX = 256 << 20  # bytes read at most to number one place in a file; further, lines are not numbered
+
+
+@dataclass(frozen=True)
+class LineOptions:
+    """How line numbers are counted (`Lines`)."""
+
+    mark: int = 4 << 20  # bytes between two checkpoints of a file's line count
+    most: int = 256 << 20  # bytes read at most to number one place in a file; further, lines are not numbered
 
 
 class Refused(Exception):
@@ -111,39 +117,25 @@ def api_url(job_id: str) -> str:
     return "/api/jobs/" + quote(job_id, safe="")
 
 
-class StateReader:
-    """The jobs the shadow at ROOT knows, as the web view shows them.
+class Unreadable(Exception):
+    """The state cannot be read now (why, for the page's banner)."""
 
-    `read()` (in a worker thread) looks at the state when it changed, and
-    returns whether it did; `jobs` then holds the raw rows. `view()` derives
-    what pages and scripts see, cached for a moment: every client of one
-    poll shares one list and one encoding of it.
-    """
 
-    SHARED_EVERY = 1.0  # seconds between reads of a shared state (--state): a full query each time
+class JobRows:
+    """Where the web view reads the jobs' rows: the root's own state
+    database (read-only, again only when the shadow committed since the
+    last read: `PRAGMA data_version`), or a shared state (--state: a full
+    query, at most every SHARED_EVERY seconds)."""
 
-    def __init__(self, root: Path, root_fd: int, state_url: str = "") -> None:
-        self.root = root
-        self.root_fd = root_fd
+    SHARED_EVERY = 1.0  # seconds between reads of a shared state
+
+    def __init__(self, root: Path, state_url: str = "") -> None:
         self.state_url = state_url  # a shared state (--state), read instead of the root's own
         self.shared: Any = None  # its reader (pgstate.JobsReader), once opened
         self.shared_at = 0.0
         self.path = root / STATE_DIR / "state.db"
         self.conn: sqlite3.Connection | None = None
         self.data_version: int | None = None
-        self.jobs: dict[str, dict[str, Any]] = {}  # job_id -> row, with "streams"
-        self.generation = 0  # bumped whenever `jobs` changes
-        self.error = ""  # why the state cannot be read, for the page's banner
-        self.seen: dict[tuple[str, int], StreamSeen] = {}
-        self.extras: dict[str, dict[str, Any]] = {}  # job_id -> {"events": [...], "why": "..."}
-        self.refusals: list[dict[str, Any]] = []  # the newest first
-        self.extras_at = -LOOKED  # monotonic time of their last read
-        self.extras_generation = -1  # `generation` they were read at
-        self.looked = -LOOKED  # monotonic time a client last looked (`view`)
-        self.watching = 0  # job pages open (each holds an event stream): they look all the time
-        self.lines: dict[tuple[str, str], tuple[str, Lines]] = {}  # (job, kind) -> (instance, its line counts)
-        self._view: tuple[tuple[int, int], dict[str, dict[str, Any]], bytes] | None = None
-        self._encoded: dict[str, bytes] = {}
 
     def close(self) -> None:
         if self.shared is not None:
@@ -152,6 +144,11 @@ class StateReader:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+    def read(self, known: dict[str, dict[str, Any]], failing: bool) -> dict[str, dict[str, Any]] | None:
+        """The rows by job id (each with its "streams" and "files"), or None
+        while they are as `known` (and the last read did not fail); Unreadable."""
+        return self._read_shared(known, failing) if self.state_url else self._read_own(failing)
 
     def _connect(self) -> sqlite3.Connection:
         if self.conn is None:
@@ -163,23 +160,12 @@ class StateReader:
             self.conn = conn
         return self.conn
 
-    def read(self) -> bool:
-        """Read the state again if the shadow committed since the last read
-        (and the timelines and refusals when they are due): whether anything changed."""
-        changed = self._read_shared() if self.state_url else self._read_own()
-        now = time.monotonic()
-        if (self.watching or now - self.looked < LOOKED) and (now - self.extras_at >= WHY_EVERY or (
-                self.generation != self.extras_generation and now - self.extras_at >= EXTRAS_EVERY)):
-            changed |= self._read_extras(now)
-        return changed
-
-    def _read_own(self) -> bool:
+    def _read_own(self, failing: bool) -> dict[str, dict[str, Any]] | None:
         try:
             conn = self._connect()
             version = conn.execute("PRAGMA data_version").fetchone()[0]
-            if version == self.data_version and not self.error:
-                self._sample()
-                return False
+            if version == self.data_version and not failing:
+                return None
             db = sqlite_utils.Database(conn)
             jobs = {row["job_id"]: row for row in db["jobs"].rows_where(order_by="first_seen")}
             for job in jobs.values():
@@ -195,37 +181,78 @@ class StateReader:
                 job["files"] = files.get(job_id, [])
         except (sqlite3.Error, OSError) as e:
             self.close()
-            error = str(e)
-            changed = error != self.error
-            self.error, self.data_version = error, None
-            if changed:
-                self.generation += 1
-            return changed
-        self.error, self.data_version = "", version
-        self.jobs = jobs
-        self.generation += 1
-        self._sample()
-        return True
+            self.data_version = None
+            raise Unreadable(str(e)) from None
+        self.data_version = version
+        return jobs
 
-    def _read_shared(self) -> bool:
-        """Read a shared state (at most every SHARED_EVERY seconds): whether it changed."""
+    def _read_shared(self, known: dict[str, dict[str, Any]], failing: bool) -> dict[str, dict[str, Any]] | None:
         from .pgstate import JobsReader
 
         if time.monotonic() - self.shared_at < self.SHARED_EVERY:
-            self._sample()
-            return False
+            return None
         self.shared_at = time.monotonic()
         try:
             if self.shared is None:
                 self.shared = JobsReader(self.state_url)
             jobs = {row["job_id"]: row for row in self.shared.read()}
         except StoreError as e:
+            raise Unreadable(str(e)) from None
+        return None if jobs == known and not failing else jobs
+
+
+class StateReader:
+    """The jobs the shadow at ROOT knows, as the web view shows them.
+
+    `read()` (in a worker thread) looks at the state when it changed, and
+    returns whether it did; `jobs` then holds the raw rows (`JobRows`).
+    `view()` derives what pages and scripts see, cached for a moment: every
+    client of one poll shares one list and one encoding of it.
+    """
+
+    def __init__(self, root: Path, root_fd: int, state_url: str = "", lines: LineOptions | None = None) -> None:
+        self.root = root
+        self.root_fd = root_fd
+        self.state_url = state_url  # a shared state (--state), read instead of the root's own (timelines too)
+        self.rows = JobRows(root, state_url)
+        self.jobs: dict[str, dict[str, Any]] = {}  # job_id -> row, with "streams"
+        self.generation = 0  # bumped whenever `jobs` changes
+        self.error = ""  # why the state cannot be read, for the page's banner
+        self.seen: dict[tuple[str, int], StreamSeen] = {}
+        self.extras: dict[str, dict[str, Any]] = {}  # job_id -> {"events": [...], "why": "..."}
+        self.refusals: list[dict[str, Any]] = []  # the newest first
+        self.extras_at = -LOOKED  # monotonic time of their last read
+        self.extras_generation = -1  # `generation` they were read at
+        self.looked = -LOOKED  # monotonic time a client last looked (`view`)
+        self.watching = 0  # job pages open (each holds an event stream): they look all the time
+        self.line_options = lines or LineOptions()
+        self.lines: dict[tuple[str, str], tuple[str, Lines]] = {}  # (job, kind) -> (instance, its line counts)
+        self._view: tuple[tuple[int, int], dict[str, dict[str, Any]], bytes] | None = None
+        self._encoded: dict[str, bytes] = {}
+
+    def close(self) -> None:
+        self.rows.close()
+
+    def read(self) -> bool:
+        """Read the state again if the shadow committed since the last read
+        (and the timelines and refusals when they are due): whether anything changed."""
+        changed = self._read_jobs()
+        now = time.monotonic()
+        if (self.watching or now - self.looked < LOOKED) and (now - self.extras_at >= WHY_EVERY or (
+                self.generation != self.extras_generation and now - self.extras_at >= EXTRAS_EVERY)):
+            changed |= self._read_extras(now)
+        return changed
+
+    def _read_jobs(self) -> bool:
+        try:
+            jobs = self.rows.read(self.jobs, bool(self.error))
+        except Unreadable as e:
             changed = str(e) != self.error
             self.error = str(e)
             if changed:
                 self.generation += 1
             return changed
-        if jobs == self.jobs and not self.error:
+        if jobs is None:
             self._sample()
             return False
         self.error, self.jobs = "", jobs
@@ -392,7 +419,7 @@ class StateReader:
         """The line counts of one stream's file (of this attempt of the job)."""
         held = self.lines.get((job_id, kind))
         if held is None or held[0] != instance:
-            held = self.lines[(job_id, kind)] = (instance, Lines())
+            held = self.lines[(job_id, kind)] = (instance, Lines(self.line_options))
         return held[1]
 
 
@@ -486,11 +513,13 @@ def open_served(root_fd: int, name: str) -> int:
 
 class Lines:
     """How many lines a file holds before a place in it, from checkpoints
-    (offset, newlines before it) every LINE_MARK bytes, made as places are
-    asked for: numbering a place costs reading from the checkpoint before it.
-    Used by one thread at a time (the web view's line limiter)."""
+    (offset, newlines before it) every `LineOptions.mark` bytes, made as
+    places are asked for: numbering a place costs reading from the
+    checkpoint before it. Used by one thread at a time (the web view's line
+    limiter)."""
 
-    def __init__(self) -> None:
+    def __init__(self, opts: LineOptions | None = None) -> None:
+        self.opts = opts or LineOptions()
         self.marks: list[tuple[int, int]] = [(0, 0)]
 
     def cut(self, end: int) -> None:
@@ -500,9 +529,9 @@ class Lines:
 
     def line_at(self, fd: int, offset: int) -> int | None:
         """The number (from 1) of the line that holds byte `offset`; None when
-        that takes reading more than LINE_COUNT_MAX bytes, or the file is shorter."""
+        that takes reading more than `LineOptions.most` bytes, or the file is shorter."""
         at, before = self.marks[bisect.bisect_right(self.marks, (offset, float("inf"))) - 1]
-        if offset - at > LINE_COUNT_MAX:
+        if offset - at > self.opts.most:
             return None
         while at < offset:
             data = os.pread(fd, min(1 << 20, offset - at), at)
@@ -518,7 +547,7 @@ class Lines:
         if line <= 1:
             return 0
         at, before = self.marks[bisect.bisect_left(self.marks, line - 1, key=lambda m: m[1]) - 1]
-        limit = min(end, at + LINE_COUNT_MAX)
+        limit = min(end, at + self.opts.most)
         while at < limit:
             data = os.pread(fd, min(1 << 20, limit - at), at)
             if not data:
@@ -534,7 +563,7 @@ class Lines:
         return None
 
     def _mark(self, at: int, before: int) -> None:
-        if at - self.marks[-1][0] >= LINE_MARK:
+        if at - self.marks[-1][0] >= self.opts.mark:
             self.marks.append((at, before))
 
 
