@@ -34,13 +34,14 @@ import pytest
 STAGE_ORDER = ("unit", "loopback", "system")
 
 UNIT = {
-    "test_acks_order.py", "test_benchmarks.py", "test_compress.py", "test_docs_links.py", "test_filedelta.py",
+    "test_acks_order.py", "test_compress.py", "test_docs_links.py", "test_filedelta.py",
     "test_fileframes.py", "test_pacing.py", "test_units.py",
     "test_filesender.py", "test_liveness.py", "test_outbox.py", "test_policy.py", "test_protocol.py",
     "test_shadow_input.py", "test_shadow_list.py", "test_spoolfiles.py", "test_stages.py", "test_worst_error.py",
 }
 LOOPBACK = {
-    "test_acks.py", "test_admission_groups.py", "test_agent_timeline.py", "test_architecture.py", "test_db.py",
+    "test_acks.py", "test_admission_groups.py", "test_agent_timeline.py", "test_architecture.py", "test_benchmarks.py",
+    "test_db.py",
     "test_docs.py", "test_e2e.py", "test_e2e_files_resume.py", "test_fencing.py", "test_filesender_commits.py",
     "test_launch.py", "test_line_reads.py", "test_root_gone.py", "test_security.py", "test_shadow_logs.py",
     "test_shadow_protocol.py", "test_shutdown.py", "test_signals.py", "test_write_behind.py", "test_zero_copy.py",
