@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -34,18 +34,19 @@ from .. import exitcodes
 from ..wire.compress import Mode, WireStats, available, offered
 from ..wire.events import FILES_FEATURE, NOTES_FEATURE, ErrorCode, Exit, Hello, StreamSpec
 from .addresses import Address, show
-from .filesender import FileSender
 from .options import AgentOptions
 from .outbox import Outbox, OutStream, cached, fit
 from .pipes import grow_pipe, pipe_bytes
 from .policy import CommitPlan, DiskHealth, RetryPolicy, StopClock
 from .records import UNSUPPORTED_ERRNOS, Chunk, Extent, JobRecord, Outcome, commit_text, loss_text
-from .retry import Backoff, ShadowRefused, describe
-from .sender import Session, SessionConfig, SessionEnd
+from .retry import Backoff, SessionEnd, ShadowRefused, describe
 from .shadows import ShadowList, connect, given_up, local_address
 from .spool import SpoolError, describe_os_error
 from .spooler import Spooler
 from .timeline import Journal
+
+if TYPE_CHECKING:  # (loaded by the deliver loop: a run with nothing to deliver needs no session)
+    from .sender import Session
 
 log = logging.getLogger("gcwrap")
 
@@ -136,6 +137,8 @@ class Agent:
         self.delivering = False  # the deliver loop runs
         self.child_exited = False
         self.streaming = False  # a session is welcomed and running
+        if opts.files:  # (the files' sender, and its delta code, only for a job with --file)
+            from .filesender import FileSender
         self.files = FileSender(Path.cwd(), opts.files, self.changed, spooler.record_files,
                                 self.journal.note) if opts.files else None
 
@@ -475,6 +478,7 @@ class Agent:
 
     def _session(self, where: str) -> Session:
         """A session that speaks for this job, through the outbox and the spool."""
+        from .sender import Session, SessionConfig
         job, opts = self.job, self.opts
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(self.specs), host=job.host,
                       user=job.user, command=tuple(job.command),

@@ -27,7 +27,6 @@ from .. import exitcodes
 from ..render import human_bytes
 from ..sync import worst_error
 from ..wire.events import STDERR, STDOUT, Exit, StreamSpec
-from . import fileresume
 from .addresses import show, show_all
 from .agent import Agent
 from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
@@ -446,6 +445,8 @@ async def resume_spool(
 ) -> Outcome:
     """Deliver what a spool left behind (a killed wrapper, an outage at job end).
     `progress(done, total)` is called as bytes are acknowledged."""
+    from . import fileresume  # (here: a run that starts a job takes up no files from a spool)
+
     try:
         lock_fd = lock_spool(path)
     except BlockingIOError:
