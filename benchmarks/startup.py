@@ -171,12 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs must be at least 1")
     install_signal_handlers()
     print(header("startup"), flush=True)
-    # An installed gcwrap has its byte code compiled (pip does it at install);
-    # run from a source tree with PYTHONDONTWRITEBYTECODE set, it would compile
-    # every module at every start, and that is not start-up. The warm-up run
-    # below writes the byte code.
-    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
-        print("PYTHONDONTWRITEBYTECODE: unset for the runs (the warm-up writes gcwrap's byte code, as an install does)")
 
     found, _ = tools()
     script, shim = real_script(found[0]) if len(found) == 1 else (found[0], None)
