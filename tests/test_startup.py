@@ -14,26 +14,29 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import ShadowProc
 
 # Runs gcwrap's command line (sys.argv[2:]) in this process and writes the
-# modules loaded at the job's start and at exit to sys.argv[1].
+# modules loaded at the job's start and at exit, and whether the cyclic
+# garbage collector ran then (it is off while gcwrap loads), to sys.argv[1].
 PROBE = r"""
-import atexit, json, sys
+import atexit, gc, json, sys
 
 report, args = sys.argv[1], sys.argv[2:]
-job = args[args.index("--") + 1]
+job = args[args.index("--") + 1] if "--" in args else None
 seen = {}
 
 def hook(event, event_args):
     if event == "subprocess.Popen" and event_args[0] == job and "start" not in seen:
         seen["start"] = sorted(sys.modules)
+        seen["collector at start"] = gc.isenabled()
 
 def at_exit():
     with open(report, "w") as f:
-        json.dump({**seen, "exit": sorted(sys.modules)}, f)
+        json.dump({**seen, "exit": sorted(sys.modules), "collector at exit": gc.isenabled()}, f)
 
 sys.addaudithook(hook)
 atexit.register(at_exit)
@@ -54,12 +57,12 @@ PASS_THROUGH_NEVER = (*NEVER, "gcwrap.agent.sender", "gcwrap.wire.protocol", "gc
                       "gcwrap.agent.liveness")
 
 
-def loaded(tmp_path: Path, args: list[str]) -> dict[str, list[str]]:
+def loaded(tmp_path: Path, args: list[str]) -> dict[str, Any]:
     report = tmp_path / "modules.json"
     res = subprocess.run([sys.executable, "-c", PROBE, str(report), *args], capture_output=True, timeout=50,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr.decode()
-    seen: dict[str, list[str]] = json.loads(report.read_text())
+    seen: dict[str, Any] = json.loads(report.read_text())
     return seen
 
 
@@ -74,6 +77,10 @@ def test_a_plain_run_loads_nothing_heavy_before_the_job_starts_nor_anything_it_d
     assert heavy(seen["start"], NOT_AT_START) == []
     assert heavy(seen["exit"], PASS_THROUGH_NEVER) == []
     assert "trio" in seen["exit"]  # (the probe saw the run itself: the event loop ran)
+    assert seen["collector at start"] is False  # (nothing of gcwrap's loading is walked by it)
+    assert seen["collector at exit"] is True  # (but the run itself has it)
+    # ...and every other command from its start (`status --watch`, `resume` run long).
+    assert loaded(tmp_path, ["status", "--spool", str(tmp_path / "spools")])["collector at exit"] is True
 
 
 @pytest.mark.timeout(60)
@@ -85,3 +92,4 @@ def test_a_run_with_a_shadow_loads_no_compression_tls_or_file_machinery_it_does_
     assert heavy(seen["start"], NOT_AT_START) == []
     assert heavy(seen["exit"], NEVER) == []  # (a few bytes: no codec is loaded for them)
     assert "gcwrap.agent.sender" in seen["exit"]
+
