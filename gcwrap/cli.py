@@ -8,6 +8,7 @@ sqlite-utils, rich) are imported inside the commands that need them, so
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -210,6 +211,8 @@ def main(ctx: click.Context) -> None:
     # `run`'s, for its job; any other command gets them back as they were.
     if ctx.invoked_subcommand != "run" and isinstance(ctx.obj, EarlySignals):
         ctx.obj.release()
+    if ctx.invoked_subcommand != "run":
+        gc.enable()  # (off while gcwrap loaded: see gcwrap.entry)
 
 
 file_option = click.option(
@@ -397,8 +400,6 @@ def _run_caught(
         Reporter(fmt=log_format).say(message)
         return status
 
-    import gc
-
     import trio
 
     from .agent.run import run_job
@@ -408,6 +409,7 @@ def _run_caught(
     # sight, a full collection during the run and the last one at exit
     # (about 20 ms on a small VM) do not walk it again and again.
     gc.freeze()
+    gc.enable()  # (off while gcwrap loaded: see gcwrap.entry)
     # (A signal that comes once the event loop has ended is caught, and
     # goes nowhere: the job has ended, and gcwrap is saying its last words.)
     outcome = trio.run(run_job, opts, command, job, spool_path, start)

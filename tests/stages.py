@@ -41,7 +41,7 @@ UNIT = {
 }
 LOOPBACK = {
     "test_acks.py", "test_admission_groups.py", "test_agent_timeline.py", "test_architecture.py", "test_benchmarks.py",
-    "test_db.py",
+    "test_db.py", "test_startup.py",
     "test_docs.py", "test_e2e.py", "test_e2e_files_resume.py", "test_fencing.py", "test_filesender_commits.py",
     "test_launch.py", "test_line_reads.py", "test_root_gone.py", "test_security.py", "test_shadow_logs.py",
     "test_shadow_protocol.py", "test_shutdown.py", "test_signals.py", "test_write_behind.py", "test_zero_copy.py",

@@ -24,17 +24,15 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .. import exitcodes
 from ..wire.compress import Mode, available
 from ..wire.events import Exit, Hello, StreamSpec
-from . import fileresume
 from .addresses import show, show_all
 from .delivery import Delivery
-from .filesender import FileSender
 from .jobstate import JobState
 from .options import AgentOptions
 from .outbox import Outbox
@@ -45,6 +43,9 @@ from .retry import describe
 from .spooler import Spooler
 from .spoolwriter import SpoolWriter
 from .timeline import Journal
+
+if TYPE_CHECKING:  # (a job with --file, and a resume, load these; a plain run does not)
+    from . import fileresume
 
 log = logging.getLogger("gcwrap")
 
@@ -85,6 +86,8 @@ class Agent:
         self.readers = PipeReaders(opts, outbox, spooler, self.writer, self.state, self.journal, home)
         hello = Hello(job_id=job.job_id, instance=job.instance, streams=tuple(specs), host=job.host, user=job.user,
                       command=tuple(job.command))
+        if opts.files:  # (the files' sender, and its delta code, only for a job with --file)
+            from .filesender import FileSender
         files = FileSender(Path.cwd(), opts.files, outbox.changed, spooler.record_files,
                            self.journal.note) if opts.files else None
         self.delivery = Delivery(opts, outbox, spooler, self.state, self.journal, home, hello,
@@ -238,6 +241,8 @@ class Agent:
         lost, the job's files (from the files themselves, once home says what
         it holds), and the job's end (with what was lost, for home)."""
         if files is not None:
+            from . import fileresume
+
             self.delivery.files = fileresume.restore(files, self.outbox.changed, self.spooler.record_files)
         for sid, out in self.outbox.streams.items():
             st = states[sid]

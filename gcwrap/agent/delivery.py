@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -20,17 +21,19 @@ from .. import exitcodes
 from ..wire.compress import WireStats, offered
 from ..wire.events import FILES_FEATURE, NOTES_FEATURE, ErrorCode, Exit, Hello
 from .addresses import Address, show
-from .filesender import FileSender
 from .jobstate import JobState
 from .options import AgentOptions
 from .outbox import Outbox
 from .policy import HomeHealth, RetryPolicy, StopClock
 from .records import Outcome
-from .retry import ShadowRefused, describe
-from .sender import Session, SessionConfig, SessionEnd
+from .retry import SessionEnd, ShadowRefused, describe
 from .shadows import ShadowList, connect, given_up, local_address
 from .spooler import Spooler
 from .timeline import Journal
+
+if TYPE_CHECKING:  # (loaded by the first session: a run with nothing to deliver needs neither)
+    from .filesender import FileSender
+    from .sender import Session
 
 log = logging.getLogger("gcwrap")
 
@@ -100,6 +103,8 @@ class Delivery:
     def _session(self, where: str) -> Session:
         """A session that speaks for this job, through the outbox and the spool."""
         opts = self.opts
+        from .sender import Session, SessionConfig
+
         config = SessionConfig(opts.heartbeat, opts.token, opts.tls is not None, opts.compress)
         features = (*offered(opts.compress), NOTES_FEATURE, *((FILES_FEATURE,) if self.files else ()))
         hello = dataclasses.replace(self.hello, features=features)

@@ -52,6 +52,11 @@ class ConnectionLost(Exception):
 
 
 @ranked(Rank.PROTOCOL)
+class SessionEnd(Exception):
+    """The shadow said DONE: everything is home. (Not a failure: it ends the session.)"""
+
+
+@ranked(Rank.PROTOCOL)
 class ShadowRefused(Exception):
     """The shadow answered with an ERROR frame."""
 

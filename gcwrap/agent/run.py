@@ -24,7 +24,6 @@ import trio
 from .. import exitcodes
 from ..sync import worst_error
 from ..wire.events import STDERR, STDOUT, StreamSpec
-from . import fileresume
 from .addresses import show_all
 from .agent import Agent
 from .launch import Launched, Start, lock_spool, not_started, prepare, stream_specs
@@ -314,6 +313,8 @@ async def resume_spool(
         spool = await trio.to_thread.run_sync(Spool.open, path)
         job = spool.job()
         states = spool.streams()
+        from . import fileresume  # (a resume only)
+
         files = fileresume.read(SpoolFiles(spool))
     except SpoolError as e:
         os.close(lock_fd)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from ..ranks import NETWORK_ERRNOS, Rank, ranked
+from ..ranks import NETWORK_ERRNOS
 from ..sync import worst_error
 from ..wire import compress as zc
 from ..wire.auth import agent_mac, new_nonce, same, shadow_proof
@@ -64,7 +64,7 @@ from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role, State,
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
-from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
+from .retry import ConnectionLost, HeartbeatTimeout, SessionEnd, ShadowRefused, Stalled
 from .sendpath import SendMeter, SendPath
 from .timeline import Journal, NoteCourier
 
@@ -84,11 +84,6 @@ DAMAGED_IN_TRANSIT = frozenset({
     ErrorCode.OFFSET_GAP, ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNEXPECTED,
     ErrorCode.UNKNOWN_STREAM,
 })
-
-
-@ranked(Rank.PROTOCOL)
-class SessionEnd(Exception):
-    """The shadow said DONE: everything is home."""
 
 
 class ByteSource(Protocol):

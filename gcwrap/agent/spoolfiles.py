@@ -34,12 +34,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..db import AnyDatabase, Migration, migrate, transaction
-from .filedelta import Digests, Scan
 from .filespecs import FileSpec
 from .spool import Spool, SpoolError, describe_sqlite_error
+
+if TYPE_CHECKING:  # (hashlib and the delta code: only a job with --file needs them)
+    from .filedelta import Digests, Scan
 
 
 def _f001_files(db: AnyDatabase) -> None:
@@ -102,6 +104,8 @@ class VersionRecord:
         """The block digests of its scanned content, or None before a scan."""
         if self.size is None or self.blocks is None:
             return None
+        from .filedelta import Digests
+
         return Digests.from_blob(self.size, self.blocks, *(() if block_size is None else (block_size,)))
 
 
