@@ -68,6 +68,7 @@ from ..wire.events import (
 from ..wire.protocol import MAX_PAYLOAD, Connection, ProtocolError, Role, State, TruncatedFrame
 from .liveness import Liveness, watch
 from .outbox import Mismatch, Outbox
+from .pathwindow import PathWindow
 from .records import UNSUPPORTED_ERRNOS, Chunk, SourceError
 from .retry import ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled
 from .timeline import Journal, compression_why, note_frames
@@ -166,6 +167,7 @@ class Session:
         self.liveness = Liveness(self.heartbeat, trio.current_time())
         self.wire = wire if wire is not None else zc.WireStats()
         self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
+        self.path: PathWindow | None = None  # with --compress auto: what the path holds, and a cap on it
         self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
         self.journal = journal if journal is not None else Journal(config.heartbeat, lambda t: t)
         self.notes = False  # the WELCOME accepted notes
@@ -305,6 +307,8 @@ class Session:
         self.handed = dict(self.sent)
         if zc.FEATURE in welcome.features and self.config.compress is not zc.Mode.NONE:
             self.policy = zc.Policy(self.config.compress, trio.current_time())
+            if self.config.compress is zc.Mode.AUTO:
+                self.path = PathWindow(trio.current_time())
             self._measure_sndbuf()
         self.welcomed = True
         self.on_welcome()
@@ -402,6 +406,7 @@ class Session:
                     except Mismatch as e:
                         raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
                     if moved:
+                        self._acked_on_path(ev.stream, ev.offset)
                         self.progressed = True
                         self.liveness.answered(("data", ev.stream))
                         self.journal.acked(trio.current_time(), outbox.pending, self.where)
@@ -430,7 +435,7 @@ class Session:
         except OSError:
             self.sndbuf = 1 << 20
 
-    def _sent_frame(self, raw: int, wire: int) -> None:
+    def _sent_frame(self, sid: int, end: int, raw: int, wire: int) -> None:
         """Count a frame that went out, and tell the compression policy how
         full the socket's send queue is now (full: the link sets the pace)."""
         self.wire.job_bytes += raw
@@ -441,10 +446,30 @@ class Session:
         now = trio.current_time()
         if policy.window_ends(now):
             self._measure_sndbuf()  # (the kernel grows it as the connection goes)
-        backlog = sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
-        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog)
+        backlog = self._backlog()
+        path, wait = self.path, 0.0
+        if path is not None:
+            path.sent(now, sid, end, wire)
+            wait = path.wait(now)
+        policy.sent(now, raw, wire, send_queue(self.sock) / self.sndbuf, backlog, wait)
         if policy.active != self.journal.compressing:
             self.journal.compression(now, policy.active, compression_why(policy))
+
+    def _backlog(self) -> int:
+        """Job bytes waiting to be sent."""
+        return sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
+
+    def _acked_on_path(self, sid: int, offset: int) -> None:
+        """An ACK moved: the path holds less, and says how slow it is (`PathWindow`)."""
+        path, policy = self.path, self.policy
+        if path is not None and policy is not None:
+            now = trio.current_time()
+            path.acked(now, sid, offset)
+            policy.waited(now, path.wait(now), self._backlog())
+
+    def _room(self) -> int:
+        """Bytes the path may still take (`PathWindow.cap`; no cap without one)."""
+        return READ_BACK if self.path is None else self.path.room()
 
     async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
         """One frame of [offset, end) compressed (ZDATA) when that makes it
@@ -478,7 +503,7 @@ class Session:
             await self._send_data(stream, sid, offset, payload)
             wire = size
         self.handed[sid] = offset + size
-        self._sent_frame(size, wire)
+        self._sent_frame(sid, offset + size, size, wire)
 
     async def _send_notes(self, stream: trio.abc.Stream) -> None:
         """The journal's notes this connection has not sent, then a PING:
@@ -502,6 +527,9 @@ class Session:
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
+                room = self._room()
+                if room <= 0:
+                    continue  # the path holds a second of output: the rest waits here, compressible (an ACK wakes us)
                 policy = self.policy
                 if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
                     await self._send_compressed(stream, sid, offset, out.read_end)
@@ -513,10 +541,10 @@ class Session:
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
                         await self._send_placed(stream, sid, offset, placed)
-                        self._sent_frame(self.sent[sid] - offset, self.sent[sid] - offset)
+                        self._sent_frame(sid, self.sent[sid], self.sent[sid] - offset, self.sent[sid] - offset)
                         progressed = True
                         continue
-                chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, READ_BACK)
+                chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, min(READ_BACK, room))
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
@@ -527,7 +555,7 @@ class Session:
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
                         self.handed[sid] = start + len(payload)
-                        self._sent_frame(len(payload), len(payload))
+                        self._sent_frame(sid, start + len(payload), len(payload), len(payload))
                 progressed = True
             feeder = outbox.stdin
             if feeder is not None and feeder.wants():
