@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 FLOOR = 2 << 20  # wire bytes the path may always hold: a fast start, before its rate is known
 CAP_SECONDS = 1.0  # the path may hold this many seconds of what it drains
-RATE_SPAN = 0.05  # seconds of busy time (something in flight) a rate sample covers at least
+RATE_SPAN = 0.05  # seconds of busy time (something in flight) a rate sample covers (or FLOOR bytes)
 _SMOOTH = 0.3  # weight of the newest sample in the running average
 
 
@@ -81,7 +81,9 @@ class PathWindow:
         self.in_flight -= size
         self._acked += size
         self._unanswered = 0.0
-        if self._busy >= RATE_SPAN and self._acked:
+        # A sample spans RATE_SPAN, or a FLOOR's worth of bytes: a fast path
+        # leaves the floor within its first round trip.
+        if self._acked and self._busy > 0 and (self._busy >= RATE_SPAN or self._acked >= FLOOR):
             sample = self._acked / self._busy
             self.ack_rate = sample if not self.ack_rate else self.ack_rate + _SMOOTH * (sample - self.ack_rate)
             self._busy, self._acked = 0.0, 0
