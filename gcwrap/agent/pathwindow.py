@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-FLOOR = 2 << 20  # wire bytes the path may always hold: a fast start, before its rate is known
+FLOOR = 4 << 20  # wire bytes the path may always hold: a fast start, before its rate is known
 CAP_SECONDS = 1.0  # the path may hold this many seconds of what it drains
 RATE_SPAN = 0.05  # seconds of busy time (something in flight) a rate sample covers (or FLOOR bytes)
 _SMOOTH = 0.3  # weight of the newest sample in the running average
