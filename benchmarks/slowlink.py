@@ -18,10 +18,14 @@ reports the time from gcwrap's start to its exit (every byte acknowledged),
 gcwrap's own CPU (not the job's), and the ratio of job bytes to bytes on the
 wire (from gcwrap's I/O summary); every landed file is compared by SHA-256.
 `--loopback` adds the fast local case: the same modes on loopback at full
-speed, where `auto` must cost next to nothing.
+speed, where `auto` must cost next to nothing. `--relay` adds a buffering
+relay on loopback (as an SSH tunnel or a TCP balancer is): it takes all the
+agent sends at once and forwards it to a shadow on loopback at that rate,
+so gcwrap's own socket queue stays empty while the relay holds megabytes.
 
 Needs root (ip netns, tc). Usage:
   python benchmarks/slowlink.py [--rates 2MB,10MB,100MB] [--runs 3] [--seconds 8] [--loopback 1GB]
+                                [--relay 2MB] [--relay-sizes 40MB,8MB]
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -161,6 +167,82 @@ def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag
     return result
 
 
+class BufferingRelay:
+    """A TCP relay on loopback to `target`: what the client sends is read at
+    once into a buffer without bound and forwarded at `rate` bytes a second
+    (a token bucket); replies go back as they come."""
+
+    def __init__(self, target: tuple[str, int], rate: float) -> None:
+        self.target, self.rate = target, rate
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            threading.Thread(target=self._up, args=(client, up), daemon=True).start()
+            threading.Thread(target=self._copy, args=(up, client), daemon=True).start()
+
+    @staticmethod
+    def _copy(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+        buf, cond, done = bytearray(), threading.Condition(), [False]
+
+        def writer() -> None:
+            tokens, at = 0.0, time.monotonic()
+            while True:
+                with cond:
+                    while not buf and not done[0]:
+                        cond.wait()
+                    if not buf:
+                        break
+                    now = time.monotonic()
+                    tokens, at = min(tokens + (now - at) * self.rate, self.rate / 50), now
+                    n = min(len(buf), int(tokens), 1 << 16)
+                    data = bytes(buf[:n])
+                    del buf[:n]
+                    tokens -= n
+                if not data:
+                    time.sleep(0.005)
+                    continue
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+        threading.Thread(target=writer, daemon=True).start()
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                data = b""
+            with cond:
+                buf += data
+                done[0] = not data
+                cond.notify()
+            if not data:
+                return
+
+
 def start_shadow(home: Path, work: Path, in_ns: bool) -> tuple[subprocess.Popen[bytes], str]:
     _, gcshadow = tools()
     portfile = work / f"port-{int(in_ns)}"
@@ -203,6 +285,8 @@ def main() -> int:
     ap.add_argument("--kinds", default="log,random")
     ap.add_argument("--modes", default=",".join(MODES), help="which of none,auto,zstd to run")
     ap.add_argument("--loopback", default="1GB", help="size for the loopback case (0: skip it)")
+    ap.add_argument("--relay", default="2MB", help="rate of the buffering relay case (0: skip it)")
+    ap.add_argument("--relay-sizes", default="40MB,8MB", help="output through the relay: log text, random bytes")
     ap.add_argument("--keep", action="store_true")
     results_option(ap, "slowlink")
     args = ap.parse_args()
@@ -238,8 +322,19 @@ def main() -> int:
             procs.append(lo_shadow)
             for kind in kinds:
                 cases.append(("loopback", kind, lo_size, lo_addr, lo_home))
+        relay_rate = parse_size(args.relay) if args.relay not in ("", "0") else 0
+        if relay_rate:
+            r_home = work / "home-relay"
+            r_home.mkdir()
+            r_shadow, r_addr = start_shadow(r_home, work, in_ns=False)
+            procs.append(r_shadow)
+            relay = BufferingRelay(("127.0.0.1", int(r_addr.rsplit(":", 1)[1])), relay_rate)
+            sizes = dict(zip(("log", "random"), (parse_size(x) for x in args.relay_sizes.split(",")), strict=False))
+            for kind in kinds:
+                cases.append((f"relay {relay_rate / 1e6:g} MB/s", kind, sizes.get(kind, 8_000_000),
+                              f"127.0.0.1:{relay.port}", r_home))
         for label, kind, size, address, root in cases:
-            if label != "loopback":
+            if label != "loopback" and not label.startswith("relay"):
                 limit(int(float(label.split()[0]) * 1e6))
             data = work / f"data-{kind}"
             (log_text if kind == "log" else random_bytes)(data, size)

@@ -263,6 +263,88 @@ class DelayProxy(_Middlebox):
         w.join(30)
 
 
+class BufferingRelay(_Middlebox):
+    """A TCP relay on loopback that buffers what the client sends without
+    bound and forwards it at `rate` bytes a second (a token bucket), as an
+    SSH tunnel or a TCP balancer in front of a slower link does: the
+    client's socket queue stays empty while megabytes wait in the relay.
+    Replies go back as they come. `most` is the largest buffer it held."""
+
+    def __init__(self, target: tuple[str, int], rate: float) -> None:
+        super().__init__(target)
+        self.rate = rate
+        self.most = 0
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        if not upstream:
+            _forward(src, dst)
+            return
+        buf = bytearray()
+        cond = threading.Condition()
+        done = False
+
+        def writer() -> None:
+            tokens, at = 0.0, time.monotonic()
+            while True:
+                with cond:
+                    while not buf and not done:
+                        cond.wait()
+                    if not buf:
+                        break
+                    now = time.monotonic()
+                    tokens = min(tokens + (now - at) * self.rate, self.rate / 50)  # a burst of 20 ms at most
+                    at = now
+                    n = min(len(buf), int(tokens), 65536)
+                    data = bytes(buf[:n])
+                    del buf[:n]
+                    tokens -= n
+                if not data:
+                    time.sleep(0.005)
+                    continue
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+        w = threading.Thread(target=writer, daemon=True)
+        w.start()
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                data = b""
+            with cond:
+                if not data:
+                    done = True
+                else:
+                    buf += data
+                    self.most = max(self.most, len(buf))
+                cond.notify()
+            if not data:
+                break
+        w.join(60)
+
+
+def _forward(src: socket.socket, dst: socket.socket) -> None:
+    """Copy src to dst until either ends."""
+    while True:
+        try:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            dst.sendall(data)
+        except OSError:
+            break
+    try:
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
 class Relay:
     """A TCP relay on loopback that misbehaves as relays and middleboxes do
     with connection attempts.

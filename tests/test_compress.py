@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +15,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gcwrap.agent.pathwindow import FLOOR, PathWindow
+from gcwrap.wire.codec import MAX_PAYLOAD
 from gcwrap.wire.compress import (
     MIN_SIZE,
     PROBE_EVERY,
@@ -254,3 +257,126 @@ def test_small_frames_are_never_compressed() -> None:
     for mode in Mode:
         policy = Policy(mode, 0.0)
         assert not policy.wants(0.0, MIN_SIZE - 1)
+
+
+# -- the whole path: a cap on what it holds, and how long a byte waits in it -------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["send", "ack", "late", "time"]), st.integers(0, 1 << 20),
+                          st.floats(0.0, 2.0)), max_size=120))
+def test_the_path_never_holds_more_than_its_cap_and_a_frame(steps: list[tuple[str, int, float]]) -> None:
+    # A sender that sends only while there is room, and a shadow that
+    # acknowledges any prefix of what it got, at any time; "late": the ACK
+    # of a frame comes before the sender reports the frame sent.
+    now, path = 0.0, PathWindow(0.0)
+    frames: list[tuple[int, int]] = []  # (end, wire) sent
+    acked = end = 0
+    for kind, n, dt in steps:
+        if kind == "time":
+            now += dt
+        elif kind in ("send", "late") and path.room() > 0:
+            size = max(1, min(n, MAX_PAYLOAD))
+            end += size
+            wire = max(1, size // (1 + n % 5))
+            frames.append((end, wire))
+            if kind == "late":
+                acked = end
+                path.acked(now, 0, acked)
+            path.sent(now, 0, end, wire)
+            assert path.in_flight <= path.cap() + MAX_PAYLOAD
+        elif kind == "ack" and end > acked:
+            acked = min(end, acked + n)
+            path.acked(now, 0, acked)
+        # What it counts in flight is exactly the frames not yet covered by an ACK.
+        assert path.in_flight == sum(w for e, w in frames if e > acked) >= 0
+        assert path.wait(now) >= 0 and path.cap() >= FLOOR
+    path.acked(now, 0, end)
+    assert path.in_flight == 0 and path.room() > 0  # never stuck: once all is acknowledged there is room
+
+
+@dataclass
+class Relayed:
+    finished: float = 0.0
+    wire_bytes: int = 0
+    compressed_frames: int = 0
+    most: int = 0  # the most the relay held
+    turned_on: float | None = None
+
+
+def through_relay(mode: Mode, rate: float, job_rate: float, total: int, ratio: float = 0.2,
+                  latency: float = 0.005, frame: int = 1 << 20, speed: float = 700e6) -> Relayed:
+    """`total` job bytes written at `job_rate` through a relay that takes
+    everything at once and forwards `rate` bytes/s (the agent's socket queue
+    stays empty), acknowledged `latency` after they land; the sender keeps
+    to the path's cap (with auto) and asks the policy before every frame."""
+    dt = 0.001
+    t, sent, held = 0.0, 0, 0
+    policy = Policy(mode, t)
+    path = PathWindow(t) if mode is Mode.AUTO else None
+    relay: deque[list[int]] = deque()  # [end, wire bytes left]
+    acks: deque[tuple[float, int]] = deque()
+    run = Relayed()
+    while sent < total or relay or acks:
+        produced = min(int(job_rate * t), total)
+        budget = rate * dt
+        while relay and budget > 0:
+            take = min(budget, relay[0][1])
+            relay[0][1] -= int(take) if take < relay[0][1] else relay[0][1]
+            budget -= take
+            held -= int(take)
+            if relay[0][1] <= 0:
+                acks.append((t + latency, relay.popleft()[0]))
+        while acks and acks[0][0] <= t:
+            _, end = acks.popleft()
+            if path is not None:
+                path.acked(t, 0, end)
+                policy.waited(t, path.wait(t), produced - sent)
+        while produced > sent and (path is None or path.room() > 0):
+            size = min(produced - sent, frame)
+            wire = size
+            if policy.wants(t, size):
+                compressed = int(size * ratio)
+                policy.compressed(t, size, compressed, size / speed)
+                if compressed < size:
+                    wire = compressed
+                    run.compressed_frames += 1
+            sent += size
+            relay.append([sent, wire])
+            held += wire
+            run.most = max(run.most, held)
+            run.wire_bytes += wire
+            wait = 0.0
+            if path is not None:
+                path.sent(t, 0, sent, wire)
+                wait = path.wait(t)
+            policy.sent(t, size, wire, 0.0, produced - sent, wait)
+            if policy.active and run.turned_on is None:
+                run.turned_on = t
+        t += dt
+    run.finished = t
+    return run
+
+
+def test_a_buffering_relay_and_log_output_turn_compression_on() -> None:
+    none = through_relay(Mode.NONE, 2e6, 20e6, 40_000_000)
+    auto = through_relay(Mode.AUTO, 2e6, 20e6, 40_000_000)
+    assert none.compressed_frames == 0 and none.most > 30_000_000  # the relay took it all
+    assert auto.turned_on is not None and auto.turned_on < 2.0, auto
+    assert auto.most <= FLOOR + MAX_PAYLOAD
+    assert auto.finished * 2.5 <= none.finished, (auto.finished, none.finished)
+
+
+def test_a_buffering_relay_and_random_bytes_leave_it_off() -> None:
+    none = through_relay(Mode.NONE, 2e6, 20e6, 8_000_000, ratio=1.0)
+    auto = through_relay(Mode.AUTO, 2e6, 20e6, 8_000_000, ratio=1.0)
+    assert auto.turned_on is None and auto.compressed_frames == 0
+    assert auto.finished <= none.finished / 0.95, (auto.finished, none.finished)
+
+
+def test_a_fast_path_is_neither_capped_nor_compressed() -> None:
+    # Loopback: 1 GB/s, acknowledged within 5 ms; the job writes 600 MB/s of log text.
+    none = through_relay(Mode.NONE, 1e9, 600e6, 1_200_000_000)
+    auto = through_relay(Mode.AUTO, 1e9, 600e6, 1_200_000_000)
+    assert auto.turned_on is None and auto.compressed_frames <= 1  # the first frame is a probe
+    assert auto.finished <= none.finished + 0.01, (auto.finished, none.finished)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import NS_IP, VETH_HOST, NetNS, need_netns, sh, shadow_in_ns
+from faults import NS_IP, VETH_HOST, BufferingRelay, NetNS, need_netns, sh, shadow_in_ns
 from helpers import ShadowProc, Wrapper, sha256_file, tool, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -217,6 +217,60 @@ def test_auto_leaves_incompressible_output_alone_on_a_slow_link(slow_link: tuple
     s = run(address, "noise.out", data, tmp_path / "spool", "--compress", "auto")
     assert sha256_file(root / "noise.out") == sha256_file(data)
     assert s["compressed_pct"] == 0 and s["wire_bytes"] == data.stat().st_size
+
+
+# -- a buffering relay, and loopback ------------------------------------------------
+
+
+def compressing(spool: Path) -> bool:
+    """`gcwrap status` says the running job sends some output compressed."""
+    out = subprocess.run([*tool("gcwrap"), "status", "--json", "--spool", str(spool)], capture_output=True,
+                         timeout=60, check=True).stdout
+    spools = json.loads(out)
+    return bool(spools) and bool((spools[0].get("wire") or {}).get("compressed_bytes"))
+
+
+def test_auto_compresses_log_output_behind_a_buffering_relay(shadow: ShadowProc, home: Path,
+                                                             tmp_path: Path) -> None:
+    # The relay takes whatever gcwrap sends at once and forwards 2 MB/s: gcwrap's
+    # socket queue stays empty, the path is slow all the same.
+    data = tmp_path / "relayed.txt"
+    write_log_text(data, 32 << 20, seed=5)  # 16 s at 2 MB/s as it is
+    spool = tmp_path / "spool"
+    host, port = shadow.address.rsplit(":", 1)
+    with BufferingRelay((host, int(port)), rate=2e6) as relay:
+        started = time.monotonic()
+        w = Wrapper(["--shadow", f"127.0.0.1:{relay.port}", "--stdout", "relayed.out", "--spool", str(spool),
+                     "--log-format", "json", "--", "cat", str(data)])
+        wait_until(lambda: compressing(spool), 60, "gcwrap status to show compressed output")
+        assert w.wait(120) == 0, w.err.decode(errors="replace")[-3000:]
+        took = time.monotonic() - started
+    assert sha256_file(home / "relayed.out") == sha256_file(data)
+    s = summary(w.err)
+    assert s["compressed_pct"] > 50 and s["wire_bytes"] < 0.5 * data.stat().st_size, s
+    # What went raw before compression started was at most the path's cap, not the whole output.
+    assert relay.most < 12 << 20, relay.most
+    print(f"32 MiB of log text through a buffering 2 MB/s relay: {took:.1f} s, {s['wire_bytes']:,} bytes on the wire")
+
+
+def test_auto_leaves_random_bytes_alone_behind_a_buffering_relay(shadow: ShadowProc, home: Path,
+                                                                 tmp_path: Path) -> None:
+    data = tmp_path / "noise"
+    data.write_bytes(os.urandom(4 << 20))  # 2 s at 2 MB/s
+    host, port = shadow.address.rsplit(":", 1)
+    with BufferingRelay((host, int(port)), rate=2e6) as relay:
+        s = run(f"127.0.0.1:{relay.port}", "noise.out", data, tmp_path / "spool", "--compress", "auto")
+    assert sha256_file(home / "noise.out") == sha256_file(data)
+    assert s["compressed_pct"] == 0 and s["wire_bytes"] == data.stat().st_size
+
+
+def test_auto_does_not_compress_on_loopback(shadow: ShadowProc, home: Path, tmp_path: Path) -> None:
+    data = tmp_path / "fast.txt"
+    write_log_text(data, 96 << 20, seed=6)
+    s = run(shadow.address, "fast.out", data, tmp_path / "spool")
+    assert sha256_file(home / "fast.out") == sha256_file(data)
+    # At most the first frame goes compressed (a probe): a fast path never pays for it.
+    assert s["compressed_pct"] < 2 and s["wire_bytes"] > 0.98 * data.stat().st_size, s
 
 
 # -- older peers: the revision before compression, run from git --------------------

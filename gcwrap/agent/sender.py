@@ -382,6 +382,7 @@ class Session:
                     except Mismatch as e:
                         raise ShadowRefused(ErrorCode.LENGTH_MISMATCH, str(e), True) from None
                     if moved:
+                        self.meter.acked(ev.stream, ev.offset, self._backlog)
                         self.progressed = True
                         self.liveness.answered(("data", ev.stream))
                         self.journal.acked(trio.current_time(), outbox.pending, self.where)
@@ -403,11 +404,13 @@ class Session:
                 else:
                     self._check_failure(ev)
 
-    def _sent_frame(self, raw: int, wire: int) -> None:
-        """Count a frame that went out (SendMeter), with the bytes not yet sent."""
-        streams = self.outbox.streams
-        self.meter.sent(self._path().sock, raw, wire,
-                        lambda: sum(out.read_end - self.sent[sid] for sid, out in streams.items()))
+    def _sent_frame(self, sid: int, end: int, raw: int, wire: int) -> None:
+        """Count a frame of `sid` ending at `end` that went out (SendMeter)."""
+        self.meter.sent(self._path().sock, sid, end, raw, wire, self._backlog)
+
+    def _backlog(self) -> int:
+        """Job bytes waiting to be sent."""
+        return sum(out.read_end - self.sent[sid] for sid, out in self.outbox.streams.items())
 
     async def _send_compressed(self, stream: trio.abc.Stream, sid: int, offset: int, end: int) -> None:
         """One frame of [offset, end) compressed (ZDATA) when that makes it
@@ -441,7 +444,7 @@ class Session:
             await self._send_data(stream, sid, offset, payload)
             wire = size
         self.handed[sid] = offset + size
-        self._sent_frame(size, wire)
+        self._sent_frame(sid, offset + size, size, wire)
 
     async def _send_notes(self, stream: trio.abc.Stream) -> None:
         """The journal's notes this connection has not sent, then a PING:
@@ -459,6 +462,9 @@ class Session:
                 offset = self.sent[sid]
                 if offset >= out.read_end:
                     continue
+                room = self.meter.room(READ_BACK)
+                if room <= 0:
+                    continue  # the path holds a second of output: the rest waits here, compressible (an ACK wakes us)
                 policy = self.meter.policy
                 if policy is not None and policy.wants(trio.current_time(), min(out.read_end - offset, MAX_PAYLOAD)):
                     await self._send_compressed(stream, sid, offset, out.read_end)
@@ -470,10 +476,10 @@ class Session:
                     if placed > offset:
                         # In the segment file (spliced, or spooled and evicted).
                         await self._send_placed(stream, sid, offset, placed)
-                        self._sent_frame(self.sent[sid] - offset, self.sent[sid] - offset)
+                        self._sent_frame(sid, self.sent[sid], self.sent[sid] - offset, self.sent[sid] - offset)
                         progressed = True
                         continue
-                chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, READ_BACK)
+                chunks = [chunk] if chunk is not None else await self.source.read(sid, offset, min(READ_BACK, room))
                 for c in chunks:
                     start = max(c.start, self.sent[sid])
                     if c.start > self.sent[sid]:
@@ -484,7 +490,7 @@ class Session:
                         self.sent[sid] = start + len(payload)
                         await self._send_data(stream, sid, start, payload)
                         self.handed[sid] = start + len(payload)
-                        self._sent_frame(len(payload), len(payload))
+                        self._sent_frame(sid, start + len(payload), len(payload), len(payload))
                 progressed = True
             feeder = outbox.stdin
             if feeder is not None and feeder.wants():

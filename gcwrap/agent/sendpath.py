@@ -16,6 +16,7 @@ from collections.abc import Callable
 import trio
 
 from ..wire import compress as zc
+from .pathwindow import PathWindow
 from .timeline import Journal, compression_why
 
 
@@ -51,12 +52,15 @@ class SendMeter:
         self.wire = wire
         self.journal = journal
         self.policy: zc.Policy | None = None  # when the shadow accepted compressed DATA
+        self.path: PathWindow | None = None  # with --compress auto: what the path holds, and a cap on it
         self.sndbuf = 1  # the socket's send buffer, in bytes (the kernel grows it)
         self.queued_before = 0  # the send queue at the watchdog's last look (`probe`)
 
     def compress(self, mode: zc.Mode, now: float, sock: trio.socket.SocketType) -> None:
         """The shadow accepts compressed DATA: pace it by `mode`."""
         self.policy = zc.Policy(mode, now)
+        if mode is zc.Mode.AUTO:
+            self.path = PathWindow(now)
         self._measure(sock)
 
     def _measure(self, sock: trio.socket.SocketType) -> None:
@@ -65,9 +69,11 @@ class SendMeter:
         except OSError:
             self.sndbuf = 1 << 20
 
-    def sent(self, sock: trio.socket.SocketType, raw: int, wire: int, backlog: Callable[[], int]) -> None:
-        """Count a frame that went out, and tell the compression policy how
-        full the socket's send queue is now; `backlog()`: bytes not yet sent."""
+    def sent(self, sock: trio.socket.SocketType, sid: int, end: int, raw: int, wire: int,
+             backlog: Callable[[], int]) -> None:
+        """Count a frame of stream `sid` ending at `end` that went out, and
+        tell the compression policy how full the socket's send queue is now
+        and how long the path makes a byte wait; `backlog()`: bytes not yet sent."""
         self.wire.job_bytes += raw
         self.wire.wire_bytes += wire
         policy = self.policy
@@ -76,9 +82,25 @@ class SendMeter:
         now = trio.current_time()
         if policy.window_ends(now):
             self._measure(sock)  # (the kernel grows it as the connection goes)
-        policy.sent(now, raw, wire, send_queue(sock) / self.sndbuf, backlog())
+        path, wait = self.path, 0.0
+        if path is not None:
+            path.sent(now, sid, end, wire)
+            wait = path.wait(now)
+        policy.sent(now, raw, wire, send_queue(sock) / self.sndbuf, backlog(), wait)
         if policy.active != self.journal.compressing:
             self.journal.compression(now, policy.active, compression_why(policy))
+
+    def acked(self, sid: int, offset: int, backlog: Callable[[], int]) -> None:
+        """An ACK moved: the path holds less, and says how slow it is (`PathWindow`)."""
+        path, policy = self.path, self.policy
+        if path is not None and policy is not None:
+            now = trio.current_time()
+            path.acked(now, sid, offset)
+            policy.waited(now, path.wait(now), backlog())
+
+    def room(self, most: int) -> int:
+        """Bytes the path may still take: `most` without a cap (`PathWindow.cap`)."""
+        return most if self.path is None else self.path.room()
 
     def probe(self, sock: trio.socket.SocketType) -> int:
         """The send queue now, for the watchdog; the link's clock hears of it too."""

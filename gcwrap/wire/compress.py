@@ -6,11 +6,14 @@ the handshake. Each frame is one complete zstd frame of the job's bytes
 in the job's own bytes, so nothing about exactly-once changes, and any frame
 can be decoded alone (a reconnection starts anywhere).
 
-Compression pays only when the link, not the CPU, is what holds the output
+Compression pays only when the path, not the CPU, is what holds the output
 back, and only when the output compresses. `Policy` decides from what the
-sender sees: how full the socket's send queue is (a full queue means the
-link drains slower than we fill it), the rate the link drains at, the ratio
-recent frames compressed to, and how fast compressing runs on this CPU. It
+sender sees: how long a byte waits between leaving the agent and being
+acknowledged while output waits to be sent (`gcwrap.agent.pathwindow`: the
+whole path, middleboxes that buffer included), how full the socket's send
+queue is (a full queue means the first hop drains slower than we fill it),
+the rate the path drains at, the ratio recent frames compressed to, and how
+fast compressing runs on this CPU. It
 is pure: the sender tells it what happened and when (`now` from
 `trio.current_time()`), and asks it before each frame.
 """
@@ -128,6 +131,7 @@ def offered(mode: Mode) -> tuple[str, ...]:
 
 WINDOW = 0.5  # seconds of sends a verdict on the link is made from
 FULL_QUEUE = 0.5  # a send that leaves the socket's queue this full waited on the link
+SLOW_PATH = 0.5  # a send made while bytes wait this long to be acknowledged (and more wait to go) waited on the path
 BOUND_SHARE = 0.5  # the link is the bottleneck when this share of a window's sends found it full
 GOOD_RATIO = 0.8  # compress only what shrinks to this or less
 CPU_BUDGET = 0.25  # keeping up with the link may take at most this share of a core
@@ -141,7 +145,9 @@ class Policy:
     """When the sender compresses: a pure object fed by the sender.
 
     `auto` compresses while (1) the link is the bottleneck: most sends of the
-    last window left the socket's send queue at least half full, (2) the
+    last window left the socket's send queue at least half full, or the path
+    was slow for most of it (a byte waited `SLOW_PATH` or more to be
+    acknowledged while output waited to be sent), (2) the
     output compresses: recent frames shrank to `GOOD_RATIO` or less, and
     (3) compressing at the link's rate costs at most `CPU_BUDGET` of a core,
     so a fast link (loopback, a LAN) never pays for it. While it is off and
@@ -168,6 +174,9 @@ class Policy:
     _bound: bool = False
     _last_probe: float = float("-inf")
     _fits_since: float | None = None
+    _slow_time: float = 0.0  # seconds of this window the path was slow (`SLOW_PATH`) with output waiting
+    _slow: bool = False  # whether it was at the latest look
+    _looked: float = 0.0  # when that was
     # (when, active): the latest decisions, for logs and tests (bounded: a long job may switch often)
     history: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))
 
@@ -199,17 +208,33 @@ class Policy:
             self.speed = s if not self.speed else self.speed + _SMOOTH * (s - self.speed)
         self._decide(now)
 
-    def sent(self, now: float, raw: int, wire: int, queue_fill: float, backlog: int) -> None:
+    def sent(self, now: float, raw: int, wire: int, queue_fill: float, backlog: int, wait: float = 0.0) -> None:
         """A frame went out: `raw` job bytes as `wire` bytes, after which the
-        socket's send queue was `queue_fill` (0..1) full and `backlog` job
-        bytes were still waiting to be sent."""
+        socket's send queue was `queue_fill` (0..1) full, `backlog` job
+        bytes were still waiting to be sent, and a byte waited `wait`
+        seconds in the path to be acknowledged (`PathWindow.wait`)."""
         self._backlog = backlog
         self._sends += 1
-        self._full_sends += queue_fill >= FULL_QUEUE
+        slow = self._look(now, wait, backlog)
+        self._full_sends += queue_fill >= FULL_QUEUE or slow
         self._wire += wire
         self._raw += raw
         if now - self._window_start >= WINDOW:
             self._close_window(now)
+
+    def waited(self, now: float, wait: float, backlog: int) -> None:
+        """An ACK came: a byte now waits `wait` seconds in the path, and
+        `backlog` job bytes wait to be sent. While the sender is held back
+        (`PathWindow.cap`) only ACKs tell how long the path stays slow."""
+        self._look(now, wait, backlog)
+
+    def _look(self, now: float, wait: float, backlog: int) -> bool:
+        """Count the time since the last look as slow if it was, and note whether it is now."""
+        if self._slow:
+            self._slow_time += max(0.0, now - max(self._looked, self._window_start))
+        self._looked = now
+        self._slow = wait >= SLOW_PATH and backlog > 0
+        return self._slow
 
     def window_ends(self, now: float) -> bool:
         """Whether the next report closes the current window."""
@@ -223,7 +248,8 @@ class Policy:
 
     def _close_window(self, now: float) -> None:
         span = now - self._window_start
-        self._bound = self._sends > 0 and self._full_sends >= BOUND_SHARE * self._sends
+        self._bound = ((self._sends > 0 and self._full_sends >= BOUND_SHARE * self._sends)
+                       or self._slow_time >= BOUND_SHARE * span)
         raw_rate = self._raw / span
         self.produced_rate = max(0.0, (self._raw + self._backlog - self._backlog_start) / span)
         if self._bound:
@@ -236,6 +262,7 @@ class Policy:
         elif self._fits_since is None:
             self._fits_since = now
         self._window_start, self._sends, self._full_sends, self._wire, self._raw = now, 0, 0, 0, 0
+        self._slow_time = 0.0
         self._backlog_start = self._backlog
         self._decide(now)
 
