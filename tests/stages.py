@@ -87,8 +87,11 @@ WORKER_TOTALS: dict[str, Counter[str]] = {}
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # (stable: within a stage, the files and tests keep their order)
-    items.sort(key=lambda item: STAGE_ORDER.index(stage_of(item.path)))
+    # By stage; within one, the files with the most tests first (as xdist's own order would put them:
+    # the long ones start early and the two workers end together); within a file, its own order.
+    # (pyproject.toml's --no-loadscope-reorder keeps xdist to this order.)
+    per_file = Counter(item.path for item in items)
+    items.sort(key=lambda item: (STAGE_ORDER.index(stage_of(item.path)), -per_file[item.path], str(item.path)))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -370,10 +370,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.parametrize("name", ["slurm-job.sh", "slurm-array.sh", "htcondor.sub", "pbs-job.sh"])
-def test_examples_are_shown_in_the_readme_and_their_names_are_valid(name: str) -> None:
+def test_examples_are_shown_in_the_documentation_and_their_names_are_valid(name: str) -> None:
     text = (EXAMPLES / name).read_text()
-    readme = (EXAMPLES.parent / "README.md").read_text()
-    assert f"```{'text' if name.endswith('.sub') else 'sh'}\n{text}```" in readme, f"README shows examples/{name}"
+    page = (EXAMPLES.parent / "docs" / "howto" / "batch-systems.md").read_text()
+    shown = f"```{'text' if name.endswith('.sub') else 'sh'}\n{text}```"
+    assert shown in page, f"docs/howto/batch-systems.md shows examples/{name} as it is"
     names = re.findall(r"--std(?:out|err|in) '?([^'\s\"]+)", text)
     assert len(names) == 2, names
     for template in names:

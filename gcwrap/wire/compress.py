@@ -141,6 +141,34 @@ _SMOOTH = 0.3  # weight of the newest sample in the running averages
 
 
 @dataclass
+class _Window:
+    """What one window of a Policy saw of the sends and the path (reset at each window's end)."""
+
+    start: float
+    sends: int = 0
+    full_sends: int = 0  # sends that found the socket's queue full, or the path slow
+    wire: int = 0
+    raw: int = 0
+    backlog_start: int = 0  # job bytes waiting to be sent, as the window began
+    backlog: int = 0  # ...and at the latest report
+    slow_time: float = 0.0  # seconds of this window the path was slow (`SLOW_PATH`) with output waiting
+    slow: bool = False  # whether it was at the latest look (carried into the next window)
+    looked: float = 0.0  # when that was
+
+    def look(self, now: float, wait: float, backlog: int) -> bool:
+        """Count the time since the last look as slow if it was, and note whether it is now."""
+        if self.slow:
+            self.slow_time += max(0.0, now - max(self.looked, self.start))
+        self.looked = now
+        self.slow = wait >= SLOW_PATH and backlog > 0
+        return self.slow
+
+    def next(self, now: float) -> _Window:
+        """The window that begins as this one ends."""
+        return _Window(now, backlog_start=self.backlog, backlog=self.backlog, slow=self.slow, looked=self.looked)
+
+
+@dataclass
 class Policy:
     """When the sender compresses: a pure object fed by the sender.
 
@@ -174,14 +202,12 @@ class Policy:
     _bound: bool = False
     _last_probe: float = float("-inf")
     _fits_since: float | None = None
-    _slow_time: float = 0.0  # seconds of this window the path was slow (`SLOW_PATH`) with output waiting
-    _slow: bool = False  # whether it was at the latest look
-    _looked: float = 0.0  # when that was
+    _w: _Window = field(init=False)  # what the current window saw
     # (when, active): the latest decisions, for logs and tests (bounded: a long job may switch often)
     history: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))
 
     def __post_init__(self) -> None:
-        self._window_start = self.now
+        self._w = _Window(self.now)
         self.active = self.mode is Mode.ZSTD
 
     def wants(self, now: float, size: int) -> bool:
@@ -213,47 +239,41 @@ class Policy:
         socket's send queue was `queue_fill` (0..1) full, `backlog` job
         bytes were still waiting to be sent, and a byte waited `wait`
         seconds in the path to be acknowledged (`PathWindow.wait`)."""
-        self._backlog = backlog
-        self._sends += 1
-        slow = self._look(now, wait, backlog)
-        self._full_sends += queue_fill >= FULL_QUEUE or slow
-        self._wire += wire
-        self._raw += raw
-        if now - self._window_start >= WINDOW:
+        w = self._w
+        w.backlog = backlog
+        w.sends += 1
+        slow = w.look(now, wait, backlog)
+        w.full_sends += queue_fill >= FULL_QUEUE or slow
+        w.wire += wire
+        w.raw += raw
+        if now - w.start >= WINDOW:
             self._close_window(now)
 
     def waited(self, now: float, wait: float, backlog: int) -> None:
         """An ACK came: a byte now waits `wait` seconds in the path, and
         `backlog` job bytes wait to be sent. While the sender is held back
         (`PathWindow.cap`) only ACKs tell how long the path stays slow."""
-        self._look(now, wait, backlog)
-
-    def _look(self, now: float, wait: float, backlog: int) -> bool:
-        """Count the time since the last look as slow if it was, and note whether it is now."""
-        if self._slow:
-            self._slow_time += max(0.0, now - max(self._looked, self._window_start))
-        self._looked = now
-        self._slow = wait >= SLOW_PATH and backlog > 0
-        return self._slow
+        self._w.look(now, wait, backlog)
 
     def window_ends(self, now: float) -> bool:
         """Whether the next report closes the current window."""
-        return now - self._window_start >= WINDOW
+        return now - self._w.start >= WINDOW
 
     def tick(self, now: float, backlog: int = 0) -> None:
         """Time passes with nothing sent: the link is not the bottleneck."""
-        self._backlog = backlog
-        if now - self._window_start >= WINDOW:
+        self._w.backlog = backlog
+        if now - self._w.start >= WINDOW:
             self._close_window(now)
 
     def _close_window(self, now: float) -> None:
-        span = now - self._window_start
-        self._bound = ((self._sends > 0 and self._full_sends >= BOUND_SHARE * self._sends)
-                       or self._slow_time >= BOUND_SHARE * span)
-        raw_rate = self._raw / span
-        self.produced_rate = max(0.0, (self._raw + self._backlog - self._backlog_start) / span)
+        w = self._w
+        span = now - w.start
+        self._bound = ((w.sends > 0 and w.full_sends >= BOUND_SHARE * w.sends)
+                       or w.slow_time >= BOUND_SHARE * span)
+        raw_rate = w.raw / span
+        self.produced_rate = max(0.0, (w.raw + w.backlog - w.backlog_start) / span)
         if self._bound:
-            rate = self._wire / span
+            rate = w.wire / span
             self.link_rate = rate if not self.link_rate else self.link_rate + _SMOOTH * (rate - self.link_rate)
         # The raw output fits the link when it would not fill it uncompressed.
         fits = not self._bound and (not self.link_rate or raw_rate < 0.8 * self.link_rate)
@@ -261,9 +281,7 @@ class Policy:
             self._fits_since = None
         elif self._fits_since is None:
             self._fits_since = now
-        self._window_start, self._sends, self._full_sends, self._wire, self._raw = now, 0, 0, 0, 0
-        self._slow_time = 0.0
-        self._backlog_start = self._backlog
+        self._w = w.next(now)
         self._decide(now)
 
     def _decide(self, now: float) -> None:
