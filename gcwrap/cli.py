@@ -641,7 +641,7 @@ def demo(size: str, keep: bool) -> None:
 @main.command(context_settings=CONTEXT,
               epilog="\n\b\nExit status:\n  0       built\n  1       not built (the reason on stderr)")
 @click.option("-o", "--output", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("gcwrap.pyz"), show_default=True, help="Where the bundle is written.")
+              default="gcwrap.pyz", show_default=True, help="Where the bundle is written.")
 def bundle(output: Path) -> None:
     """Build the agent as one executable file, to ship with jobs to machines with only Python >= 3.11.
 
