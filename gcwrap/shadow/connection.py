@@ -5,7 +5,9 @@ connection objects do: the limits checked before a byte is read, the
 admission (allow-list, TLS), the handshake and authentication, the claim
 of its job (through the shadow, the registry of jobs and sessions), the
 session's files, the reads and what each frame asks (`_process`, `_write`
-pwrites DATA inline, each piece at its offset as it arrives), the EXIT's
+pwrites DATA inline, each piece at its offset as it arrives; on a plain
+socket `_splice` moves a large payload still in the socket into its file
+through a pipe, also at its offset as it arrives), the EXIT's
 record and the DONE, and its end: an ERROR to the agent, a log line and a
 record in the job's timeline, the session's files closed.
 
@@ -48,6 +50,7 @@ from ..wire.events import (
     Welcome,
     ZData,
 )
+from ..wire.frames import DATA_HEAD
 from ..wire.protocol import SUPPORTED_VERSIONS, Connection, ProtocolError, Role
 from .acks import Sender
 from .admission import GroupCommit, Refused, ShadowOptions, admit, authenticate, disk_busy, retry_after
@@ -55,13 +58,14 @@ from .backends import StateBackend
 from .descriptors import Descriptors
 from .durability import Durability, Fenced, LiveJob
 from .eventlog import Caller, EventLog
-from .files import Problem, StoreError
+from .files import Problem, StoreError, StreamFile
 from .filesession import flush, keep_durable, on_event
 from .filestore import FILE_EVENTS, SessionFiles
 from .handshakes import HandshakeMemory, await_event, refuse
-from .receive import Buffers, StdinReader, inflate, read_into, read_some
+from .receive import READ_SIZE, Buffers, StdinReader, inflate, read_into, read_some
 from .replies import ROOT_RETRY_AFTER, ShuttingDown, reply_to
 from .rootwatch import RootWatch
+from .splicer import SPLICE_MIN, UNSUPPORTED_ERRNOS, Splicer
 
 log = logging.getLogger("gcshadow")
 T = TypeVar("T")
@@ -348,6 +352,7 @@ class AgentConnection:
         fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         idle_timeout = self.shadow.opts.idle_timeout
         buf: bytearray | None = None
+        size = READ_SIZE  # a DATA frame's head alone after a spliced frame: its payload is spliced too
         with trio.CancelScope() as idle, buffers.lending(lambda: buf):  # (one scope, its deadline moved)
             while True:
                 if self.pending:  # what arrived with the handshake
@@ -355,7 +360,7 @@ class AgentConnection:
                 else:
                     idle.deadline = trio.current_time() + idle_timeout
                     if fd >= 0:
-                        events, buf = await read_into(fd, conn, buffers)
+                        events, buf = await read_into(fd, conn, buffers, size)
                     else:
                         events = await read_some(stream, conn)
                     idle.deadline = math.inf
@@ -369,6 +374,10 @@ class AgentConnection:
                     buf = None
                 if over:
                     return
+                if fd >= 0 and not buffers.splicer.refused:
+                    idle.deadline = trio.current_time() + idle_timeout
+                    size = DATA_HEAD if await self._splice(fd, buffers.splicer) else READ_SIZE
+                    idle.deadline = math.inf
         if idle.cancelled_caught:
             raise trio.TooSlowError
 
@@ -428,23 +437,9 @@ class AgentConnection:
         `written` moves to its end at its last, so nothing of a frame becomes
         durable before all of it is in. `wire`: its size on the wire, if compressed."""
         shadow = self.shadow
-        sf = job.files.outputs.get(stream)
-        if sf is None:
-            raise ProtocolError(f"DATA for stream {stream}, which the handshake did not declare",
-                                ErrorCode.UNKNOWN_STREAM)
+        sf = self._output(job, stream)
         if offset == start:
-            if start > sf.written:
-                raise ProtocolError(
-                    f"DATA at offset {start} of {sf.name!r} would leave a gap after byte {sf.written}",
-                    ErrorCode.OFFSET_GAP,
-                )
-            quota = shadow.opts.quota
-            if quota and end > sf.written:
-                total = sum(f.written for f in job.files.outputs.values()) + (
-                    self.versions.written() if self.versions is not None else 0)
-                if total + end - sf.written > quota:
-                    raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
-        last = offset + len(payload) == end
+            self._check_start(job, sf, start, end)
         skip = sf.written - offset  # (`written` holds still until the frame's end)
         if skip < len(payload):
             view = memoryview(payload)[skip:] if skip > 0 else payload
@@ -455,15 +450,81 @@ class AgentConnection:
                 n = os.pwrite(sf.fd, view, at)
                 at += n
                 view = view[n:]
-            sf.partial = not last  # (a file with bytes of a frame not yet whole is not closed by the cache)
-        if last:
-            wire = end - start if wire < 0 else wire
-            sf.wire += wire
-            shadow.stats["wire"] += wire
-            if end > sf.written:
-                grown, sf.written = end - sf.written, end  # (before the mark: a batch takes `written` as it is)
-                shadow.stats["bytes"] += grown
-                shadow.durability.mark(sf, job, grown)
+            sf.partial = offset + len(payload) < end  # (bytes of a frame not yet whole: the cache keeps it open)
+        if offset + len(payload) == end:
+            self._landed(job, sf, end - start if wire < 0 else wire, end)
+
+    async def _splice(self, fd: int, splicer: Splicer) -> bool:
+        """While the payload of the DATA frame arriving is still in the
+        socket, and large, move it from there into its file through the
+        shadow's pipe (`Splicer`), each chunk at its offset as it arrives,
+        as `_write` writes a read's piece; the rest is read as usual.
+        True when a frame's payload ended here (bulk: another may follow)."""
+        conn, job, shadow = self.conn, self.job, self.shadow
+        assert job is not None
+        ended = False
+        while not splicer.refused and (due := conn.payload_due()) is not None:
+            stream, offset, start, end = due
+            sf = job.files.outputs.get(stream)
+            if sf is None or end - offset < SPLICE_MIN or offset < sf.written:
+                return False  # (an unknown stream, a small rest, bytes the file holds: `_write` sees to them)
+            if sf.fd < 0:
+                await shadow.fds.open(sf)
+            if offset == start:
+                self._check_start(job, sf, start, end)
+            shadow.check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
+            try:
+                n = splicer.take(fd, end - offset)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as e:
+                if e.errno in UNSUPPORTED_ERRNOS:  # (a socket that takes no splice: read as usual)
+                    return False
+                raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+            if n == 0:
+                return False  # (the connection's end: the next read says so, a frame cut short)
+            shadow.fds.files.use(sf)
+            splicer.put(sf.fd, offset, n)
+            conn.took_payload(n)
+            job.heard = time.time()
+            sf.partial = offset + n < end
+            if offset + n == end:
+                self._landed(job, sf, end - start, end)
+                ended = True
+        return ended
+
+    def _output(self, job: LiveJob, stream: int) -> StreamFile:
+        sf = job.files.outputs.get(stream)
+        if sf is None:
+            raise ProtocolError(f"DATA for stream {stream}, which the handshake did not declare",
+                                ErrorCode.UNKNOWN_STREAM)
+        return sf
+
+    def _check_start(self, job: LiveJob, sf: StreamFile, start: int, end: int) -> None:
+        """A DATA frame start..end, at its first piece: no gap, within the quota."""
+        if start > sf.written:
+            raise ProtocolError(
+                f"DATA at offset {start} of {sf.name!r} would leave a gap after byte {sf.written}",
+                ErrorCode.OFFSET_GAP,
+            )
+        quota = self.shadow.opts.quota
+        if quota and end > sf.written:
+            total = sum(f.written for f in job.files.outputs.values()) + (
+                self.versions.written() if self.versions is not None else 0)
+            if total + end - sf.written > quota:
+                raise Refused(ErrorCode.QUOTA, f"job {job.files.job_id} would exceed its quota of {quota} bytes")
+
+    def _landed(self, job: LiveJob, sf: StreamFile, wire: int, end: int) -> None:
+        """A DATA frame ending at `end` is whole in its file: `written` moves
+        to its end and the durability batch is told."""
+        shadow = self.shadow
+        sf.wire += wire
+        shadow.stats["wire"] += wire
+        if end > sf.written:
+            grown, sf.written = end - sf.written, end  # (before the mark: a batch takes `written` as it is)
+            shadow.stats["bytes"] += grown
+            shadow.durability.mark(sf, job, grown)
 
     # -- finishing -----------------------------------------------------------------
 

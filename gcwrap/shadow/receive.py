@@ -14,7 +14,9 @@ lent at once (sessions acting on a read's events may wait: an EXIT for its
 flush); past that a read gets a buffer of its own, sized to what it read,
 as a stream's read does. A buffer something still views (a payload kept
 past its read) is never lent again: it is left to be freed. Over TLS, or
-any other stream, a read is `receive_some`.
+any other stream, a read is `receive_some`. Under bulk output a read takes
+a DATA frame's head alone, and its payload is spliced into its file
+(splicer.py), never read into a buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..wire import compress
 from ..wire.events import Data, ErrorCode, Event, StdinData, StdinRead, ZData
 from ..wire.protocol import Connection, ProtocolError
 from .files import FileCache, JobFiles, Problem, StoreError
+from .splicer import Splicer
 
 # Up to a DATA frame and its head in one read: a bulk frame is written in
 # one or two pieces, with a read and a wake-up each.
@@ -47,6 +50,7 @@ class Buffers:
         self.free: list[bytearray] = []
         self.lent = 0
         self.made = 0  # buffers allocated (for tests and the debug log)
+        self.splicer = Splicer()  # payloads still in the socket go through its pipe into their file
 
     def take(self) -> bytearray | None:
         """A buffer for one read, or None while `cap` are lent."""
@@ -81,20 +85,21 @@ class Buffers:
                 self.give(buf)
 
 
-async def read_into(fd: int, conn: Connection, buffers: Buffers) -> tuple[list[Event], bytearray | None]:
-    """The events of the next read of socket `fd`, made from a lent buffer
-    (`buffers.give` it back once they are acted on; None when the read had
-    a buffer of its own, or at EOF). Raises trio.BrokenResourceError when
-    the connection fails, as a stream would."""
+async def read_into(fd: int, conn: Connection, buffers: Buffers, size: int = READ_SIZE
+                    ) -> tuple[list[Event], bytearray | None]:
+    """The events of the next read of socket `fd`, at most `size` bytes,
+    made from a lent buffer (`buffers.give` it back once they are acted on;
+    None when the read had a buffer of its own, or at EOF). Raises
+    trio.BrokenResourceError when the connection fails, as a stream would."""
     await trio.lowlevel.checkpoint()  # (a read is a scheduling point, as a stream's: taken before any buffer is)
     while True:
         buf = buffers.take()
         try:
             if buf is None:
-                data = os.read(fd, OWN_READ)
+                data = os.read(fd, min(size, OWN_READ))
                 conn.receive_data(data)
                 return conn.events(), None
-            n = os.readv(fd, [buf])
+            n = os.readv(fd, [buf] if size >= len(buf) else [memoryview(buf)[:size]])
             if n:
                 conn.receive_data(memoryview(buf)[:n], borrowed=True)
                 return conn.events(), buf

@@ -465,6 +465,23 @@ class Connection:
         self._body = None if n == want else (stream, offset + n, start, end)
         return DataPiece(stream, offset, payload, start, end)  # type: ignore[arg-type]  # (bytes-like: a view)
 
+    def payload_due(self) -> tuple[int, int, int, int] | None:
+        """The DATA frame whose payload is arriving, (stream, next offset,
+        start, end), when none of its bytes are held here: its next bytes
+        are still the socket's, and may be moved from there into its file
+        (then `took_payload`). None otherwise."""
+        if self._body is None or self.buffered or self._eof:
+            return None
+        return self._body
+
+    def took_payload(self, n: int) -> None:
+        """The next n bytes of the payload `payload_due` named were taken
+        from the socket by the caller, not given to `receive_data`."""
+        assert self._body is not None and not self.buffered
+        stream, offset, start, end = self._body
+        assert 0 < n <= end - offset
+        self._body = None if offset + n == end else (stream, offset + n, start, end)
+
     def _check_length(self, length: int) -> None:
         if length < 1:
             raise RemoteProtocolError("frame length 0", ErrorCode.BAD_FRAME)
