@@ -811,10 +811,12 @@ def sim_line(r: Result) -> str:
 
 
 FANIN_TARGETS = {"ack latency (ms) p99": "<= 250 ms", "shadow peak RSS, VmHWM (MiB)": "<= 200 MB",
-                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)"}
+                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)",
+                 "shadow open fds, every agent idle --idle s": "1 per agent"}
 
 
-FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)"}
+FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)",
+             "shadow open fds, max sampled", "shadow open fds, every agent idle --idle s"}
 
 
 def report(results: list[Result], args: argparse.Namespace, record: Results | None = None) -> bool:
