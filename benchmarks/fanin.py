@@ -11,12 +11,14 @@ gcshadow for every run, so its peak RSS is that run's):
              baseline: ONE gcwrap running `cat INPUT_1 ... INPUT_N` (the same bytes, one connection).
   sim N      N simulated agents (--sim, default 1000,10000) from a load process of their own (this script
              run with --load-worker: one trio run, N connections, speaking gcwrap.wire.protocol), so that the load
-             does not share this script's process with the measurement. Each agent: connect, HELLO,
+             does not share this script's process with the measurement; in a session of its own and niced
+             (--load-nice, default 10), so that it does not starve the shadow. Each agent: connect, HELLO,
              WELCOME; wait until every agent is connected (a barrier, PINGs every 5 s while waiting); then
              send --frames DATA frames of --frame bytes, frame k at t0 + (i/N + k) x --interval (paced;
              with --interval 0 all at once); wait for the ACKs covering them; wait until every agent has
              all of its bytes acknowledged (a second barrier: no EXIT, state record or close overlaps the
-             data phase of another agent); EXIT; wait for DONE.
+             data phase of another agent); stay idle --idle seconds (default 5), when the shadow's
+             descriptors are counted; EXIT; wait for DONE.
              baseline: ONE simulated agent sending the same frames on the same schedule (N frames per
              interval) over one connection.
   --ceiling  then the most simulated agents one shadow holds, every agent byte-exact at p99 ack <=
@@ -370,6 +372,7 @@ class Generator:
         self.failed = 0
         self.arrived_failed = 0  # agents that failed before their WELCOME
         self.through = 0  # agents with every byte acknowledged, or failed (the exit barrier)
+        self.idle_fds = -1  # the shadow's open descriptors after --idle seconds with every agent idle
         self.finished = 0
         self.acked_bytes = 0
         self.first_send: float | None = None
@@ -403,6 +406,7 @@ class Generator:
             "data_cpu_s": self.cpu_all_acked - self.cpu_first_send,
             # EXITs sent before the last ACK of the data phase arrived: 0 with the exit barrier
             "exits_in_data_phase": sum(1 for t in self.exits if t < self.last_ack),
+            "idle_fds": self.idle_fds,
         }
 
     def payload(self, i: int) -> memoryview:
@@ -422,10 +426,12 @@ class Generator:
 
         self.all_connected = trio.Event()
         self.all_through = trio.Event()
+        self.all_acked = trio.Event()
         self.expect = 1 if baseline else self.n
         self.connect_limit = trio.Semaphore(self.args.connect_concurrency)
         self.t_start = trio.current_time()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._idle)
             if baseline:
                 nursery.start_soon(self.agent, 0, list(range(self.n)), port, f"sim-{tag}-all", "fanin/sim-all.out")
             else:
@@ -460,7 +466,20 @@ class Generator:
         """One more agent has every byte acknowledged (or failed): the exit barrier."""
         self.through += 1
         if self.through >= self.expect:
-            self.all_through.set()
+            self.all_acked.set()
+
+    async def _idle(self) -> None:
+        """Every agent connected and idle for --idle seconds: count the shadow's descriptors, then let them exit."""
+        import trio
+
+        await self.all_acked.wait()
+        if self.args.idle > 0:
+            await trio.sleep(self.args.idle)
+            try:
+                self.idle_fds = len(os.listdir(f"/proc/{self.shadow_pid}/fd"))
+            except OSError:
+                pass
+        self.all_through.set()
 
     async def agent(self, i: int, owners: list[int], port: int, job_id: str, name: str) -> None:
         import trio
@@ -623,7 +642,7 @@ def source(args: argparse.Namespace) -> bytes:
     return random.Random(SEED + 1).randbytes(SRC_SPAN + args.frame * args.frames)
 
 
-LOAD_ARGS = ("frame", "frames", "interval", "connect_concurrency", "barrier_timeout", "timeout")
+LOAD_ARGS = ("frame", "frames", "interval", "connect_concurrency", "barrier_timeout", "timeout", "idle")
 
 
 def load_worker(params_file: Path, result_file: Path) -> int:
@@ -673,6 +692,8 @@ class SimBench:
                                           "shadow_pid": shadow.pid,
                                           "args": {k: getattr(self.args, k) for k in LOAD_ARGS}}))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--load-worker", str(params), str(result_file)]
+            if self.args.load_nice:  # (a session of its own already: niced too, it cannot starve the shadow)
+                cmd = ["nice", "-n", str(self.args.load_nice), *cmd]
             self.commands.setdefault("load process", shlex.join(cmd))
             watch = ShadowWatch(shadow.pid)
             watch.start()
@@ -743,6 +764,7 @@ class SimBench:
                        "all_connected_s": res["all_connected_s"],
                        "data_cpu_s": res.get("data_cpu_s", math.nan),
                        "exits_in_data_phase": res.get("exits_in_data_phase", -1),
+                       "idle_fds": res.get("idle_fds", -1),
                        "acked_bytes": res["acked_bytes"],
                        "offered_mb_s": (n * self.args.frame / self.args.interval / MB) if self.args.interval > 0
                        else math.nan,
@@ -781,17 +803,20 @@ def sim_line(r: Result) -> str:
             f"{max(r.latencies_ms, default=math.nan):.0f} ms "
             f"(steady p99 {r.notes.get('steady_p99_ms', math.nan):.1f})  "
             f"shadow CPU {r.shadow_cpu_s:.2f} s (data phase {float(r.notes.get('data_cpu_s', math.nan)):.2f})  "
-            f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds}  connect p50/p99/max "
+            f"RSS {r.shadow_hwm_mib:.0f} MiB  fds {r.shadow_max_fds} (idle {r.notes.get('idle_fds', -1)})  "
+            "connect p50/p99/max "
             f"{r.notes['connect_p50_ms']:.0f}/{r.notes['connect_p99_ms']:.0f}/{r.notes['connect_max_ms']:.0f} ms  "
             f"send lag p99 {r.notes['lag_p99_ms']:.0f} ms  load CPU {r.notes['load_cpu_s']:.1f} s"
             + (f"  ERRORS {dict(list(r.errors.items())[:3])}" if r.errors else ""))
 
 
 FANIN_TARGETS = {"ack latency (ms) p99": "<= 250 ms", "shadow peak RSS, VmHWM (MiB)": "<= 200 MB",
-                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)"}
+                 "shadow CPU-s per GB, data phase only": "<= 1.5x (at 10 000)",
+                 "shadow open fds, every agent idle --idle s": "1 per agent"}
 
 
-FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)"}
+FANIN_KEY = {"throughput (MB/s), spawn -> last exit", "achieved / offered", "connect+handshake p99 (ms)",
+             "shadow open fds, max sampled", "shadow open fds, every agent idle --idle s"}
 
 
 def report(results: list[Result], args: argparse.Namespace, record: Results | None = None) -> bool:
@@ -838,6 +863,8 @@ def report(results: list[Result], args: argparse.Namespace, record: Results | No
                  * 1000 / r.notes["frames"] if r.notes.get("frames") else float("nan"))
         line("shadow peak RSS, VmHWM (MiB)", lambda r: r.shadow_hwm_mib)
         line("shadow open fds, max sampled", lambda r: r.shadow_max_fds)
+        if not real:
+            line("shadow open fds, every agent idle --idle s", lambda r: r.notes.get("idle_fds", -1))
         if real:
             line("gcwrap CPU, all processes (s)", lambda r: r.notes["gcwrap_cpu_s_total"])
         else:
@@ -969,6 +996,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop when the fewest that failed are within this fraction of the most that held (0.1)")
     parser.add_argument("--ceiling-budget", type=float, default=1500.0,
                         help="seconds the search may take (default 1500); a probe that would overrun is not started")
+    parser.add_argument("--idle", type=float, default=5.0,
+                        help="seconds every simulated agent stays connected and idle after its last ACK, before "
+                             "the shadow's descriptors are counted and the agents exit (default 5; 0: no pause)")
+    parser.add_argument("--load-nice", type=int, default=10,
+                        help="niceness of the load process, which runs in a session of its own (default 10; 0: none)")
     parser.add_argument("--tmpdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     results_option(parser, "fanin")

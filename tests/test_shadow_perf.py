@@ -10,6 +10,7 @@ acknowledged before it is synced, and the zero-copy frame parser.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import random
 import re
@@ -795,3 +796,143 @@ def test_names_the_shadow_made_are_synced_in_their_directories_once(tmp_path: Pa
         assert [sf.new_entries for sf in again.outputs.values()] == [(), ()]
     finally:
         store.close()
+
+
+# -- idle jobs hold their sockets alone ----------------------------------------------------------------
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _files_open(pid: int, under: Path) -> int:
+    """The shadow's descriptors of files under `under` (the jobs' files)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{under}/")
+        except OSError:
+            pass
+    return n
+
+
+async def _until(cond: Any, timeout: float, what: str) -> None:
+    with trio.move_on_after(timeout):
+        while not cond():
+            await trio.sleep(0.05)
+        return
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class IdleAgent:
+    """One job with one output over the wire protocol, driven a step at a time."""
+
+    def __init__(self, port: int, job: int) -> None:
+        self.port, self.job = port, job
+        self.data = random.Random(job).randbytes(3 * 4096)
+        self.sent = 0
+        self.conn = Connection(Role.AGENT)
+        self.stream: trio.SocketStream | None = None
+
+    async def next(self) -> Any:
+        assert self.stream is not None
+        while True:
+            ev = self.conn.next_event()
+            if ev is not NEED_DATA:
+                return ev
+            self.conn.receive_data(await self.stream.receive_some(65536))
+
+    async def connect(self) -> None:
+        self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        await self.stream.send_all(self.conn.send(Hello(job_id=f"idle-{self.job}", instance="i1", host="test",
+                                                        streams=(StreamSpec(1, "stdout", f"idle/{self.job}.out"),))))
+        ev = await self.next()
+        assert isinstance(ev, Welcome), ev
+
+    async def send(self, n: int) -> None:
+        assert self.stream is not None
+        end = self.sent + n
+        await self.stream.send_all(self.conn.send(Data(1, self.sent, self.data[self.sent:end])))
+        self.sent = end
+        while True:
+            ev = await self.next()
+            assert isinstance(ev, Ack), ev
+            if ev.offset == end:
+                return
+
+    async def exit(self) -> None:
+        assert self.stream is not None
+        await self.stream.send_all(self.conn.send(Exit(0, None, ((1, self.sent),))))
+        ev = await self.next()
+        assert isinstance(ev, Done), ev
+        await self.stream.aclose()
+
+
+@pytest.mark.timeout(150)
+def test_idle_jobs_hold_their_sockets_alone_and_their_files_reopen_exactly(home: Path, tmp_path: Path) -> None:
+    """300 connected jobs, idle between writes: the shadow closes their files
+    (a descriptor per job, not two), reopens them for the next write, and
+    every byte lands where it was sent."""
+    jobs = 300
+    sh = LimitedShadow(home, tmp_path, 2048)  # (room for every file: only idleness closes them)
+    try:
+        pid = sh.proc.pid
+        base = _fds(pid)
+        agents = [IdleAgent(sh.port, j) for j in range(jobs)]
+
+        async def each(step: Any) -> None:
+            async with trio.open_nursery() as nursery:
+                for a in agents:
+                    nursery.start_soon(step, a)
+
+        async def main() -> None:
+            with trio.fail_after(120):
+                await each(IdleAgent.connect)
+                for _ in range(2):
+                    await each(lambda a: a.send(4096))
+                    assert _files_open(pid, home / "idle") > 0  # (the job that just wrote has its file open)
+                    await _until(lambda: _files_open(pid, home / "idle") == 0, 30, "the idle jobs' files to be closed")
+                    held = _fds(pid)
+                    assert held <= base + jobs + 16, f"{held} descriptors for {jobs} idle jobs ({base} at start)"
+                await each(lambda a: a.send(4096))
+                await each(IdleAgent.exit)
+
+        trio.run(main)
+        for a in agents:
+            landed = (home / "idle" / f"{a.job}.out").read_bytes()
+            assert hashlib.sha256(landed).digest() == hashlib.sha256(a.data).digest(), f"job {a.job}"
+        no_descriptor_trouble(sh.log())
+    finally:
+        sh.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_file_replaced_while_its_job_is_idle_is_refused(home: Path, tmp_path: Path) -> None:
+    """An idle job's file is closed; replaced at home meanwhile (the same
+    bytes, another file), it is not reopened: the next write is refused
+    and the file at home is left as it was."""
+    sh = LimitedShadow(home, tmp_path, 256)
+    try:
+        a = IdleAgent(sh.port, 1)
+        path = home / "idle" / "1.out"
+
+        async def main() -> None:
+            with trio.fail_after(45):
+                await a.connect()
+                await a.send(4096)
+                pid = sh.proc.pid
+                await _until(lambda: _files_open(pid, home / "idle") == 0, 30, "the idle job's file to be closed")
+                other = path.with_name("other")
+                other.write_bytes(path.read_bytes())
+                other.replace(path)
+                assert a.stream is not None
+                await a.stream.send_all(a.conn.send(Data(1, 4096, a.data[4096:8192])))
+                ev = await a.next()
+                await a.stream.aclose()
+                assert isinstance(ev, Error) and ev.code is ErrorCode.LENGTH_MISMATCH, ev
+
+        trio.run(main)
+        assert path.read_bytes() == a.data[:4096]
+        assert "replaced at home while in use" in sh.log()
+    finally:
+        sh.stop()

@@ -445,6 +445,8 @@ class AgentConnection:
             view = memoryview(payload)[skip:] if skip > 0 else payload
             at = offset + max(skip, 0)
             shadow.check(job)  # the fencing epoch, checked where the bytes are written (no await from here on)
+            if sf.fd < 0:  # (closed while idle, or for room: the cache kept within its budget, then reopened)
+                shadow.fds.trim_files()
             shadow.fds.files.use(sf)
             while view:
                 n = os.pwrite(sf.fd, view, at)

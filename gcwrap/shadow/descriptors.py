@@ -6,7 +6,8 @@ allows are told BUSY (with a retry_after) before a byte is read, and when no
 descriptor is left at all the shadow stops accepting until one is freed: an
 agent is never refused with EMFILE. `Descriptors` keeps the count: the
 connections, the cached stream files and the versions' files of every
-session, and makes room for more.
+session, and makes room for more. A job's files are open while it writes
+them: an idle job holds its socket alone (`Descriptors.close_idle`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import time
+
+import trio
 
 from ..sync import Signal
 from .files import FileCache, StreamFile
@@ -37,6 +41,10 @@ START_FDS = 16
 # The fewest descriptors for sockets and files that serve one job (its
 # connection and its files, as the cache keeps them).
 MIN_AVAIL = 4
+# Seconds a connected job's file stays open unused once everything written
+# to it is durable: an idle job costs its socket alone, a job that writes
+# more often than this keeps its files open (FileCache.close_idle).
+IDLE_CLOSE = 2.0
 
 
 class FdBudget:
@@ -137,6 +145,12 @@ class Descriptors:
             if self.free() >= n:
                 return
             await self.freed.wait()
+
+    async def close_idle(self, idle: float = IDLE_CLOSE) -> None:
+        """Close the files unused for `idle` seconds, looking four times as often."""
+        while True:
+            await trio.sleep(idle / 4)
+            self.files.close_idle(time.monotonic(), idle)
 
     def trim_files(self) -> None:
         b = self.budget

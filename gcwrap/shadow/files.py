@@ -22,6 +22,7 @@ import random
 import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -481,6 +482,11 @@ class FileCache:
     (sampled LRU): idle jobs' files go first, and when every job writes in
     turn (a cycle longer than the cache, where exact LRU would miss every
     time) most files still stay open.
+
+    A file unused for a while is closed too, whatever the pressure
+    (`close_idle`): an idle job costs the shadow its socket alone. A file
+    written often stays open, so a steady writer does not reopen it for
+    every frame; a slow one reopens it at most once per frame.
     """
 
     SAMPLE = 5
@@ -492,6 +498,7 @@ class FileCache:
         self.where: dict[StreamFile, int] = {}  # each one's index in `slots`
         self.used: dict[StreamFile, int] = {}  # ...and `clock` at its last use
         self.clock = 0
+        self.at: dict[StreamFile, float] = {}  # ...and when (time.monotonic())
         self.reopened = 0
         self.evicted = 0
         self.rng = random.Random()
@@ -509,6 +516,7 @@ class FileCache:
         if i < 0:
             return
         self.used.pop(sf, None)
+        self.at.pop(sf, None)
         last = self.slots.pop()
         if last is not sf:
             self.slots[i] = last
@@ -518,18 +526,37 @@ class FileCache:
         """A file opened elsewhere (Store.open_job) joins the cache."""
         if sf.fd >= 0:
             self._insert(sf)
-            self.clock += 1
-            self.used[sf] = self.clock
+            self._touch(sf)
 
     def use(self, sf: StreamFile) -> int:
-        """The file's descriptor, opened again if the cache had closed it."""
+        """The file's descriptor, opened again if the cache had closed it
+        (confined and checked to be the same file: `StreamFile.reopen`)."""
         if sf.fd < 0:
             sf.reopen(self.root_fd)
             self.reopened += 1
         self._insert(sf)
+        self._touch(sf)
+        return sf.fd
+
+    def _touch(self, sf: StreamFile) -> None:
         self.clock += 1
         self.used[sf] = self.clock
-        return sf.fd
+        self.at[sf] = time.monotonic()
+
+    def close_idle(self, now: float, idle: float) -> int:
+        """Close the closable files (clean, unpinned) unused since `now -
+        idle` (time.monotonic()); how many were closed. A file made clean later than its last
+        use is closed at the next call after it is."""
+        before = now - idle
+        closed = 0
+        with self.lock:
+            for sf in [sf for sf, t in self.at.items() if t < before]:
+                if sf.closable:
+                    self._remove(sf)
+                    sf.close()
+                    closed += 1
+        self.evicted += closed
+        return closed
 
     def forget(self, sf: StreamFile) -> None:
         self._remove(sf)

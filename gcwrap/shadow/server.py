@@ -125,6 +125,7 @@ class Shadow:
             nursery.start_soon(self.durability.run)
             nursery.start_soon(keep_collections_short)  # no GC pause of seconds under 10 000 connections
             nursery.start_soon(self.root_watch.run)
+            nursery.start_soon(self.fds.close_idle)  # an idle job's files closed: it holds its socket alone
             nursery.start_soon(self.events.run)
             if self.store.shared:
                 nursery.start_soon(watch_state, self.store, self.live, self.worker)
