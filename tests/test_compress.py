@@ -380,3 +380,18 @@ def test_a_fast_path_is_neither_capped_nor_compressed() -> None:
     auto = through_relay(Mode.AUTO, 1e9, 600e6, 1_200_000_000)
     assert auto.turned_on is None and auto.compressed_frames <= 1  # the first frame is a probe
     assert auto.finished <= none.finished + 0.01, (auto.finished, none.finished)
+
+
+def test_output_that_does_not_compress_is_never_held_back_for_it() -> None:
+    """The path's cap holds output back only while it may still go compressed:
+    before the first probe, or while probes shrink it; random bytes go as fast
+    as the path drains (a write-behind or a loaded shadow is not slowed for them)."""
+    p = Policy(Mode.AUTO, 0.0)
+    assert p.may_compress()  # (not yet probed)
+    assert p.wants(0.0, 128 << 10)  # the first large frame is a probe
+    p.compressed(0.0, 128 << 10, 128 << 10, 0.001)  # ...and did not shrink
+    assert not p.may_compress()
+    q = Policy(Mode.AUTO, 0.0)
+    assert q.wants(0.0, 128 << 10)
+    q.compressed(0.0, 128 << 10, 32 << 10, 0.001)  # log text: a quarter
+    assert q.may_compress()

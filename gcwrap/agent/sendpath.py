@@ -99,8 +99,12 @@ class SendMeter:
             policy.waited(now, path.wait(now), backlog())
 
     def room(self, most: int) -> int:
-        """Bytes the path may still take: `most` without a cap (`PathWindow.cap`)."""
-        return most if self.path is None else self.path.room()
+        """Bytes the path may still take: `most` without a cap (`PathWindow.cap`),
+        or while holding output back cannot pay (it does not compress)."""
+        path, policy = self.path, self.policy
+        if path is None or policy is None or not policy.may_compress():
+            return most
+        return path.room()
 
     def probe(self, sock: trio.socket.SocketType) -> int:
         """The send queue now, for the watchdog; the link's clock hears of it too."""

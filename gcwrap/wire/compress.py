@@ -255,6 +255,13 @@ class Policy:
         (`PathWindow.cap`) only ACKs tell how long the path stays slow."""
         self._w.look(now, wait, backlog)
 
+    def may_compress(self) -> bool:
+        """Whether output held back could still go compressed: not yet
+        probed, or it shrinks to `GOOD_RATIO` or less. Output that does not
+        compress (random bytes, compressed files) is never held back for it:
+        the path takes it as fast as it drains."""
+        return self._last_probe == float("-inf") or self.ratio <= GOOD_RATIO
+
     def window_ends(self, now: float) -> bool:
         """Whether the next report closes the current window."""
         return now - self._w.start >= WINDOW
