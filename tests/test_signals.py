@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -309,11 +310,20 @@ def _running(marker: str) -> list[int]:
     return pids
 
 
-def _reap(p: subprocess.Popen[bytes], marker: str) -> tuple[str, list[int]]:
-    """gcwrap's stderr once it exited (killed after 30 s), and the jobs
-    still running with `marker` in their command line (killed too)."""
+def _reap(p: subprocess.Popen[bytes], marker: str, err_path: Path, again: bool = False) -> tuple[str, list[int]]:
+    """gcwrap's stderr (written to `err_path`) once it exited (killed after
+    30 s), and the jobs still running with `marker` in their command line
+    (killed too). With `again`: if gcwrap still runs after 10 s and Python
+    itself lost the Ctrl-C (`_lost_by_python`), a second Ctrl-C, as its user
+    would give, and 30 s more."""
     try:
-        _, raw = p.communicate(timeout=30)
+        try:
+            p.wait(timeout=10 if again else 30)
+        except subprocess.TimeoutExpired:
+            if not (again and _lost_by_python(err_path.read_text(errors="replace"))):
+                raise
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
@@ -321,17 +331,43 @@ def _reap(p: subprocess.Popen[bytes], marker: str) -> tuple[str, list[int]]:
         left = _running(marker)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
-    return raw.decode(errors="replace"), left
+    return err_path.read_text(errors="replace"), left
+
+
+# Python's report of a KeyboardInterrupt it raised in a weakref callback of
+# its own (the import system's module locks: `_get_module_lock.<locals>.cb`)
+# and then ignored: "Exception ignored in: <function ...>", its traceback, and
+# the KeyboardInterrupt. CPython loses a Ctrl-C that way (python/cpython#95959)
+# when it comes while the interpreter imports what runs before gcwrap's first
+# instant (`site`, the console script's own imports): no trace of it is left
+# for gcwrap to find, so the job starts and a second Ctrl-C is needed.
+IGNORED_REPORT = re.compile(
+    r"^Exception ignored in: <function [^\n]*>\nTraceback \(most recent call last\):\n"
+    r"((?:  File .*\n(?:    .*\n)*)+)KeyboardInterrupt: ?\n", re.M)
+
+
+def _lost_by_python(err: str) -> bool:
+    """Whether `err` holds Python's report of a Ctrl-C it ignored
+    (IGNORED_REPORT) in frames of its own alone: none is gcwrap's."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    for report in IGNORED_REPORT.finditer(err):
+        frames = re.findall(r'^  File "([^"]+)"', report.group(1), re.M)
+        if frames and all(f.startswith("<frozen ") or Path(f).resolve().is_relative_to(stdlib) for f in frames):
+            return True
+    return False
 
 
 ARGV0_REPORT = "Failed checking if argv[0] is an import path entry\n"
 
 
 def _without_python_s_report(err: str) -> str:
-    """`err` without the report Python prints of a Ctrl-C that came while
-    it checked its argv[0] (before any of gcwrap's code ran: every frame
-    of it is the interpreter's own). gcwrap then counts that Ctrl-C as a
-    SIGINT that came early; the report itself is not gcwrap's to silence."""
+    """`err` without what Python itself reports of a Ctrl-C that came
+    before any of gcwrap's code ran (every frame of it is the interpreter's
+    own): that it came while Python checked its argv[0] (gcwrap then counts
+    that Ctrl-C as a SIGINT that came early), or that Python ignored it
+    (`_lost_by_python`). Neither report is gcwrap's to silence."""
+    if _lost_by_python(err):
+        err = IGNORED_REPORT.sub("", err)
     if not err.startswith(ARGV0_REPORT):
         return err
     report, sep, rest = err.partition("\nKeyboardInterrupt\n")
@@ -342,19 +378,34 @@ def _without_python_s_report(err: str) -> str:
 
 def _before_gcwrap_ran(rc: int, err: str) -> bool:
     """Whether the outcome is Python's own, for a signal that came before
-    any of gcwrap's code beyond its first instant ran: killed by SIGINT
-    (at once, or after an uncaught KeyboardInterrupt), or a KeyboardInterrupt
-    while `site` ran (a fatal error of the interpreter's start-up)."""
-    frames = {Path(f).resolve() for f in re.findall(r'^  File "([^"<]+)"', err, re.M)}
+    any of gcwrap's code beyond its first instant ran: killed by SIGINT (at
+    once, or after an uncaught KeyboardInterrupt), or exit 1 after Python
+    reported a KeyboardInterrupt in no frame of gcwrap's. The interpreter
+    reports one in many ways as it starts: a fatal error (in `site`:
+    init_import_site; while it imports `io`: init_sys_streams), a bare
+    "KeyboardInterrupt" (raised where no Python frame runs), or in a `.pth`
+    file, which `site` reports and skips ("Remainder of file ignored"), so
+    that an editable install's path is missing and the console script cannot
+    import gcwrap at all; or, when it makes the console script's loader,
+    MAIN_LOADER_REPORT alone. gcwrap's own code never raises one (its handlers
+    catch the signals from its first instant), and never prints one."""
+    if _lost_by_python(err):
+        err = IGNORED_REPORT.sub("", err)  # (that one did not end gcwrap: see `_lost_by_python`)
+    frames = {Path(f).resolve() for f in re.findall(r'^ *File "([^"<]+)"', err, re.M)}
     ours = {f for f in frames if f.is_relative_to(PACKAGE)} - FIRST_INSTANT
     if ours or "Aborted!" in err:
         return False
-    return rc == -signal.SIGINT or (rc == 1 and "Fatal Python error: init_import_site" in err)
+    return rc == -signal.SIGINT or (rc == 1 and ("KeyboardInterrupt" in err or err == MAIN_LOADER_REPORT))
+
+
+# What Python prints, alone, when a KeyboardInterrupt comes while it makes
+# the loader of the console script it is about to run (and exits 1).
+MAIN_LOADER_REPORT = "python: failed to set __main__.__loader__\n"
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("streams", ["stdout", "pass-through"])
-def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir: Path, streams: str,
+def test_ctrl_c_at_any_moment_of_the_start(shadow: object, tmp_path: Path, spool_dir: Path, streams: str,
                                            request: pytest.FixtureRequest) -> None:
     """SIGINT at 30 moments of gcwrap's first 300 ms (by default, the two
     parameters take every other moment: all 30 between them), from at once after
@@ -364,7 +415,8 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
     "Aborted!", exit 1, for anything in the first ~100 ms (all of it before
     the job started). A signal that comes while the interpreter itself
     still starts, before any of gcwrap's code runs, gets Python's default
-    (`_before_gcwrap_ran`): no job was started then."""
+    (`_before_gcwrap_ran`): no job was started then; or Python loses it
+    (`_lost_by_python`): the job starts, and a second Ctrl-C stops it."""
     named = ["--spool", str(spool_dir), "--stdout", "c.out"] if streams == "stdout" else []
     handled = 0
     moments = list(enumerate(START_DELAYS))
@@ -373,14 +425,16 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, home: Path, spool_dir
     for i, delay in moments:
         # (sleep's argument: this job's, and no other's, in this run and parameter)
         marker = f"{60 + i}.{os.getpid() % 1000:03d}{len(streams) % 10}"
-        p = subprocess.Popen([*tool("gcwrap"), "--shadow", shadow.address, "--job-id",  # type: ignore[attr-defined]
-                              f"ctrl-c-{i}", *named, "--", "sleep", marker],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        err_path = tmp_path / f"ctrl-c-{i}.err"
+        with err_path.open("wb") as err_file:
+            p = subprocess.Popen([*tool("gcwrap"), "--shadow", shadow.address, "--job-id",  # type: ignore[attr-defined]
+                                  f"ctrl-c-{i}", *named, "--", "sleep", marker],
+                                 stdout=subprocess.DEVNULL, stderr=err_file, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
         if delay:
             time.sleep(delay)  # (the moment is what is tested: nothing to wait for)
         p.send_signal(signal.SIGINT)
-        err, left = _reap(p, marker)
+        err, left = _reap(p, marker, err_path, again=True)
         assert not left, f"at {delay * 1000:.0f} ms: the job was left running; gcwrap said: {err}"
         if _before_gcwrap_ran(p.returncode, err):
             continue
@@ -408,12 +462,88 @@ def test_a_ctrl_c_python_reported_before_gcwrap_ran_still_stops_the_job(shadow: 
              "from gcwrap.entry import gcwrap\n"
              f"sys.argv = ['gcwrap', '--shadow', {shadow.address!r}, '--job-id', 'early', '--', 'sleep', {marker!r}]\n"  # type: ignore[attr-defined]
              "gcwrap()\n")
-    p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
-    err, left = _reap(p, marker)
+    err_path = tmp_path / "gcwrap.err"
+    with err_path.open("wb") as err_file:
+        p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=err_file,
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    err, left = _reap(p, marker, err_path)
     assert not left, f"the job was left running: {err}"
     assert p.returncode == 128 + signal.SIGINT, f"exit {p.returncode}: {err}"
     assert "Traceback" not in err, err
+
+
+def test_a_ctrl_c_python_lost_before_gcwrap_ran_needs_a_second_one(shadow: object, tmp_path: Path) -> None:
+    """A Ctrl-C that comes while Python imports what runs before gcwrap's
+    first instant can be raised in one of the import system's weakref
+    callbacks, where Python reports it ("Exception ignored in: ...",
+    a KeyboardInterrupt) and drops it (python/cpython#95959), leaving no
+    trace gcwrap could find: the job starts, as if no Ctrl-C had come. A
+    second one stops it as any other: the job gets it, gcwrap exits 130,
+    nothing is left running. Python's report is reproduced here as Python
+    makes it (in the suite's start-up test it comes about once in 300, and
+    `_reap` gives the second Ctrl-C there)."""
+    marker = f"58.{os.getpid() % 1000:03d}7"
+    start = ("import sys, weakref\n"
+             "code = compile('def cb(_):\\n    raise KeyboardInterrupt\\n', '<frozen importlib._bootstrap>', 'exec')\n"
+             "scope = {}\nexec(code, scope)\n"
+             "class Lock: pass\n"
+             "lock = Lock()\nref = weakref.ref(lock, scope['cb'])\ndel lock\n"
+             "from gcwrap.entry import gcwrap\n"
+             f"sys.argv = ['gcwrap', '--shadow', {shadow.address!r}, '--job-id', 'lost', '--', 'sleep', {marker!r}]\n"  # type: ignore[attr-defined]
+             "gcwrap()\n")
+    err_path = tmp_path / "gcwrap.err"
+    with err_path.open("wb") as err_file:
+        p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=err_file,
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    wait_until(lambda: _running(marker) != [], 20, "the job to start")
+    err = err_path.read_text(errors="replace")
+    assert _lost_by_python(err), err
+    p.send_signal(signal.SIGINT)
+    err, left = _reap(p, marker, err_path)
+    assert not left, f"the job was left running: {err}"
+    assert p.returncode == 128 + signal.SIGINT, f"exit {p.returncode}: {err}"
+    assert "Traceback" not in _without_python_s_report(err), err
+
+
+def test_python_s_report_of_a_lost_ctrl_c_is_told_from_gcwrap_s_own() -> None:
+    """`_lost_by_python` takes Python's report as this machine's Python
+    printed it when a Ctrl-C came at 6 ms, and no report with a frame of
+    gcwrap's or another exception."""
+    report = ("Exception ignored in: <function _get_module_lock.<locals>.cb at 0x7f6c2e6cdf80>\n"
+              "Traceback (most recent call last):\n"
+              '  File "<frozen importlib._bootstrap>", line 198, in cb\n'
+              "KeyboardInterrupt: \n")
+    assert _lost_by_python(report)
+    assert _without_python_s_report(report + "done\n") == "done\n"
+    ours = report.replace("<frozen importlib._bootstrap>", str(PACKAGE / "cli.py"))
+    assert not _lost_by_python(ours)
+    assert not _lost_by_python(report.replace("KeyboardInterrupt", "ValueError"))
+    # ... and that Python ignored the Ctrl-C does not make gcwrap's own exit 1 Python's.
+    assert not _before_gcwrap_ran(1, report + "gcwrap: cannot run sleep: out of file descriptors\n")
+
+
+def test_python_s_own_ends_are_told_from_gcwrap_s() -> None:
+    """`_before_gcwrap_ran` takes the ways this machine's Python ended when
+    a Ctrl-C came as it started (as printed), and not an end of gcwrap's."""
+    streams = ("Fatal Python error: init_sys_streams: can't initialize sys standard streams\n"
+               "Python runtime state: core initialized\nTraceback (most recent call last):\n"
+               '  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load\n'
+               '  File "<frozen abc>", line 107, in __new__\nKeyboardInterrupt\n')
+    pth = ("Error processing line 1 of /usr/lib/python3/site-packages/__editable__.gcwrap-0.1.0.pth:\n\n"
+           "  Traceback (most recent call last):\n"
+           '    File "/usr/lib/python3/functools.py", line 972, in __set_name__\n'
+           "      def __set_name__(self, owner, name):\n\n  KeyboardInterrupt\n\nRemainder of file ignored\n"
+           'Traceback (most recent call last):\n  File "/usr/bin/gcwrap", line 5, in <module>\n'
+           "    from gcwrap.entry import gcwrap\nModuleNotFoundError: No module named 'gcwrap'\n")
+    for err in (streams, pth, "KeyboardInterrupt\n", MAIN_LOADER_REPORT):
+        assert _before_gcwrap_ran(1, err), err
+        assert not _before_gcwrap_ran(130, err), err
+    assert _before_gcwrap_ran(-signal.SIGINT, "")
+    gcwrap_s = ("Traceback (most recent call last):\n"
+                f'  File "{PACKAGE / "cli.py"}", line 1, in main\nKeyboardInterrupt\n')
+    assert not _before_gcwrap_ran(1, gcwrap_s)
+    assert not _before_gcwrap_ran(1, "Aborted!\n")
+    assert not _before_gcwrap_ran(1, "gcwrap: cannot run sleep: No such file or directory\n")
 
 
 def test_a_command_that_starts_no_job_gets_the_early_signals_back(tmp_path: Path) -> None:

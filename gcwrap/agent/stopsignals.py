@@ -15,7 +15,11 @@ script runs), it prints "Failed checking if argv[0] is an import path entry"
 and the traceback, and goes on to run gcwrap as if nothing had come. Only
 `sys.last_value` (set by the report) remembers it: EarlySignals counts it as
 a SIGINT caught (`swallowed_interrupt`), or gcwrap would start the job and
-wait for it, the Ctrl-C gone.
+wait for it, the Ctrl-C gone. Python can lose one without a trace, too: the
+KeyboardInterrupt raised in a weakref callback of its import system (a
+module lock's, as `site` or the console script imports) is reported as
+"Exception ignored" and dropped (CPython #95959). Nothing is left for gcwrap
+to count then: the job starts, and a second Ctrl-C stops it.
 
 This module imports nothing of gcwrap, and little else: it runs first.
 """
