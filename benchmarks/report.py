@@ -28,7 +28,7 @@ RESULTS = HERE / "results"
 README = HERE / "README.md"
 BEGIN = "<!-- results: made by benchmarks/report.py from benchmarks/results/*.json; do not edit by hand -->"
 END = "<!-- end of results -->"
-NOT_BENCHMARKS = {"benchlib", "report"}
+NOT_BENCHMARKS = {"benchlib", "middleboxes", "report"}  # (helpers the benchmarks share, and this script)
 
 
 def benchmarks(here: Path = HERE) -> list[str]:

@@ -31,16 +31,15 @@ Needs root (ip netns, tc). Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ from benchlib import (
     wait_for_port_file,
     wait_measured,
 )
+from middleboxes import BufferingRelay
 
 NET = int(os.environ.get("GCWRAP_BENCH_NET", "7"))
 NS = f"gcwslow{NET}"
@@ -167,82 +167,6 @@ def one_run(shadow_addr: str, home: Path, work: Path, data: Path, mode: str, tag
     return result
 
 
-class BufferingRelay:
-    """A TCP relay on loopback to `target`: what the client sends is read at
-    once into a buffer without bound and forwarded at `rate` bytes a second
-    (a token bucket); replies go back as they come."""
-
-    def __init__(self, target: tuple[str, int], rate: float) -> None:
-        self.target, self.rate = target, rate
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.target)
-            threading.Thread(target=self._up, args=(client, up), daemon=True).start()
-            threading.Thread(target=self._copy, args=(up, client), daemon=True).start()
-
-    @staticmethod
-    def _copy(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def _up(self, src: socket.socket, dst: socket.socket) -> None:
-        buf, cond, done = bytearray(), threading.Condition(), [False]
-
-        def writer() -> None:
-            tokens, at = 0.0, time.monotonic()
-            while True:
-                with cond:
-                    while not buf and not done[0]:
-                        cond.wait()
-                    if not buf:
-                        break
-                    now = time.monotonic()
-                    tokens, at = min(tokens + (now - at) * self.rate, self.rate / 50), now
-                    n = min(len(buf), int(tokens), 1 << 16)
-                    data = bytes(buf[:n])
-                    del buf[:n]
-                    tokens -= n
-                if not data:
-                    time.sleep(0.005)
-                    continue
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    return
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-        threading.Thread(target=writer, daemon=True).start()
-        while True:
-            try:
-                data = src.recv(1 << 20)
-            except OSError:
-                data = b""
-            with cond:
-                buf += data
-                done[0] = not data
-                cond.notify()
-            if not data:
-                return
-
-
 def start_shadow(home: Path, work: Path, in_ns: bool) -> tuple[subprocess.Popen[bytes], str]:
     _, gcshadow = tools()
     portfile = work / f"port-{int(in_ns)}"
@@ -306,6 +230,7 @@ def main() -> int:
     home.mkdir()
     rows: list[list[str]] = [["path", "output", "mode", "seconds", "vs none", "gcwrap CPU-s", "vs none", "job/wire"]]
     procs: list[subprocess.Popen[bytes]] = []
+    middleboxes = contextlib.ExitStack()
     try:
         net_up()
         shadow, addr = start_shadow(home, work, in_ns=True)
@@ -328,7 +253,7 @@ def main() -> int:
             r_home.mkdir()
             r_shadow, r_addr = start_shadow(r_home, work, in_ns=False)
             procs.append(r_shadow)
-            relay = BufferingRelay(("127.0.0.1", int(r_addr.rsplit(":", 1)[1])), relay_rate)
+            relay = middleboxes.enter_context(BufferingRelay(("127.0.0.1", int(r_addr.rsplit(":", 1)[1])), relay_rate))
             sizes = dict(zip(("log", "random"), (parse_size(x) for x in args.relay_sizes.split(",")), strict=False))
             for kind in kinds:
                 cases.append((f"relay {relay_rate / 1e6:g} MB/s", kind, sizes.get(kind, 8_000_000),
@@ -369,6 +294,7 @@ def main() -> int:
         record.write()
         return 0
     finally:
+        middleboxes.close()
         for p in procs:
             stop(p)
         net_down()

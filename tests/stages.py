@@ -35,7 +35,7 @@ STAGE_ORDER = ("unit", "loopback", "system")
 
 UNIT = {
     "test_acks_order.py", "test_compress.py", "test_docs_links.py", "test_filedelta.py",
-    "test_fileframes.py", "test_pacing.py", "test_units.py",
+    "test_fileframes.py", "test_pacing.py", "test_units.py", "test_filecache_interleavings.py",
     "test_filesender.py", "test_liveness.py", "test_outbox.py", "test_policy.py", "test_protocol.py",
     "test_shadow_input.py", "test_shadow_list.py", "test_spoolfiles.py", "test_stages.py", "test_worst_error.py",
 }
@@ -95,7 +95,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    tally = TALLIES[stage_of(report.location[0])]
+    tally = TALLIES[stage_of(report.nodeid.split("::")[0])]
     tally.tests.add(report.nodeid)
     tally.first = min(tally.first, report.start)
     tally.last = max(tally.last, report.stop)

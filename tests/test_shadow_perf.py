@@ -906,6 +906,70 @@ def test_idle_jobs_hold_their_sockets_alone_and_their_files_reopen_exactly(home:
         sh.stop()
 
 
+def _fd_of(pid: int, path: Path) -> int | None:
+    """The shadow's descriptor number of the file at `path`, if it has it open."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                return int(fd)
+        except OSError:
+            pass
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_a_frame_that_stalls_after_its_header_lands_in_its_own_file(home: Path, tmp_path: Path) -> None:
+    """The idle closer against a connection waiting in the middle of a frame:
+    job A's DATA header arrives, its payload (large: spliced from the socket)
+    does not for longer than the idle close; the clean file is closed under
+    the waiting connection, and the jobs connecting meanwhile take its
+    descriptor number (a socket's or a file's). A's payload then lands in
+    A's file (reopened), none of it elsewhere. (Each step is awaited on what
+    the shadow shows in /proc: A's file closed, its number taken.)"""
+    sh = LimitedShadow(home, tmp_path, 2048)
+    try:
+        pid = sh.proc.pid
+        a, others = IdleAgent(sh.port, 0), [IdleAgent(sh.port, j) for j in (1, 2, 3)]
+        a.data = random.Random(7).randbytes(4096 + 512 * 1024)
+        a_file = home / "idle" / "0.out"
+
+        async def main() -> None:
+            with trio.fail_after(60):
+                await a.connect()
+                await a.send(4096)  # (the file exists and is clean, everything durable)
+                assert a.stream is not None
+                frame = a.conn.send(Data(1, 4096, a.data[4096:]))
+                head = len(frame) - (len(a.data) - 4096)
+                number = _fd_of(pid, a_file)
+                assert number is not None
+                await a.stream.send_all(frame[:head])
+                await _until(lambda: _fd_of(pid, a_file) is None, 30, "A's file to be closed while it waits")
+                for o in others:  # (a socket and a file each: the lowest free numbers are taken)
+                    await o.connect()
+                    await o.send(4096)
+                taken = os.readlink(f"/proc/{pid}/fd/{number}")
+                assert taken != str(a_file), "(A's file is closed)"
+                await a.stream.send_all(frame[head:])
+                a.sent = len(a.data)
+                while True:
+                    ev = await a.next()
+                    assert isinstance(ev, Ack), f"A's frame, completed: {ev}"
+                    if ev.offset == len(a.data):
+                        break
+                for o in others:
+                    await o.send(4096)
+                    await o.exit()
+                await a.exit()
+
+        trio.run(main)
+        assert a_file.read_bytes() == a.data, "A's frame landed whole in A's file"
+        for o in others:
+            assert (home / "idle" / f"{o.job}.out").read_bytes() == o.data[:8192], f"job {o.job}'s file holds its own"
+        no_descriptor_trouble(sh.log())
+    finally:
+        sh.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_file_replaced_while_its_job_is_idle_is_refused(home: Path, tmp_path: Path) -> None:
     """An idle job's file is closed; replaced at home meanwhile (the same
