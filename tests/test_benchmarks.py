@@ -242,6 +242,37 @@ def test_sim_agents_exit_only_once_every_agent_is_acknowledged(tmp_path: Path) -
     assert not math.isnan(r.notes["steady_p99_ms"]) and not math.isnan(r.notes["data_cpu_s"])
 
 
+def test_sim_scenarios_may_each_have_an_interval_and_10000_agents_a_100_ms_target() -> None:
+    """fanin.py --sim N@SECONDS: N agents at an interval of their own, named
+    so in the figures; from 10,000 agents on, the ack p99 target is 100 ms."""
+    assert fanin.sim_spec("10000@4", 1.0) == (10000, 4.0, True)
+    assert fanin.sim_spec(" 500 ", 1.0) == (500, 1.0, False)
+    for bad in ("x", "0", "10@", "10@-1", "@4"):
+        with pytest.raises(ValueError):
+            fanin.sim_spec(bad, 1.0)
+    assert fanin.target_of("sim 10000 every 4 s", "ack latency (ms) p99") == "<= 100 ms"
+    assert fanin.target_of("sim 1000", "ack latency (ms) p99") == "<= 250 ms"
+    assert fanin.target_of("real 100", "ack latency (ms) p99") == ""
+
+
+def test_the_shadow_s_own_p99_is_read_from_its_histogram_s_buckets() -> None:
+    """fanin.py reads the shadow's ack latency (and its groups' sync and
+    record) from /metrics: the p99 is the upper bound of the first bucket
+    holding 99 % of the observations; NaN for a histogram with none."""
+    import math
+
+    text = ("# TYPE gcshadow_ack_latency_seconds histogram\n"
+            'gcshadow_ack_latency_seconds_bucket{le="0.005"} 900.0\n'
+            'gcshadow_ack_latency_seconds_bucket{le="0.05"} 989.0\n'
+            'gcshadow_ack_latency_seconds_bucket{le="0.5"} 1000.0\n'
+            'gcshadow_ack_latency_seconds_bucket{le="+Inf"} 1000.0\n'
+            'gcshadow_fsync_seconds_bucket{le="0.005"} 0.0\n'
+            'gcshadow_fsync_seconds_bucket{le="+Inf"} 0.0\n')
+    assert fanin.bucket_p99(text, "gcshadow_ack_latency_seconds") == 500.0
+    assert math.isnan(fanin.bucket_p99(text, "gcshadow_fsync_seconds"))
+    assert math.isnan(fanin.bucket_p99(text, "gcshadow_commit_seconds"))
+
+
 @pytest.mark.timeout(180)
 def test_files_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/files.py, small: the scattered writes cost on the wire the
