@@ -537,13 +537,27 @@ def wait_for_port_file(proc: subprocess.Popen[bytes], portfile: Path, log: Path 
     return int(port)
 
 
+def _nofile(n: int) -> Callable[[], None]:
+    """For preexec_fn: RLIMIT_NOFILE soft and hard at `n` (a shadow held to
+    a descriptor limit below this machine's)."""
+
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return limit
+
+
 class ShadowProc:
     """`gcshadow serve --port 0 --min-free 0` in its own session; `stop()` by pid (use in a finally).
 
-    With `port`, it listens on that port instead (a restart on the same address).
+    With `port`, it listens on that port instead (a restart on the same address);
+    with `nofile`, under that descriptor limit (soft and hard).
     """
 
-    def __init__(self, root: Path, rundir: Path, extra: Sequence[str] = (), port: int = 0, tag: str = "") -> None:
+    def __init__(self, root: Path, rundir: Path, extra: Sequence[str] = (), port: int = 0, tag: str = "",
+                 nofile: int = 0) -> None:
         _, gcshadow = tools()
         rundir.mkdir(parents=True, exist_ok=True)
         root.mkdir(parents=True, exist_ok=True)
@@ -555,7 +569,7 @@ class ShadowProc:
                     "--min-free", "0", *extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_nofile(nofile) if nofile else None)
         self.port = 0
 
     def wait_ready(self, timeout: float = 30) -> int:

@@ -234,7 +234,7 @@ def test_sim_agents_exit_only_once_every_agent_is_acknowledged(tmp_path: Path) -
     import math
 
     args = argparse.Namespace(frame=1024, frames=2, interval=0.5, connect_concurrency=64, barrier_timeout=30.0,
-                              timeout=60.0, keep=False, idle=0.0, load_nice=0)
+                              timeout=60.0, keep=False, idle=0.0, load_nice=0, shadow_nofile=0)
     r = fanin.SimBench(args, tmp_path).run(20, "fan-in", 1)
     assert (r.ok, r.errors) == (20, {})
     assert r.notes["exits_in_data_phase"] == 0
