@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import exitcodes
-from ..wire.events import STDERR, STDIN, STDOUT, StreamSpec
+from ..wire.streams import STDERR, STDIN, STDOUT, StreamSpec
 from .pipes import grow_pipe
 from .records import JobRecord
 from .segments import DEFAULT_SEGMENT, MIN_SEGMENT

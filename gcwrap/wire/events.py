@@ -10,16 +10,19 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# The streams (ids, kinds, `StreamSpec`) are streams.py's: a run needs them
+# before its job starts, and this module's many dataclasses take a while to
+# make (loaded once the job runs).
+from .streams import STDERR as STDERR
+from .streams import STDIN as STDIN
+from .streams import STDOUT as STDOUT
+from .streams import STREAM_KINDS as STREAM_KINDS
+from .streams import StreamSpec as StreamSpec
+
 PROTOCOL_VERSION = 1
 
 NOTES_FEATURE = "notes"  # the agent sends NOTES, for the job's timeline at home (`Notes`)
 FILES_FEATURE = "files"  # the agent sends the files the job writes (`FileOpen`, ...)
-
-# Stream ids the agent uses. The protocol carries any id 0..255; these are the
-# conventional ones so logs and state read the same everywhere.
-STDOUT, STDERR, STDIN = 1, 2, 0
-
-STREAM_KINDS = ("stdout", "stderr", "stdin")
 
 
 class ErrorCode(enum.IntEnum):
@@ -53,15 +56,6 @@ class ErrorCode(enum.IntEnum):
     @property
     def permanent(self) -> bool:
         return self.value < 100
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """One stream of a job: its id on the wire, its kind and its NAME at home."""
-
-    id: int
-    kind: str  # one of STREAM_KINDS
-    name: str
 
 
 class Event:
