@@ -623,7 +623,7 @@ class Bench:
 # -- reporting ------------------------------------------------------------------------
 
 
-LINES_TARGETS = {"lines": ">= 1.0x", "blocks": ">= 0.8x"}
+LINES_TARGETS = {"lines": ">= 1.0x", "blocks": ">= 1.0x"}  # (blocks: issue 31 raised it from 0.8x)
 LINES_KEY = {"lines/s, spawn -> end", "sender CPU-s per M lines", "receiver CPU-s per M lines"}
 
 
