@@ -906,7 +906,7 @@ def is_key(scenario: str, label: str) -> bool:
 
 
 ACK_P99 = "ack latency (ms) p99"
-INSIDE_P99 = "ack p99 inside the shadow, frame whole -> ACK (ms, bucket)"
+INSIDE_P99 = "ack p99 in the shadow (ms, bucket)"
 FANIN_KEY = {ACK_P99, INSIDE_P99, "throughput (MB/s), spawn -> last exit", "achieved / offered",
              "connect+handshake p99 (ms)", "shadow open fds, max sampled", "shadow open fds, every agent idle --idle s"}
 
