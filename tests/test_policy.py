@@ -20,6 +20,7 @@ from gcwrap.agent.policy import (
     IDLE_LOOK,
     CommitPlan,
     DiskHealth,
+    HomeHealth,
     RetryPolicy,
 )
 from gcwrap.agent.retry import Backoff, ConnectionLost, HeartbeatTimeout, ShadowRefused, Stalled, describe
@@ -35,15 +36,36 @@ async def test_write_behind_spools_only_what_home_did_not_acknowledge_in_time(
 ) -> None:
     plan = CommitPlan(mem_limit=1000, cache_limit=0, write_behind=3.0)
     read_at = trio.current_time()
-    due = plan.behind_wait(trio.current_time(), streaming=True, unsafe=10, oldest=read_at)
+    due = plan.behind_wait(trio.current_time(), may_ack=True, unsafe=10, oldest=read_at)
     assert due == pytest.approx(3.0)
     await trio.sleep(due)  # (virtual: the autojump clock)
     assert plan.behind_wait(trio.current_time(), True, 10, read_at) <= 0, "due now"
-    # Not while no session streams, with half the memory limit unrecorded, nor with nothing in memory.
+    # Not while home cannot acknowledge, with half the memory limit unrecorded, nor with nothing in memory.
     assert plan.behind_wait(trio.current_time(), False, 10, trio.current_time()) == 0
     assert plan.behind_wait(trio.current_time(), True, 500, trio.current_time()) == 0
     assert plan.behind_wait(trio.current_time(), True, 0, None) == 0
     assert CommitPlan(mem_limit=1000, cache_limit=0).behind_wait(0.0, True, 10, 0.0) == 0, "off by default"
+
+
+def test_home_may_acknowledge_while_a_session_streams_or_the_first_is_being_made() -> None:
+    """Write-behind holds output while home may still acknowledge it in
+    time: before the first session (the job starts before the connection;
+    its first output does not go to the disk for that alone), and while one
+    streams; not once an attempt failed or a session ended, until the next
+    is welcomed. (Before: output read before the first WELCOME was spooled
+    at once, so a job that wrote at once spooled its first bytes.)"""
+    home = HomeHealth()
+    assert home.may_ack, "the first connection is still being made"
+    home.failed("connection refused")
+    assert not home.may_ack
+    home.welcomed(1.0)
+    assert home.may_ack
+    home.streaming = False  # (the session ended: delivery.py)
+    assert not home.may_ack, "a lost session: home cannot acknowledge until the next is welcomed"
+    fresh = HomeHealth()
+    fresh.welcomed(0.0)
+    fresh.streaming = False
+    assert not fresh.may_ack, "a clean end of the first session counts as tried too"
 
 
 async def test_acknowledgements_alone_wait_unless_the_disk_is_tight(autojump_clock: trio.testing.MockClock) -> None:

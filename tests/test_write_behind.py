@@ -51,6 +51,34 @@ class SpoolWatcher(threading.Thread):
 
 
 @pytest.mark.timeout(120)
+def test_write_behind_keeps_output_written_before_the_first_welcome_off_the_disk(
+    shadow: ShadowProc, home: Path, spool_dir: Path
+) -> None:
+    """The job starts before gcwrap has connected: what it writes before the
+    first WELCOME (here half a second each way through a delaying proxy) is
+    held like the rest, and home acknowledges it in time, so none of it is
+    spooled. Before: output read before the first session streamed was
+    spooled at once (in CI, 270 KB of a job that wrote at once)."""
+    from faults import DelayProxy
+
+    size = 4 * MB
+    host, port = shadow.address.rsplit(":", 1)
+    with DelayProxy((host, int(port)), delay=0.5) as proxy:
+        watcher = SpoolWatcher(spool_dir)
+        watcher.start()
+        w = Wrapper(["--shadow", f"127.0.0.1:{proxy.port}", "--spool", str(spool_dir), "--job-id", "wb-first",
+                     "--write-behind", "10", "--stdout", "first.out", "--", *genjob(size, seed=73)])
+        try:
+            assert w.wait(60) == 0, w.err.decode()
+        finally:
+            watcher.done.set()
+            watcher.join(10)
+    assert sha256_file(home / "first.out") == expected(size, 73)
+    assert watcher.samples > 20, "the spool was watched while the job ran"
+    assert watcher.most == 0, f"{watcher.most} bytes were spooled although home acknowledged them in time"
+
+
+@pytest.mark.timeout(120)
 def test_write_behind_keeps_acknowledged_output_off_the_disk(
     shadow: ShadowProc, home: Path, spool_dir: Path
 ) -> None:

@@ -89,9 +89,10 @@ class CommitPlan:
     pace: float = COMMIT_PACE
     acks_at: float = -math.inf  # when acknowledgements were last recorded
 
-    def behind_wait(self, now: float, streaming: bool, unsafe: int, oldest: float | None) -> float:
-        """Seconds until the oldest byte held only in memory is due in the spool."""
-        if not self.write_behind or not streaming or unsafe >= self.mem_limit // 2 or oldest is None:
+    def behind_wait(self, now: float, may_ack: bool, unsafe: int, oldest: float | None) -> float:
+        """Seconds until the oldest byte held only in memory is due in the spool
+        (now, when home cannot acknowledge it: `HomeHealth.may_ack`)."""
+        if not self.write_behind or not may_ack or unsafe >= self.mem_limit // 2 or oldest is None:
             return 0.0
         return oldest + self.write_behind - now
 
@@ -222,11 +223,20 @@ class HomeHealth:
 
     streaming: bool = False  # a session is welcomed and running
     error: str = ""  # why the last attempt failed ("": since welcomed, none has)
+    tried: bool = False  # a session was welcomed or an attempt failed (before: home has had no chance yet)
     outage_said: bool = False  # "output waits in ..., retrying" was said, and no welcome since
     outage_since: float = 0.0  # when the outage that was said began
 
     def failed(self, reason: str) -> None:
-        self.error = reason
+        self.error, self.tried = reason, True
+
+    @property
+    def may_ack(self) -> bool:
+        """Whether home may still acknowledge what is read now in time: a
+        session streams, or the first is still being made (the job starts
+        before the connection: its first output must not go to the disk for
+        that alone)."""
+        return self.streaming or not self.tried
 
     def outage(self, now: float) -> bool:
         """An attempt failed for a reason worth a warning: whether to say it
@@ -239,7 +249,7 @@ class HomeHealth:
     def welcomed(self, now: float) -> float | None:
         """A session was welcomed: how long the outage that was said lasted
         (None: none was)."""
-        self.streaming, self.error = True, ""
+        self.streaming, self.error, self.tried = True, "", True
         if not self.outage_said:
             return None
         self.outage_said = False

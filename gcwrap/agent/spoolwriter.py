@@ -66,7 +66,7 @@ class SpoolWriter:
         while True:
             if plan.write_behind:  # what home acknowledges in time never touches the disk
                 oldest = min((t for t in (o.oldest_unsafe() for o in streams.values()) if t is not None), default=None)
-                due = plan.behind_wait(trio.current_time(), self.home.streaming, outbox.unsafe_bytes, oldest)
+                due = plan.behind_wait(trio.current_time(), self.home.may_ack, outbox.unsafe_bytes, oldest)
                 if due > 0:
                     await self._wait_changed(due)
                     continue
