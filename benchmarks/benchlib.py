@@ -55,6 +55,7 @@ __all__ = [
     "guarded",
     "header",
     "install_signal_handlers",
+    "interrupt_and_reap",
     "listening",
     "parse_size",
     "percentile",
@@ -75,6 +76,7 @@ __all__ = [
     "tools",
     "vm_hwm_kib",
     "wait_for_port_file",
+    "wait_listening",
     "wait_measured",
 ]
 
@@ -339,6 +341,35 @@ def listening(port: int) -> bool:
             if int(lport, 16) == port and parts[3] == "0A" and addr in ("0100007F", "00000000"):
                 return True
     return False
+
+
+def wait_listening(proc: subprocess.Popen[bytes], port: int, name: str, timeout: float = 10.0,
+                   why: Callable[[], str] = lambda: "") -> None:
+    """Wait until `proc` (a receiver just started) listens on `port`;
+    BenchError if it exits first or does not listen within `timeout` s
+    (`why()` adds what its log says)."""
+    ready_by = time.monotonic() + timeout
+    while not listening(port):
+        if proc.poll() is not None:
+            raise BenchError(f"{name} exited with {proc.returncode} before listening on {port}{why()}")
+        if time.monotonic() > ready_by:
+            raise BenchError(f"{name} is not listening on {port} after {timeout:g} s{why()}")
+        time.sleep(0.01)
+
+
+def interrupt_and_reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGINT to a recorder (py-spy, perf) so it writes its output and exits;
+    SIGKILL to its tree if it has not within `timeout` s. Always reaps it."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc, signal.SIGKILL)
+        proc.wait(timeout)
 
 
 def tools() -> tuple[list[str], list[str]]:
@@ -676,16 +707,7 @@ class PySpy:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Make py-spy write its output and exit (by pid); always reaps it."""
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            signal_tree(self.proc, signal.SIGKILL)
-            self.proc.wait(timeout)
+        interrupt_and_reap(self.proc, timeout)
 
     def wait(self, timeout: float) -> int:
         """Wait for py-spy to exit by itself (the program it launched has exited); SIGKILL on timeout."""
@@ -832,16 +854,8 @@ class PerfRecord:
                                          start_new_session=True)
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            signal_tree(self.proc, signal.SIGKILL)
-            self.proc.wait(timeout)
+        """Make perf write its output and exit (by pid); always reaps it."""
+        interrupt_and_reap(self.proc, timeout)
 
 
 # Kernel functions that stand for one system call in a call chain (the __x64_sys_ wrappers are often

@@ -72,13 +72,13 @@ from benchlib import (
     guarded,
     header,
     install_signal_handlers,
-    listening,
     percentile,
     render_table,
     results_option,
     signal_tree,
     summary,
     tools,
+    wait_listening,
     wait_measured,
 )
 
@@ -475,11 +475,7 @@ class Bench:
         try:
             recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(recv)
-            ready_by = time.monotonic() + 10
-            while not listening(port):
-                if recv.poll() is not None or time.monotonic() > ready_by:
-                    raise BenchError("the receiving socat did not start listening")
-                time.sleep(0.01)
+            wait_listening(recv, port, "the receiving socat")
             watcher.start()
             job = subprocess.Popen(self.job(rate, count), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    start_new_session=True)

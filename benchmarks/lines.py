@@ -77,7 +77,6 @@ from benchlib import (
     guarded,
     header,
     install_signal_handlers,
-    listening,
     proc_times,
     profiled_run,
     render_table,
@@ -90,6 +89,7 @@ from benchlib import (
     thread_cpu_summary,
     tools,
     vm_hwm_kib,
+    wait_listening,
     wait_measured,
 )
 
@@ -502,11 +502,7 @@ class Bench:
         try:
             recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(recv)
-            ready_by = time.monotonic() + 10
-            while not listening(port):
-                if recv.poll() is not None or time.monotonic() > ready_by:
-                    raise BenchError("the receiving socat did not start listening")
-                time.sleep(0.01)
+            wait_listening(recv, port, "the receiving socat")
             os.sync()
             time.sleep(0.2)
             t0 = time.monotonic()
@@ -562,12 +558,8 @@ class Bench:
         try:
             recv = self._rsyslogd(rundir, "receiver", RSYSLOG_RECV.format(work="{work}", port=port, out=out))
             procs.append(recv)
-            ready_by = time.monotonic() + 20
-            while not listening(port):
-                if recv.poll() is not None or time.monotonic() > ready_by:
-                    raise BenchError(f"the receiving rsyslogd did not listen: "
-                                     f"{(rundir / 'receiver.log').read_text(errors='replace')[-1000:]}")
-                time.sleep(0.02)
+            wait_listening(recv, port, "the receiving rsyslogd", timeout=20,
+                           why=lambda: ": " + (rundir / "receiver.log").read_text(errors="replace")[-1000:])
             send = self._rsyslogd(rundir, "sender", RSYSLOG_SEND.format(work="{work}", port=port, log=joblog))
             procs.append(send)
             time.sleep(1.0)  # the sender connects its RELP session and sets up its inotify watch
@@ -731,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"job CPU {cpu:.2f} s", flush=True)
         for v in variants:
             vpaths = [p for p in paths if p != "rsyslog" or (not bench.rsyslog_skip and v in args.rsyslog_variants)]
+            if not vpaths:
+                print(f"{v}: no path to run ({', '.join(paths)} skipped)", flush=True)
+                continue
             for i in range(1, args.runs + 1):
                 shift = (i - 1) % len(vpaths)
                 order = vpaths[shift:] + vpaths[:shift]
@@ -764,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile is not None:
             for v in variants:
                 bench.run_gcwrap(v, 0, 0, profile=args.profile)
+    if not runs and outcome.status == 0 and args.runs:
+        print("lines: no run was made", file=sys.stderr)
+        return 2
     return outcome.status
 
 

@@ -63,7 +63,6 @@ from benchlib import (
     guarded,
     header,
     install_signal_handlers,
-    listening,
     parse_size,
     proc_times,
     profiled_run,
@@ -72,6 +71,7 @@ from benchlib import (
     signal_tree,
     stop,
     vm_hwm_kib,
+    wait_listening,
     wait_measured,
 )
 
@@ -293,6 +293,7 @@ class Bench:
                    receiver_cpu_s=math.nan, sender_rss_mib=math.nan, receiver_rss_mib=math.nan, job_cpu_s=math.nan)
 
     def run_socat(self, index: int) -> Run:
+        """The naive pipe: the job into a sending socat, a receiving socat into a file (no sync)."""
         rundir = self.workdir / f"socat-{index}"
         rundir.mkdir()
         out = rundir / "socat.out"
@@ -302,53 +303,8 @@ class Bench:
         send_cmd = [self.socat or "socat", "-u", "-b", str(SOCAT_BLOCK), "-", f"TCP:127.0.0.1:{port}"]
         self.commands.setdefault("socat receiver", recv_cmd)
         self.commands.setdefault("socat sender", [*self.job, "|", *send_cmd])
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            recv = subprocess.Popen(recv_cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-            procs.append(recv)
-            ready_by = time.monotonic() + 10
-            while not listening(port):
-                if recv.poll() is not None:
-                    raise BenchError(f"receiving socat exited with {recv.returncode} before listening")
-                if time.monotonic() > ready_by:
-                    raise BenchError(f"receiving socat is not listening on {port} after 10 s")
-                time.sleep(0.01)
-            os.sync()
-            time.sleep(0.2)
-            t0 = time.monotonic()
-            job = subprocess.Popen(self.job, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
-            procs.append(job)
-            send = subprocess.Popen(send_cmd, stdin=job.stdout, start_new_session=True)
-            procs.append(send)
-            assert job.stdout is not None
-            job.stdout.close()
-            for p in procs:
-                self.rss.watch(p)
-            deadline = self.deadline()
-            rr = wait_measured(recv, deadline, self.rss)
-            rs = wait_measured(send, deadline, self.rss)
-            rj = wait_measured(job, deadline, self.rss)
-            wall = rr.end - t0
-            for name, r in (("receiving socat", rr), ("sending socat", rs), ("job", rj)):
-                if r.timed_out:
-                    raise BenchError(f"socat run {index}: {name} timed out after {self.args.timeout:.0f} s")
-                if r.returncode != 0:
-                    raise BenchError(f"socat run {index}: {name} exited {r.returncode}")
-            self.verify(out, f"socat run {index}")
-            return Run(
-                path="socat", index=index, wall_s=wall, mb_s=self.size / wall / MB,
-                sender_cpu_s=rs.rusage_cpu, receiver_cpu_s=rr.rusage_cpu,
-                sender_rss_mib=rs.peak_rss_kib / 1024, receiver_rss_mib=rr.peak_rss_kib / 1024,
-                job_cpu_s=rj.rusage_cpu,
-            )
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    signal_tree(p, signal.SIGKILL)
-                    p.wait(10)
-            if not self.args.keep:
-                shutil.rmtree(rundir, ignore_errors=True)
-
+        return self._piped("socat", index, rundir, out, ("sending socat", send_cmd),
+                           server=("receiving socat", recv_cmd, port))
 
     def run_floor(self, index: int) -> Run:
         """The disk's floor: the job into a file through one pipe, then fdatasync (dd)."""
@@ -357,30 +313,53 @@ class Bench:
         out = rundir / "floor.out"
         dd_cmd = ["dd", f"of={out}", "bs=1M", "iflag=fullblock", "conv=fdatasync", "status=none"]
         self.commands.setdefault("disk floor", [*self.job, "|", *dd_cmd])
+        return self._piped("floor", index, rundir, out, ("dd", dd_cmd))
+
+    def _piped(self, path: str, index: int, rundir: Path, out: Path, consumer: tuple[str, list[str]],
+               server: tuple[str, list[str], int] | None = None) -> Run:
+        """One timed run of a baseline: the job piped into `consumer`, which
+        writes `out` itself or sends to `server` (started first and waited
+        for on its port). The receiver is the server, or the consumer."""
         procs: list[subprocess.Popen[bytes]] = []
+        names: list[str] = []
         try:
+            if server is not None:
+                name, cmd, port = server
+                recv = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+                procs.append(recv)
+                names.append(name)
+                wait_listening(recv, port, name)
             os.sync()
             time.sleep(0.2)
             t0 = time.monotonic()
             job = subprocess.Popen(self.job, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
             procs.append(job)
-            dd = subprocess.Popen(dd_cmd, stdin=job.stdout, start_new_session=True)
-            procs.append(dd)
+            names.append("job")
+            sink = subprocess.Popen(consumer[1], stdin=job.stdout, start_new_session=True)
+            procs.append(sink)
+            names.append(consumer[0])
             assert job.stdout is not None
             job.stdout.close()
+            for p in procs:
+                self.rss.watch(p)
             deadline = self.deadline()
-            rd = wait_measured(dd, deadline, self.rss)
-            rj = wait_measured(job, deadline, self.rss)
-            wall = rd.end - t0
-            for name, r in (("dd", rd), ("job", rj)):
+            last = names[0] if server is not None else consumer[0]  # (whose exit ends the run: waited first)
+            order = sorted(zip(names, procs), key=lambda np: np[0] != last)
+            waited = {name: wait_measured(p, deadline, self.rss) for name, p in order}
+            for name, r in waited.items():
                 if r.timed_out:
-                    raise BenchError(f"floor run {index}: {name} timed out after {self.args.timeout:.0f} s")
+                    raise BenchError(f"{path} run {index}: {name} timed out after {self.args.timeout:.0f} s")
                 if r.returncode != 0:
-                    raise BenchError(f"floor run {index}: {name} exited {r.returncode}")
-            self.verify(out, f"floor run {index}")
-            return Run(path="floor", index=index, wall_s=wall, mb_s=self.size / wall / MB,
-                       sender_cpu_s=0.0, receiver_cpu_s=rd.rusage_cpu, sender_rss_mib=0.0,
-                       receiver_rss_mib=rd.peak_rss_kib / 1024, job_cpu_s=rj.rusage_cpu)
+                    raise BenchError(f"{path} run {index}: {name} exited {r.returncode}")
+            self.verify(out, f"{path} run {index}")
+            receiver = waited[last]
+            sender = waited[consumer[0]] if server is not None else None
+            return Run(
+                path=path, index=index, wall_s=receiver.end - t0, mb_s=self.size / (receiver.end - t0) / MB,
+                sender_cpu_s=sender.rusage_cpu if sender else 0.0, receiver_cpu_s=receiver.rusage_cpu,
+                sender_rss_mib=sender.peak_rss_kib / 1024 if sender else 0.0,
+                receiver_rss_mib=receiver.peak_rss_kib / 1024, job_cpu_s=waited["job"].rusage_cpu,
+            )
         finally:
             for p in procs:
                 if p.returncode is None:
