@@ -446,6 +446,21 @@ def test_ctrl_c_at_any_moment_of_the_start(shadow: object, tmp_path: Path, spool
     assert list(spool_dir.glob("*.spool")) == [], "every job's output was delivered"
 
 
+def _gcwrap_after(prelude: str, address: str, job_id: str, marker: str,
+                  tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """gcwrap's console entry run by a Python that first runs `prelude`
+    (what Python's own start-up would have done before gcwrap's first
+    instant), its job `sleep MARKER`; stderr to a file (returned)."""
+    start = ("import sys\n" + prelude + "from gcwrap.entry import gcwrap\n"
+             f"sys.argv = ['gcwrap', '--shadow', {address!r}, '--job-id', {job_id!r}, '--', 'sleep', {marker!r}]\n"
+             "gcwrap()\n")
+    err_path = tmp_path / "gcwrap.err"
+    with err_path.open("wb") as err_file:
+        p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=err_file,
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    return p, err_path
+
+
 def test_a_ctrl_c_python_reported_before_gcwrap_ran_still_stops_the_job(shadow: object, tmp_path: Path) -> None:
     """A Ctrl-C while Python checks its argv[0] (after `site`, before the
     console script runs) is reported by Python ("Failed checking if argv[0]
@@ -456,16 +471,9 @@ def test_a_ctrl_c_python_reported_before_gcwrap_ran_still_stops_the_job(shadow: 
     interpreter's report is reproduced here as Python makes it (the moment
     itself is a few microseconds wide)."""
     marker = f"59.{os.getpid() % 1000:03d}7"
-    start = ("import sys\n"
-             "try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt:\n"
-             "    sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()\n"
-             "from gcwrap.entry import gcwrap\n"
-             f"sys.argv = ['gcwrap', '--shadow', {shadow.address!r}, '--job-id', 'early', '--', 'sleep', {marker!r}]\n"  # type: ignore[attr-defined]
-             "gcwrap()\n")
-    err_path = tmp_path / "gcwrap.err"
-    with err_path.open("wb") as err_file:
-        p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=err_file,
-                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    prelude = ("try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt:\n"
+               "    sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()\n")
+    p, err_path = _gcwrap_after(prelude, shadow.address, "early", marker, tmp_path)  # type: ignore[attr-defined]
     err, left = _reap(p, marker, err_path)
     assert not left, f"the job was left running: {err}"
     assert p.returncode == 128 + signal.SIGINT, f"exit {p.returncode}: {err}"
@@ -483,18 +491,13 @@ def test_a_ctrl_c_python_lost_before_gcwrap_ran_needs_a_second_one(shadow: objec
     makes it (in the suite's start-up test it comes about once in 300, and
     `_reap` gives the second Ctrl-C there)."""
     marker = f"58.{os.getpid() % 1000:03d}7"
-    start = ("import sys, weakref\n"
-             "code = compile('def cb(_):\\n    raise KeyboardInterrupt\\n', '<frozen importlib._bootstrap>', 'exec')\n"
-             "scope = {}\nexec(code, scope)\n"
-             "class Lock: pass\n"
-             "lock = Lock()\nref = weakref.ref(lock, scope['cb'])\ndel lock\n"
-             "from gcwrap.entry import gcwrap\n"
-             f"sys.argv = ['gcwrap', '--shadow', {shadow.address!r}, '--job-id', 'lost', '--', 'sleep', {marker!r}]\n"  # type: ignore[attr-defined]
-             "gcwrap()\n")
-    err_path = tmp_path / "gcwrap.err"
-    with err_path.open("wb") as err_file:
-        p = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=err_file,
-                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    prelude = ("import weakref\n"
+               "code = compile('def cb(_):\\n    raise KeyboardInterrupt\\n',\n"
+               "               '<frozen importlib._bootstrap>', 'exec')\n"
+               "scope = {}\nexec(code, scope)\n"
+               "class Lock: pass\n"
+               "lock = Lock()\nref = weakref.ref(lock, scope['cb'])\ndel lock\n")
+    p, err_path = _gcwrap_after(prelude, shadow.address, "lost", marker, tmp_path)  # type: ignore[attr-defined]
     wait_until(lambda: _running(marker) != [], 20, "the job to start")
     err = err_path.read_text(errors="replace")
     assert _lost_by_python(err), err
