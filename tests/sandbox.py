@@ -22,6 +22,7 @@ It reads a list of steps (JSON) on stdin and writes one result per step
     {"wait": N, "timeout": S}          wait for a background command to end
     {"stop": N}                        SIGTERM a background command (its own session), then wait
     {"sleep": S}
+    {"until": CMD, "timeout": S}       run `bash -c CMD` every 50 ms until it exits 0 (error: not within S)
     {"file": PATH, "text": T, "mode": M}   write a file (relative to the work directory)
 """
 
@@ -156,6 +157,15 @@ def _main() -> int:
                 result.update(rc=p.returncode, output=output(step["stop"]))
             elif "sleep" in step:
                 time.sleep(step["sleep"])
+            elif "until" in step:
+                deadline = time.monotonic() + step.get("timeout", 30)
+                while subprocess.run(["bash", "-c", step["until"]], cwd=WORK, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=30,
+                                     check=False).returncode != 0:
+                    if time.monotonic() > deadline:
+                        result.update(error=f"not true within {step.get('timeout', 30)} s")
+                        break
+                    time.sleep(0.05)
             elif "file" in step:
                 path = WORK / step["file"]
                 path.parent.mkdir(parents=True, exist_ok=True)

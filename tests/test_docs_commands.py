@@ -597,6 +597,12 @@ def test_the_token_setup_in_security_works_as_written() -> None:
     assert r[4]["output"] == "step 1\nstep 2\nstep 3\n600\n", r[4]
 
 
+# True once `gcwrap status` shows the outage's job with output pending and the shadow's stop as its last error.
+OUTAGE_PENDING = ("gcwrap status --json | python3 -c 'import json, sys; sys.exit(not any("
+                  "\"SHUTTING_DOWN\" in (s.get(\"last_error\") or \"\") and any(t[\"pending\"] for t in s[\"streams\"])"
+                  " for s in json.load(sys.stdin)))'")
+
+
 @pytest.mark.timeout(400)
 def test_the_documented_sessions_print_what_the_documentation_shows() -> None:
     """The session of the quick start, the demo, and the failures (an outage,
@@ -620,12 +626,15 @@ def test_the_documented_sessions_print_what_the_documentation_shows() -> None:
              for cmd, lines in transcript.transcript()]
     plan += [({"sh": cmd, "timeout": 120}, (f"{session('demo').where} `{cmd}`", lines)) for cmd, lines in demo]
     # "the shadow was stopped while a job ran, and started again three seconds later"
-    plan += [({"start": outage[0], "name": "outage"}, None), ({"sleep": 1.2}, None),
-             # (status a tick after the stop, well before gcwrap comes back 3 s after the SHUTTING_DOWN of
-             # the stop's start: on a loaded machine a status 1.5 s later found that come-back refused)
-             ({"stop": "shadow"}, None), ({"sleep": 1.0}, None),
+    # Each step waits for the event the page tells of, not for a time: the first tick home; after the
+    # stop, output pending and the stop's SHUTTING_DOWN the last error (status then, before gcwrap's
+    # come-back 3 s later); that come-back refused ("found it not yet back"); then the restart.
+    plan += [({"start": outage[0], "name": "outage"}, None),
+             ({"until": "grep -qs 'tick 1' /tmp/rd/results/outage/out.5", "timeout": 30}, None),
+             ({"stop": "shadow"}, None), ({"until": OUTAGE_PENDING, "timeout": 30}, None),
              ({"sh": outage_status[0]}, ("`gcwrap status` during the outage", outage_status[1])),
-             ({"sleep": 2.0}, None), ({"serve": serve, "name": "shadow2", "port": 50000}, None),
+             ({"until": "grep -q 'connection refused' .outage.log", "timeout": 30}, None),
+             ({"serve": serve, "name": "shadow2", "port": 50000}, None),
              ({"wait": "outage", "timeout": 60}, (f"`{outage[0]}`", outage[1])), ({"stop": "shadow2"}, None)]
     # the retry limit, with the shadow down; then resume with it back
     plan += [({"sh": cmd, "timeout": 60}, (f"`{cmd}`", lines)) for cmd, lines in late]
