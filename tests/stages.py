@@ -35,7 +35,7 @@ STAGE_ORDER = ("unit", "loopback", "system")
 
 UNIT = {
     "test_acks_order.py", "test_compress.py", "test_docs_links.py", "test_filedelta.py",
-    "test_fileframes.py", "test_pacing.py", "test_units.py", "test_filecache_interleavings.py",
+    "test_fileframes.py", "test_pacing.py", "test_units.py", "test_filecache_interleavings.py", "test_bulk_pacer.py",
     "test_filesender.py", "test_liveness.py", "test_outbox.py", "test_policy.py", "test_protocol.py",
     "test_shadow_input.py", "test_shadow_list.py", "test_spoolfiles.py", "test_stages.py", "test_worst_error.py",
 }
