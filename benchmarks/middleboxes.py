@@ -12,7 +12,25 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Self
+
+
+def accept_until(listener: socket.socket, stopping: threading.Event, timeout: float = 0.2) -> Iterator[socket.socket]:
+    """The connections `listener` accepts until `stopping` is set (looked at
+    every `timeout` s), each in blocking mode. A listener not listening yet,
+    or closed, fails at once: it is tried again 20 ms later."""
+    listener.settimeout(timeout)
+    while not stopping.is_set():
+        try:
+            client, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            stopping.wait(0.02)
+            continue
+        client.settimeout(None)  # (blocking whatever socket.setdefaulttimeout says)
+        yield client
 
 
 class Middlebox:
@@ -49,18 +67,12 @@ class Middlebox:
             t.join(5)
 
     def _accept(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self.stopping.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except (TimeoutError, OSError):
-                continue
+        for client in accept_until(self.listener, self.stopping):
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
                 client.close()
                 continue
-            client.settimeout(None)  # (accepted sockets inherit the listener's timeout)
             upstream.settimeout(None)
             self.connections += 1
             self.socks += [client, upstream]

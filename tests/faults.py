@@ -25,7 +25,7 @@ from stages import net_number
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from middleboxes import BufferingRelay as BufferingRelay  # (shared with benchmarks/slowlink.py)
-from middleboxes import Middlebox
+from middleboxes import Middlebox, accept_until
 
 # GCWRAP_TEST_NET=N (0-63) gives a run its own namespace, veth pair and /30,
 # so that several test runs on one machine do not tear down each other's
@@ -286,12 +286,7 @@ class Relay:
                 link.flush_down()
 
     def _accept(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self.stopping.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except (TimeoutError, OSError):
-                continue
+        for client in accept_until(self.listener, self.stopping):
             link = _Link(client)
             with self.lock:
                 self.links.append(link)

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from faults import NS_IP, NetNS, Relay, Tmpfs, need_netns, need_tmpfs, shadow_in_ns
 from helpers import ShadowProc, Wrapper, file_size, spool_status_both, tool, wait_until
+from middleboxes import accept_until
 
 from gcwrap.wire.events import PROTOCOL_VERSION, Ack, Data, Done, Event, Exit, Hello, Notes, Ping, Pong, Welcome
 from gcwrap.wire.protocol import NEED_DATA, Connection, Role
@@ -208,13 +209,7 @@ class RawShadow:
         self.thread.join(10)
 
     def _serve(self) -> None:
-        self.server.settimeout(0.1)
-        while not self.stop.is_set():
-            try:
-                sock, _ = self.server.accept()
-            except (TimeoutError, OSError):
-                time.sleep(0.02)  # (not listening yet: accept fails at once)
-                continue
+        for sock in accept_until(self.server, self.stop, timeout=0.1):  # (not listening yet: tried again)
             try:
                 with sock:
                     self._connection(sock, len(self.received))

@@ -50,6 +50,20 @@ class SpoolWatcher(threading.Thread):
             self.samples += 1
 
 
+def run_watched(spool_dir: Path, args: list[str], timeout: float) -> SpoolWatcher:
+    """gcwrap ARGS run to its end (exit 0) while a SpoolWatcher samples the spool."""
+    watcher = SpoolWatcher(spool_dir)
+    watcher.start()
+    w = Wrapper(["--spool", str(spool_dir), *args])
+    try:
+        assert w.wait(timeout) == 0, w.err.decode()
+    finally:
+        watcher.done.set()
+        watcher.join(10)
+    assert watcher.samples > 20, "the spool was watched while the job ran"
+    return watcher
+
+
 @pytest.mark.timeout(120)
 def test_write_behind_keeps_output_written_before_the_first_welcome_off_the_disk(
     shadow: ShadowProc, home: Path, spool_dir: Path
@@ -64,17 +78,10 @@ def test_write_behind_keeps_output_written_before_the_first_welcome_off_the_disk
     size = 4 * MB
     host, port = shadow.address.rsplit(":", 1)
     with DelayProxy((host, int(port)), delay=0.5) as proxy:
-        watcher = SpoolWatcher(spool_dir)
-        watcher.start()
-        w = Wrapper(["--shadow", f"127.0.0.1:{proxy.port}", "--spool", str(spool_dir), "--job-id", "wb-first",
-                     "--write-behind", "10", "--stdout", "first.out", "--", *genjob(size, seed=73)])
-        try:
-            assert w.wait(60) == 0, w.err.decode()
-        finally:
-            watcher.done.set()
-            watcher.join(10)
+        watcher = run_watched(spool_dir, ["--shadow", f"127.0.0.1:{proxy.port}", "--job-id", "wb-first",
+                                          "--write-behind", "10", "--stdout", "first.out", "--",
+                                          *genjob(size, seed=73)], 60)
     assert sha256_file(home / "first.out") == expected(size, 73)
-    assert watcher.samples > 20, "the spool was watched while the job ran"
     assert watcher.most == 0, f"{watcher.most} bytes were spooled although home acknowledged them in time"
 
 
@@ -83,18 +90,11 @@ def test_write_behind_keeps_acknowledged_output_off_the_disk(
     shadow: ShadowProc, home: Path, spool_dir: Path
 ) -> None:
     size = 40 * MB
-    watcher = SpoolWatcher(spool_dir)
-    watcher.start()
-    w = Wrapper(["--shadow", shadow.address, "--spool", str(spool_dir), "--job-id", "wb", "--write-behind", "10",
-                 "--stdout", "wb.out", "--stderr", "wb.err", "--", *genjob(size, 2 * MB, seed=71, rate=20 * MB)])
-    try:
-        assert w.wait(90) == 0, w.err.decode()
-    finally:
-        watcher.done.set()
-        watcher.join(10)
+    watcher = run_watched(spool_dir, ["--shadow", shadow.address, "--job-id", "wb", "--write-behind", "10",
+                                      "--stdout", "wb.out", "--stderr", "wb.err", "--",
+                                      *genjob(size, 2 * MB, seed=71, rate=20 * MB)], 90)
     assert sha256_file(home / "wb.out") == expected(size, 71)
     assert sha256_file(home / "wb.err") == expected(2 * MB, 72)
-    assert watcher.samples > 20, "the spool was watched while the job ran"
     assert watcher.most == 0, f"{watcher.most} bytes were spooled although home acknowledged them in time"
     assert spool_files(spool_dir) == [], "a delivered job leaves no spool"
 
